@@ -1,0 +1,30 @@
+# Two commands from a fresh clone: `make demo` and `make test`. Both set up .venv themselves.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.memfit-installed
+
+.PHONY: demo test lint format clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=23.1"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,bench]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) benchmarks/demo.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

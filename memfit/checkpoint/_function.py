@@ -1,0 +1,280 @@
+"""`memfit.checkpoint`: non-reentrant activation checkpointing on saved-tensor hooks.
+
+# [Note: How a checkpointed call works]
+# Forward: the block's inputs are saved once, through an autograd node (`_SaveInputs`), so
+# that an enclosing checkpoint or offload hook sees them like any other saved tensor (this is
+# what makes nested checkpoints and offloaded inputs work). The block then runs under
+# `saved_tensors_hooks` whose pack hook keeps no tensor: it returns an empty `_Holder` and
+# records the tensor's shape, dtype and device.
+# Backward: the first unpack of any holder of the frame, per backward pass (graph task),
+# re-runs the block on detached copies of its inputs under the forward's RNG and autocast
+# state (see [Note: What recompute replays]). Its pack hook hands the i-th saved tensor to
+# the i-th holder and stops the re-run (`_StopRecompute`) as soon as every holder is filled,
+# so the tail of the block that produced nothing saved is not recomputed. Each holder's
+# tensor is released as soon as autograd has unpacked it.
+# Nothing is saved when nothing needs a gradient, so such a block is never recomputed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memfit.checkpoint._replay import Replay
+
+__all__ = ["CheckpointError", "checkpoint", "disable_checkpointing", "is_recomputing"]
+
+
+class CheckpointError(RuntimeError):
+    """A checkpointed block cannot be recomputed faithfully."""
+
+
+class _StopRecompute(Exception):
+    """Raised inside recompute once every saved tensor the backward needs is rebuilt."""
+
+
+class _Local(threading.local):
+    recompute_depth = 0
+    disabled_depth = 0
+
+
+_local = _Local()
+_anonymous_backward = itertools.count(-2, -1)  # graph ids for unpacks outside backward
+
+
+def is_recomputing() -> bool:
+    """True while memfit re-runs a checkpointed block during backward (in this thread)."""
+    return _local.recompute_depth > 0
+
+
+@contextlib.contextmanager
+def disable_checkpointing() -> Iterator[None]:
+    """Inside this context checkpointed functions and modules run plainly, keeping activations."""
+    _local.disabled_depth += 1
+    try:
+        yield
+    finally:
+        _local.disabled_depth -= 1
+
+
+@contextlib.contextmanager
+def _recomputing() -> Iterator[None]:
+    _local.recompute_depth += 1
+    try:
+        yield
+    finally:
+        _local.recompute_depth -= 1
+
+
+def describe(fn: Callable) -> str:
+    """A short name for error messages: the module class or the function's qualified name."""
+    if isinstance(fn, torch.nn.Module):
+        return type(fn).__name__
+    owner = getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        return f"{type(owner).__name__}.{getattr(fn, '__name__', 'forward')}"
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+class _SaveInputs(torch.autograd.Function):
+    """Saves the block inputs as an autograd node would, so enclosing hooks apply to them."""
+
+    @staticmethod
+    def forward(ctx, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(*tensors)
+        return dummy.new_empty(0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        raise AssertionError("memfit: the input-saving node is never part of a backward pass")
+
+
+class _Holder:
+    """Placeholder autograd keeps instead of a saved tensor; filled by recompute."""
+
+    __slots__ = ("values", "__weakref__")
+
+    def __init__(self) -> None:
+        self.values: dict[int, torch.Tensor] = {}  # graph task id -> recomputed tensor
+
+
+def _meta(t: torch.Tensor) -> tuple:
+    return (tuple(t.shape), t.dtype, t.device)
+
+
+def _fmt(meta: tuple) -> str:
+    shape, dtype, device = meta
+    return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
+
+
+class _Frame:
+    """Everything one checkpointed call needs to recompute itself."""
+
+    def __init__(self, fn: Callable, name: str, flat: list, spec, tensor_pos: list[int], replay: Replay):
+        self.fn = fn
+        self.name = name
+        self.flat = flat  # flattened (args, kwargs), tensors replaced by None
+        self.spec = spec
+        self.tensor_pos = tensor_pos  # where the tensors go back into `flat`
+        self.requires_grad: list[bool] = []
+        self.replay = replay
+        self.saver: torch.Tensor | None = None
+        self.holders: list[weakref.ref] = []
+        self.metas: list[tuple] = []
+        self.filled: dict[int, int] = {}  # graph task id -> holders filled by its recompute
+
+    def save_inputs(self, tensors: list[torch.Tensor]) -> None:
+        self.requires_grad = [t.requires_grad for t in tensors]
+        dummy = torch.empty(0, requires_grad=True)
+        self.saver = _SaveInputs.apply(dummy, *tensors)
+
+    def inputs(self) -> tuple[tuple, dict]:
+        assert self.saver is not None and self.saver.grad_fn is not None
+        saved = self.saver.grad_fn.saved_tensors
+        flat = list(self.flat)
+        for pos, t, rg in zip(self.tensor_pos, saved, self.requires_grad):
+            flat[pos] = t.detach().requires_grad_(rg)
+        return tree_unflatten(flat, self.spec)
+
+    def pack(self, t: torch.Tensor) -> _Holder:
+        holder = _Holder()
+        self.holders.append(weakref.ref(holder))
+        self.metas.append(_meta(t))
+        return holder
+
+    def unpack(self, holder: _Holder) -> torch.Tensor:
+        gid = torch._C._current_graph_task_id()
+        if gid == -1:  # unpacked outside a backward pass, e.g. by torch.autograd.graph inspection
+            gid = next(_anonymous_backward)
+        if gid not in self.filled:
+            self.recompute(gid)
+        try:
+            return holder.values.pop(gid)
+        except KeyError:
+            raise CheckpointError(
+                f"memfit.checkpoint({self.name}): a saved tensor was unpacked twice in one backward "
+                "pass. Custom autograd functions inside a checkpointed block must read "
+                "ctx.saved_tensors once per backward."
+            ) from None
+
+    def recompute(self, gid: int) -> None:
+        self.filled[gid] = 0
+        args, kwargs = self.inputs()
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack_recomputed(gid, t), lambda t: t)
+        try:
+            with torch.enable_grad(), self.replay.context(), _recomputing(), hooks:
+                self.fn(*args, **kwargs)
+        except _StopRecompute:
+            pass
+        except BaseException:
+            del self.filled[gid]  # a later backward may retry
+            raise
+        if self.filled[gid] < len(self.holders):
+            raise CheckpointError(
+                f"memfit.checkpoint({self.name}): recompute saved {self.filled[gid]} tensors for "
+                f"backward but the forward saved {len(self.holders)}. The block must take the same "
+                "path in forward and recompute: avoid control flow on global state or on values "
+                "that change between the two runs."
+            )
+
+    def pack_recomputed(self, gid: int, t: torch.Tensor) -> torch.Tensor:
+        i = self.filled[gid]
+        if i >= len(self.holders):  # unreachable with early stop; kept as a guard
+            raise CheckpointError(
+                f"memfit.checkpoint({self.name}): recompute saved more tensors than the forward "
+                f"({len(self.holders)})."
+            )
+        if _meta(t) != self.metas[i]:
+            raise CheckpointError(
+                f"memfit.checkpoint({self.name}): recompute diverged from forward at saved tensor "
+                f"#{i}: forward saved {_fmt(self.metas[i])}, recompute produced {_fmt(_meta(t))}. "
+                "The block must compute the same shapes and dtypes when re-run: check for "
+                "dependence on global state, and that inputs are not modified after the forward."
+            )
+        self.filled[gid] = i + 1
+        holder = self.holders[i]()
+        if holder is not None:  # None: autograd already released that part of the graph
+            holder.values[gid] = t.detach()
+        if i + 1 == len(self.holders):
+            raise _StopRecompute
+        return t
+
+
+def _version(t: torch.Tensor) -> int | None:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def _checkpoint(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    preserve_rng_state: bool = True,
+    offload: str | None = None,
+    name: str | None = None,
+):
+    if not callable(fn):
+        raise TypeError(f"memfit.checkpoint: expected a callable to checkpoint, got {type(fn).__name__}")
+    from memfit.checkpoint._offload import offload_hooks  # noqa: PLC0415 (import cycle)
+
+    offload_ctx = offload_hooks(offload)  # validated even when the call runs plainly
+    if _local.disabled_depth > 0 or not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    name = name or describe(fn)
+    flat, spec = tree_flatten((args, kwargs))
+    tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    tensors = [flat[i] for i in tensor_pos]
+    frame = _Frame(
+        fn,
+        name,
+        [None if isinstance(x, torch.Tensor) else x for x in flat],
+        spec,
+        tensor_pos,
+        Replay(tensors, preserve_rng_state),
+    )
+    with offload_ctx:
+        frame.save_inputs(tensors)
+    versions = [_version(t) for t in tensors]
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+        out = fn(*args, **kwargs)
+    for k, (t, v) in enumerate(zip(tensors, versions)):
+        if v is not None and _version(t) != v:
+            raise CheckpointError(
+                f"memfit.checkpoint({name}): tensor input #{k} {_fmt(_meta(t))} was modified in "
+                "place inside the checkpointed block, so recompute would see a different value. "
+                "Clone it inside the block before modifying it, or leave this block unchecked."
+            )
+    return out
+
+
+def checkpoint(fn: Callable, *args, preserve_rng_state: bool = True, offload: str | None = None, **kwargs):
+    """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute the rest in backward.
+
+    Non-reentrant (saved-tensor hooks): works with DistributedDataParallel, with blocks that
+    run several times per step, with inputs or outputs that need no gradient (parameters used
+    inside still get theirs), with keyword arguments and nested lists, tuples and dicts of
+    tensors and other values, and nested inside other checkpointed calls. Under
+    ``torch.no_grad``, inference mode or :func:`disable_checkpointing` it simply calls ``fn``.
+
+    Args:
+        fn: the block: a module, a function or any callable.
+        preserve_rng_state: replay the CPU and input-device RNG state in recompute, so dropout
+            masks are bitwise identical (see [Note: What recompute replays]).
+        offload: where the block inputs wait for backward: None (in place), ``"cpu"`` (host
+            memory; on a CPU device this is a no-op).
+
+    Raises:
+        CheckpointError: ``fn`` modifies a tensor input in place, or its recompute does not
+            save the same number, shapes and dtypes of tensors as its forward.
+    """
+    return _checkpoint(fn, args, kwargs, preserve_rng_state=preserve_rng_state, offload=offload)

@@ -1,0 +1,156 @@
+"""Checkpointing whole modules in place: no wrapper, names unchanged, undoable.
+
+# [Note: In-place module checkpointing]
+# `checkpoint_module` sets an instance attribute `forward` on the module, a `_CheckpointedForward`
+# that calls the class's forward through `memfit.checkpoint`. `nn.Module.__call__` still runs
+# the module's own hooks around it, once per step (they are not part of the recompute), and
+# parameter names, `state_dict()` keys and `named_modules()` stay exactly as they were, so
+# optimizer param groups built before or after keep working. Deleting the attribute restores
+# the module (`remove_checkpointing`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from memfit.checkpoint._function import _checkpoint
+from memfit.checkpoint._offload import offload_hooks
+
+__all__ = [
+    "apply_activation_checkpointing",
+    "checkpoint_module",
+    "checkpoint_wrapper",
+    "every_nth",
+    "remove_checkpointing",
+]
+
+
+class _CheckpointedForward:
+    """The instance-level `forward` of a checkpointed module."""
+
+    def __init__(self, module: nn.Module, offload: str | None, name: str) -> None:
+        self.inner = module.__dict__.get("forward")  # a forward set on the instance before us
+        self.module = module
+        self.offload = offload
+        self.name = name
+
+    def _plain_forward(self, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(*args, **kwargs)
+        return type(self.module).forward(self.module, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return _checkpoint(self._plain_forward, args, kwargs, offload=self.offload, name=self.name)
+
+
+def checkpoint_module(module: nn.Module, *, offload: str | None = None, name: str | None = None) -> nn.Module:
+    """Checkpoint ``module`` in place: its forward keeps only its inputs; backward recomputes.
+
+    Parameter names, ``state_dict()`` keys and ``named_modules()`` are unchanged (no wrapper
+    and no prefix). Calling it again with the same options does nothing; with other options
+    it raises ValueError: call :func:`remove_checkpointing` first. Returns ``module``.
+
+    Args:
+        offload: where the kept inputs wait for backward (None or ``"cpu"``); see
+            [Note: Offload of saved tensors].
+        name: how errors name the module (default: its class; apply_activation_checkpointing
+            passes the module's path in the model).
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"memfit.checkpoint_module: expected an nn.Module, got {type(module).__name__}")
+    offload_hooks(offload)  # validates
+    current = module.__dict__.get("forward")
+    if isinstance(current, _CheckpointedForward):
+        if current.offload == offload:
+            return module
+        raise ValueError(
+            f"memfit.checkpoint_module: {current.name} is already checkpointed with "
+            f"offload={current.offload!r}; call memfit.remove_checkpointing(module) before "
+            f"checkpointing it again with offload={offload!r}."
+        )
+    module.forward = _CheckpointedForward(module, offload, name or type(module).__name__)
+    return module
+
+
+def checkpoint_wrapper(module: nn.Module, offload_to_cpu: bool = False) -> nn.Module:
+    """FairScale's spelling of :func:`checkpoint_module`: same module back, names unchanged."""
+    return checkpoint_module(module, offload="cpu" if offload_to_cpu else None)
+
+
+def remove_checkpointing(module: nn.Module) -> int:
+    """Undo checkpointing on ``module`` and all its submodules; returns how many were undone."""
+    undone = 0
+    for m in module.modules():
+        fwd = m.__dict__.get("forward")
+        if isinstance(fwd, _CheckpointedForward):
+            if fwd.inner is None:
+                del m.forward
+            else:
+                m.forward = fwd.inner
+            undone += 1
+    return undone
+
+
+@dataclass(frozen=True)
+class every_nth:  # noqa: N801 (a policy that reads as a function call)
+    """Policy for :func:`apply_activation_checkpointing`: every n-th module of ``classes``.
+
+    Counts the matching modules in ``named_modules()`` order and selects the 0th, n-th,
+    2n-th, ... (``every_nth(1, BertLayer)`` selects all of them).
+    """
+
+    n: int
+    classes: type | tuple[type, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"memfit.every_nth: n must be an integer >= 1, got {self.n!r}")
+        _check_classes(self.classes, "every_nth")
+
+    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
+        matches = [(n, m) for n, m in model.named_modules() if isinstance(m, self.classes)]
+        return matches[:: self.n]
+
+
+def _check_classes(classes, where: str) -> None:
+    items = classes if isinstance(classes, tuple) else (classes,)
+    if not items or not all(isinstance(c, type) for c in items):
+        raise TypeError(
+            f"memfit.{where}: expected a module class or a tuple of module classes, got {classes!r}"
+        )
+
+
+def _selector(policy) -> Callable[[nn.Module], list[tuple[str, nn.Module]]]:
+    if isinstance(policy, every_nth):
+        return policy.select
+    if isinstance(policy, type) or isinstance(policy, tuple):
+        _check_classes(policy, "apply_activation_checkpointing")
+        return lambda model: [(n, m) for n, m in model.named_modules() if isinstance(m, policy)]
+    if callable(policy):
+        return lambda model: [(n, m) for n, m in model.named_modules() if policy(m)]
+    raise TypeError(
+        "memfit.apply_activation_checkpointing: policy must be a module class, a tuple of "
+        f"classes, memfit.every_nth(n, classes) or a callable(module) -> bool; got {policy!r}"
+    )
+
+
+def apply_activation_checkpointing(model: nn.Module, policy, *, offload: str | None = None) -> list[str]:
+    """Checkpoint, in place, the submodules of ``model`` that ``policy`` selects.
+
+    ``policy``: a module class, a tuple of classes, ``every_nth(n, classes)`` or a
+    ``callable(module) -> bool``. When a selected module contains other selected modules only
+    the outermost is checkpointed (a nested checkpoint would recompute the same work twice).
+    Returns the paths of the modules checkpointed (``""`` is the model itself).
+    """
+    select = _selector(policy)
+    chosen: list[str] = []
+    for path, module in select(model):
+        if any(path == c or path.startswith(c + ".") or c == "" for c in chosen):
+            continue
+        label = f"{path or '<root>'} ({type(module).__name__})"
+        checkpoint_module(module, offload=offload, name=label)
+        chosen.append(path)
+    return chosen

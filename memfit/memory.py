@@ -1,0 +1,190 @@
+"""`memfit.MemoryMeter`: the peak of live tensor storage bytes on one device.
+
+# [Note: How MemoryMeter counts]
+# Inside the region a TorchDispatchMode sees every aten op. Each tensor an op reads or writes
+# is reduced to its storage (views share one), and each storage is counted once, by its
+# bytes, while it is alive (a c10 weak reference tells when it is freed). The peak is taken
+# after every op, once its outputs exist: memory only grows at allocations, so this is the
+# exact peak of the storages that tensors hold. It does not see allocator rounding or
+# scratch buffers used inside a kernel; that makes it deterministic on the CPU, where no
+# allocator statistics exist. On CUDA the allocator's own peak is reported beside it.
+# Tensors that existed before the region count from the moment an op first touches them;
+# the parameters, buffers, gradients and optimizer state of a given model and optimizer
+# count from the start. At each new peak the live bytes are split into named categories.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MemoryMeter"]
+
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations_and_other")
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, meter: MemoryMeter) -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.meter._track_all(tree_flatten((args, kwargs))[0])
+        out = func(*args, **kwargs)
+        self.meter._track_all(tree_flatten(out)[0])
+        self.meter._update_peak()
+        return out
+
+
+class MemoryMeter:
+    """Measure the peak of live tensor storage bytes on ``device`` during a ``with`` block.
+
+    Each storage counts once (views add nothing); see [Note: How MemoryMeter counts].
+
+    Args:
+        device: the device to measure (default: the device of ``model``'s first parameter,
+            else the CPU).
+        model: its parameters, buffers and gradients are counted from the start and named in
+            :meth:`breakdown`.
+        optimizer: its state tensors are counted from the start and named in :meth:`breakdown`.
+
+    After the block: ``peak_bytes`` (int), :meth:`breakdown` (bytes per category at the peak)
+    and, on CUDA, ``allocator_peak_bytes`` (``torch.cuda.max_memory_allocated`` during the
+    block, which includes allocator rounding and kernel scratch space; None elsewhere).
+    """
+
+    def __init__(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        model: nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        if device is None:
+            first = next(model.parameters(), None) if model is not None else None
+            device = first.device if first is not None else "cpu"
+        self.device = torch.device(device)
+        self.model = model
+        self.optimizer = optimizer
+        self.peak_bytes = 0
+        self.allocator_peak_bytes: int | None = None
+        self._peak_breakdown = dict.fromkeys(CATEGORIES, 0)
+        self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (ref, bytes)
+        self._total = 0  # bytes in _live, freed entries included until the next sweep
+        self._mode: _Mode | None = None
+
+    # -- tracking -------------------------------------------------------------------------
+
+    def _matches(self, t: torch.Tensor) -> bool:
+        d = t.device
+        return d.type == self.device.type and (self.device.index is None or d.index == self.device.index)
+
+    def _track_all(self, items: Iterable) -> None:
+        for t in items:
+            if isinstance(t, torch.Tensor) and self._matches(t):
+                self._track(t)
+
+    def _track(self, t: torch.Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # sparse or wrapper subclass: no storage
+            return
+        key = st._cdata
+        entry = self._live.get(key)
+        if entry is not None and not entry[0].expired():
+            return
+        if entry is not None:  # a freed storage's address reused by a new one
+            self._total -= entry[1]
+        nbytes = st.nbytes()
+        self._live[key] = (StorageWeakRef(st), nbytes)
+        self._total += nbytes
+
+    def _sweep(self) -> None:
+        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        for k in dead:
+            self._total -= self._live.pop(k)[1]
+
+    def _update_peak(self) -> None:
+        # _total over-counts freed storages, so only a total above the peak needs a sweep.
+        if self._total <= self.peak_bytes:
+            return
+        self._sweep()
+        if self._total > self.peak_bytes:
+            self.peak_bytes = self._total
+            self._peak_breakdown = self._categorise()
+
+    def _keys(self, tensors: Iterable[torch.Tensor]) -> set[int]:
+        keys = set()
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and self._matches(t):
+                keys.add(t.untyped_storage()._cdata)
+        return keys
+
+    def _categorise(self) -> dict[str, int]:
+        params, grads, state = set(), set(), set()
+        if self.model is not None:
+            ps = list(self.model.parameters())
+            params = self._keys(ps)
+            grads = self._keys(p.grad for p in ps if p.grad is not None)
+        if self.optimizer is not None:
+            state = self._keys(v for s in self.optimizer.state.values() for v in s.values())
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key, (_, nbytes) in self._live.items():
+            if key in params:
+                out["parameters"] += nbytes
+            elif key in grads:
+                out["gradients"] += nbytes
+            elif key in state:
+                out["optimizer_state"] += nbytes
+            else:
+                out["activations_and_other"] += nbytes
+        return out
+
+    # -- public ---------------------------------------------------------------------------
+
+    def breakdown(self) -> dict[str, int]:
+        """Bytes per category at the peak: parameters, gradients, optimizer_state, activations_and_other."""
+        return dict(self._peak_breakdown)
+
+    def __enter__(self) -> MemoryMeter:
+        if self._mode is not None:
+            raise RuntimeError("memfit.MemoryMeter is not reentrant; use a new meter per region")
+        self.peak_bytes = 0
+        self._live.clear()
+        self._total = 0
+        if self.model is not None:
+            self._track_all(self.model.parameters())
+            self._track_all(self.model.buffers())
+            self._track_all(p.grad for p in self.model.parameters() if p.grad is not None)
+        if self.optimizer is not None:
+            self._track_all(v for s in self.optimizer.state.values() for v in s.values())
+        self._update_peak()
+        self._accel = self.device.type != "cpu" and hasattr(
+            torch.get_device_module(self.device.type), "max_memory_allocated"
+        )
+        if self._accel:
+            mod = torch.get_device_module(self.device.type)
+            mod.synchronize(self.device)
+            mod.reset_peak_memory_stats(self.device)
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        assert self._mode is not None
+        self._mode.__exit__(*exc)
+        self._mode = None
+        if self._accel:
+            mod = torch.get_device_module(self.device.type)
+            mod.synchronize(self.device)
+            self.allocator_peak_bytes = int(mod.max_memory_allocated(self.device))
+
+    def __repr__(self) -> str:
+        parts = ", ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in self.breakdown().items())
+        return f"MemoryMeter(device={self.device}, peak={self.peak_bytes / 2**20:.2f}MiB: {parts})"

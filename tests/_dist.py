@@ -1,0 +1,109 @@
+"""Run a function on W spawned gloo ranks meeting on 127.0.0.1.
+
+`run_ranks(fn, world_size, *args)` starts one process per rank, initialises a gloo process
+group on a free port, calls ``fn(rank, world_size, *args)`` and returns the per-rank results.
+A rank that raises makes the call fail with that rank's traceback; ranks still running after
+``timeout`` seconds are killed and named. ``fn`` must be importable (a module-level function).
+
+`run_subtests(cases, world_size)` runs many named sub-cases in one process group (process
+start-up is the cost on a small machine) and returns {name: traceback or None} per rank 0's
+view, after checking all ranks agree.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=60),
+        )
+        out = fn(rank, world_size, *args)
+        results.put((rank, None, out))
+    except BaseException:
+        results.put((rank, traceback.format_exc(), None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = _free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outs: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(outs) < world_size:
+            try:
+                rank, err, out = results.get(timeout=0.5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if r not in outs and p.exitcode not in (None, 0)]
+                if dead:
+                    raise AssertionError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}")
+                if time.monotonic() > deadline:
+                    stuck = [r for r in range(world_size) if r not in outs]
+                    raise AssertionError(f"ranks {stuck} did not finish within {timeout:.0f}s (killed)")
+                continue
+            if err is not None:
+                raise AssertionError(f"rank {rank} of {world_size} failed:\n{err}")
+            outs[rank] = out
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [outs[r] for r in range(world_size)]
+
+
+def _run_cases(rank: int, world_size: int, cases: list[Callable]) -> dict[str, str | None]:
+    report: dict[str, str | None] = {}
+    for case in cases:
+        try:
+            case(rank, world_size)
+            report[case.__name__] = None
+        except Exception:
+            report[case.__name__] = traceback.format_exc()
+        dist.barrier()
+    return report
+
+
+def run_subtests(cases: list[Callable], world_size: int, timeout: float = 300.0) -> dict[str, str | None]:
+    """Run ``case(rank, world_size)`` for each case in one group; {case name: failure or None}."""
+    reports = run_ranks(_run_cases, world_size, cases, timeout=timeout)
+    merged: dict[str, str | None] = {}
+    for case in cases:
+        errors = [f"rank {r}:\n{rep[case.__name__]}" for r, rep in enumerate(reports) if rep[case.__name__]]
+        merged[case.__name__] = "\n".join(errors) or None
+    return merged
