@@ -36,7 +36,7 @@ class CheckpointError(RuntimeError):
     """A checkpointed block cannot be recomputed faithfully."""
 
 
-class _StopRecompute(Exception):
+class _StopRecompute(Exception):  # noqa: N818 (control flow, not an error)
     """Raised inside recompute once every saved tensor the backward needs is rebuilt."""
 
 
@@ -99,7 +99,7 @@ class _SaveInputs(torch.autograd.Function):
 class _Holder:
     """Placeholder autograd keeps instead of a saved tensor; filled by recompute."""
 
-    __slots__ = ("values", "__weakref__")
+    __slots__ = ("__weakref__", "values")
 
     def __init__(self) -> None:
         self.values: dict[int, torch.Tensor] = {}  # graph task id -> recomputed tensor
@@ -225,7 +225,7 @@ def _checkpoint(
 ):
     if not callable(fn):
         raise TypeError(f"memfit.checkpoint: expected a callable to checkpoint, got {type(fn).__name__}")
-    from memfit.checkpoint._offload import offload_hooks  # noqa: PLC0415 (import cycle)
+    from memfit.checkpoint._offload import offload_hooks
 
     offload_ctx = offload_hooks(offload)  # validated even when the call runs plainly
     if _local.disabled_depth > 0 or not torch.is_grad_enabled():

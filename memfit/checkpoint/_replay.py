@@ -29,7 +29,7 @@ def _device_module(device_type: str):
 class Replay:
     """RNG and autocast state captured at the start of a checkpointed forward."""
 
-    __slots__ = ("cpu_rng", "device_rng", "autocast")
+    __slots__ = ("autocast", "cpu_rng", "device_rng")
 
     def __init__(self, tensors: Sequence[torch.Tensor], preserve_rng_state: bool) -> None:
         device_types = {"cpu"}

@@ -1,0 +1,53 @@
+"""The spawned-gloo test helper reports failures and never hangs."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests._dist import run_ranks, run_subtests
+
+
+def allreduce_rank(rank, world):
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def fail_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("boom on purpose")
+    return rank
+
+
+def hang_on_rank_0(rank, world):
+    if rank == 0:
+        time.sleep(60)
+
+
+def case_ok(rank, world):
+    assert dist.get_world_size() == world
+
+
+def case_fails(rank, world):
+    assert rank == 0, "only rank 0 passes"
+
+
+def test_results_and_failures_in_one_group():
+    assert run_ranks(allreduce_rank, 3) == [3.0, 3.0, 3.0]
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 of 2 failed.*boom on purpose"):
+        run_ranks(fail_on_rank_1, 2)
+
+
+def test_stuck_rank_is_killed_and_named():
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 8s"):
+        run_ranks(hang_on_rank_0, 2, timeout=8)
+    assert time.monotonic() - start < 30
+
+
+def test_subtests_report_per_case():
+    report = run_subtests([case_ok, case_fails], 2)
+    assert report["case_ok"] is None
+    assert "rank 1:" in report["case_fails"] and "only rank 0 passes" in report["case_fails"]

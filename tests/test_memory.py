@@ -1,0 +1,110 @@
+"""MemoryMeter: hand-computed bytes for small programs, and torch's MemTracker on a real model."""
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+
+
+def test_views_add_nothing_and_peak_survives_frees():
+    with memfit.MemoryMeter() as m:
+        x = torch.empty(1000)  # 4000 bytes
+        v = x[10:].view(-1, 10)  # a view: no new storage
+        y = x * 2  # 4000 bytes
+        del y
+        z = torch.ones(100)  # 400 bytes, after y was freed
+    assert m.peak_bytes == 4000 + 4000
+    assert m.breakdown()["activations_and_other"] == 8000
+    del v, z
+
+
+def test_tensors_from_before_count_once_touched():
+    a = torch.randn(250)  # 1000 bytes, created outside the region
+    with memfit.MemoryMeter() as m:
+        b = a + 1  # 1000 bytes
+        c = b.add_(1)  # in place: same storage
+    assert m.peak_bytes == 2000
+    assert c.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def test_dtype_and_device_filter():
+    with memfit.MemoryMeter("cpu") as m:
+        torch.zeros(10, dtype=torch.float64)  # 80 bytes
+        torch.zeros(10, dtype=torch.bfloat16)  # 20 bytes, the float64 one is already freed
+        torch.zeros(10, device="meta")  # no memory
+    assert m.peak_bytes == 80
+
+
+def adam_step(model, opt, x):
+    model(x).square().sum().backward()
+    opt.step()
+
+
+def test_breakdown_with_model_and_optimizer():
+    model = nn.Linear(10, 10)  # 100 + 10 parameters, 440 bytes
+    opt = torch.optim.Adam(model.parameters())
+    x = torch.randn(4, 10)
+    adam_step(model, opt, x)  # creates the optimizer state
+    with memfit.MemoryMeter(model=model, optimizer=opt) as m:
+        adam_step(model, opt, x)
+    b = m.breakdown()
+    params = 440
+    grads = 440  # the previous step's grads are still set (no zero_grad)
+    state = 2 * 440 + 2 * 4  # exp_avg and exp_avg_sq per parameter, plus a float32 step each
+    assert b["parameters"] == params
+    assert b["gradients"] == grads
+    assert b["optimizer_state"] == state
+    assert sum(b.values()) == m.peak_bytes
+    assert m.peak_bytes > params + grads + state  # plus the batch and temporaries
+
+
+def test_deterministic():
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4))
+    x = torch.randn(8, 16)
+    peaks = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with memfit.MemoryMeter(model=model) as m:
+            model(x).sum().backward()
+        peaks.append((m.peak_bytes, m.breakdown()))
+    assert peaks[0] == peaks[1] == peaks[2]
+
+
+def test_not_reentrant():
+    m = memfit.MemoryMeter()
+    with m, pytest.raises(RuntimeError, match="not reentrant"):
+        m.__enter__()
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+@pytest.mark.filterwarnings("ignore:Module is None")
+def test_matches_torch_memtracker_on_hf_bert(ckpt):
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    from tests.test_checkpoint_module import bert
+
+    model = bert(0.1)
+    if ckpt:
+        memfit.apply_activation_checkpointing(model, BertLayer)
+    opt = torch.optim.AdamW(model.parameters())
+    ids = torch.randint(0, 120, (4, 32))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    tracker = MemTracker()
+    tracker.track_external(model, opt)
+    with tracker:
+        step()
+    theirs = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    with memfit.MemoryMeter(model=model, optimizer=opt) as m:
+        step()
+    assert m.peak_bytes == theirs["Total"]
+    b = m.breakdown()
+    assert b["parameters"] == sum(p.nbytes for p in model.parameters())
+    assert b["optimizer_state"] == sum(v.nbytes for s in opt.state.values() for v in s.values())
