@@ -70,14 +70,10 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> l
             except queue.Empty:
                 dead = [r for r, p in enumerate(procs) if r not in outs and p.exitcode not in (None, 0)]
                 if dead:
-                    raise AssertionError(
-                        f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}"
-                    ) from None
+                    raise AssertionError(f"rank {dead[0]} died with exit code {procs[dead[0]].exitcode}") from None
                 if time.monotonic() > deadline:
                     stuck = [r for r in range(world_size) if r not in outs]
-                    raise AssertionError(
-                        f"ranks {stuck} did not finish within {timeout:.0f}s (killed)"
-                    ) from None
+                    raise AssertionError(f"ranks {stuck} did not finish within {timeout:.0f}s (killed)") from None
                 continue
             if err is not None:
                 raise AssertionError(f"rank {rank} of {world_size} failed:\n{err}")

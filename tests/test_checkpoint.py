@@ -216,10 +216,7 @@ def test_disable_checkpointing_runs_plainly():
 def test_forward_peak_is_block_inputs_plus_one_block():
     # n blocks of depth d (Linear without bias, then Tanh); batch x h activations, fp32.
     n, d, batch, h = 3, 4, 16, 32
-    blocks = [
-        nn.Sequential(*[m for _ in range(d) for m in (nn.Linear(h, h, bias=False), nn.Tanh())])
-        for _ in range(n)
-    ]
+    blocks = [nn.Sequential(*[m for _ in range(d) for m in (nn.Linear(h, h, bias=False), nn.Tanh())]) for _ in range(n)]
     x = torch.randn(batch, h, requires_grad=True)
     act = batch * h * 4
     weights = n * d * h * h * 4

@@ -188,8 +188,7 @@ class _Frame:
         i = self.filled[gid]
         if i >= len(self.holders):  # unreachable with early stop; kept as a guard
             raise CheckpointError(
-                f"memfit.checkpoint({self.name}): recompute saved more tensors than the forward "
-                f"({len(self.holders)})."
+                f"memfit.checkpoint({self.name}): recompute saved more tensors than the forward ({len(self.holders)})."
             )
         if _meta(t) != self.metas[i]:
             raise CheckpointError(

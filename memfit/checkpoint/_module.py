@@ -118,9 +118,7 @@ class every_nth:  # noqa: N801 (a policy that reads as a function call)
 def _check_classes(classes, where: str) -> None:
     items = classes if isinstance(classes, tuple) else (classes,)
     if not items or not all(isinstance(c, type) for c in items):
-        raise TypeError(
-            f"memfit.{where}: expected a module class or a tuple of module classes, got {classes!r}"
-        )
+        raise TypeError(f"memfit.{where}: expected a module class or a tuple of module classes, got {classes!r}")
 
 
 def _selector(policy) -> Callable[[nn.Module], list[tuple[str, nn.Module]]]:

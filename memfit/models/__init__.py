@@ -1,0 +1,63 @@
+"""Model presets for the demo, benchmarks and the CLI: HF transformers, randomly initialised.
+
+Nothing is downloaded: every model is built from a config and initialised with a seed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class BertShape:
+    """An HF BERT-MLM shape. The default is sized for a 2-core CPU."""
+
+    layers: int = 4
+    hidden: int = 256
+    heads: int = 4
+    seq: int = 128
+    batch: int = 8
+    vocab: int = 8192
+    dropout: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden ({self.hidden}) must be divisible by heads ({self.heads})")
+        if min(self.layers, self.hidden, self.heads, self.seq, self.batch, self.vocab) < 1:
+            raise ValueError(f"every size must be >= 1: {self}")
+
+
+def bert_mlm(shape: BertShape, seed: int = 0) -> nn.Module:
+    """A randomly initialised ``transformers.BertForMaskedLM`` of ``shape``."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    cfg = BertConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        intermediate_size=4 * shape.hidden,
+        max_position_embeddings=max(512, shape.seq),
+        hidden_dropout_prob=shape.dropout,
+        attention_probs_dropout_prob=shape.dropout,
+    )
+    torch.manual_seed(seed)
+    return BertForMaskedLM(cfg)
+
+
+def bert_layer_class() -> type[nn.Module]:
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    return BertLayer
+
+
+def mlm_batch(shape: BertShape, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random token ids and MLM labels (15% of positions predicted, the rest ignored)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
+    labels = ids.clone()
+    labels[torch.rand(ids.shape, generator=g) > 0.15] = -100
+    return {"input_ids": ids, "labels": labels}
