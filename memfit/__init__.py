@@ -6,6 +6,7 @@ parallel and a planner. Everything a user needs is re-exported here.
 
 from memfit.checkpoint import (
     CheckpointError,
+    Offload,
     apply_activation_checkpointing,
     checkpoint,
     checkpoint_module,
@@ -23,6 +24,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "MemoryMeter",
+    "Offload",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_module",

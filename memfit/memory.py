@@ -54,9 +54,10 @@ class MemoryMeter:
             :meth:`breakdown`.
         optimizer: its state tensors are counted from the start and named in :meth:`breakdown`.
 
-    After the block: ``peak_bytes`` (int), :meth:`breakdown` (bytes per category at the peak)
-    and, on CUDA, ``allocator_peak_bytes`` (``torch.cuda.max_memory_allocated`` during the
-    block, which includes allocator rounding and kernel scratch space; None elsewhere).
+    After the block: ``peak_bytes`` (int), :meth:`breakdown` (bytes per category at the peak),
+    ``current_bytes`` (what is still alive of what it saw) and, on CUDA,
+    ``allocator_peak_bytes`` (``torch.cuda.max_memory_allocated`` during the block, which
+    includes allocator rounding and kernel scratch space; None elsewhere).
     """
 
     def __init__(
@@ -147,6 +148,12 @@ class MemoryMeter:
         return out
 
     # -- public ---------------------------------------------------------------------------
+
+    @property
+    def current_bytes(self) -> int:
+        """Live bytes of the storages the meter has seen, now (inside or after the region)."""
+        self._sweep()
+        return self._total
 
     def breakdown(self) -> dict[str, int]:
         """Bytes per category at the peak: parameters, gradients, optimizer_state, activations_and_other."""

@@ -1,6 +1,7 @@
 """memfit.checkpoint: parity with the plain function, bitwise on CPU fp32 (dropout included)."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -187,6 +188,16 @@ def test_retain_graph_second_backward_recomputes():
         out.sum().backward(retain_graph=True)
         out.sum().backward()
     assert_same(grads(block), grads(ref))
+
+
+def test_recomputed_graph_is_freed_after_backward():
+    from memfit.checkpoint._function import _Frame
+
+    block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
+    y = memfit.checkpoint(block, torch.randn(2, 4, requires_grad=True))
+    y.sum().backward()  # y (and its graph) stays alive; the frame must not
+    gc.collect()
+    assert not [o for o in gc.get_objects() if type(o) is _Frame]
 
 
 def test_block_called_twice_with_shared_weights():

@@ -8,10 +8,12 @@ from memfit.checkpoint._module import (
     every_nth,
     remove_checkpointing,
 )
+from memfit.checkpoint._offload import Offload
 from memfit.checkpoint._sequential import checkpoint_sequential
 
 __all__ = [
     "CheckpointError",
+    "Offload",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_module",

@@ -27,7 +27,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from memfit.checkpoint._offload import Offload, offload_hooks, resolve_offload
 from memfit.checkpoint._replay import Replay
+from memfit.checkpoint._selective import resolve_save, selective_contexts
 
 __all__ = ["CheckpointError", "checkpoint", "disable_checkpointing", "is_recomputing"]
 
@@ -117,8 +119,9 @@ def _fmt(meta: tuple) -> str:
 class _Frame:
     """Everything one checkpointed call needs to recompute itself."""
 
-    def __init__(self, fn: Callable, name: str, flat: list, spec, tensor_pos: list[int], replay: Replay):
+    def __init__(self, fn: Callable, name: str, flat: list, spec, tensor_pos: list[int], replay: Replay, recompute_ctx):
         self.fn = fn
+        self.recompute_ctx = recompute_ctx  # selective recompute: replays the kept op outputs
         self.name = name
         self.flat = flat  # flattened (args, kwargs), tensors replaced by None
         self.spec = spec
@@ -169,7 +172,7 @@ class _Frame:
         args, kwargs = self.inputs()
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack_recomputed(gid, t), lambda t: t)
         try:
-            with torch.enable_grad(), self.replay.context(), _recomputing(), hooks:
+            with torch.enable_grad(), self.replay.context(), _recomputing(), hooks, self.recompute_ctx:
                 self.fn(*args, **kwargs)
         except _StopRecompute:
             pass
@@ -198,12 +201,16 @@ class _Frame:
                 "dependence on global state, and that inputs are not modified after the forward."
             )
         self.filled[gid] = i + 1
+        value = t.detach()
         holder = self.holders[i]()
         if holder is not None:  # None: autograd already released that part of the graph
-            holder.values[gid] = t.detach()
+            holder.values[gid] = value
         if i + 1 == len(self.holders):
             raise _StopRecompute
-        return t
+        # Detached: an op that saves its own output would otherwise hold a tensor whose
+        # grad_fn is that op, a cycle through C++ that Python's GC cannot collect, leaking
+        # the whole recomputed graph (and this frame) every step.
+        return value
 
 
 def _version(t: torch.Tensor) -> int | None:
@@ -219,16 +226,22 @@ def _checkpoint(
     kwargs: dict[str, Any],
     *,
     preserve_rng_state: bool = True,
-    offload: str | None = None,
+    offload: str | Offload | None = None,
+    save: str | Callable | None = None,
     name: str | None = None,
 ):
     if not callable(fn):
         raise TypeError(f"memfit.checkpoint: expected a callable to checkpoint, got {type(fn).__name__}")
-    from memfit.checkpoint._offload import offload_hooks
-
-    offload_ctx = offload_hooks(offload)  # validated even when the call runs plainly
+    offload = resolve_offload(offload)  # validated even when the call runs plainly
+    save = resolve_save(save)
     if _local.disabled_depth > 0 or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if save == "all":  # nothing recomputed: only offload applies, to everything saved
+        with offload_hooks(offload):
+            return fn(*args, **kwargs)
+    forward_ctx, recompute_ctx = (
+        selective_contexts(save) if save is not None else (contextlib.nullcontext(), contextlib.nullcontext())
+    )
     name = name or describe(fn)
     flat, spec = tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
@@ -240,11 +253,12 @@ def _checkpoint(
         spec,
         tensor_pos,
         Replay(tensors, preserve_rng_state),
+        recompute_ctx,
     )
-    with offload_ctx:
+    with offload_hooks(offload):
         frame.save_inputs(tensors)
     versions = [_version(t) for t in tensors]
-    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack):
+    with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), forward_ctx:
         out = fn(*args, **kwargs)
     for k, (t, v) in enumerate(zip(tensors, versions)):
         if v is not None and _version(t) != v:
@@ -256,7 +270,14 @@ def _checkpoint(
     return out
 
 
-def checkpoint(fn: Callable, *args, preserve_rng_state: bool = True, offload: str | None = None, **kwargs):
+def checkpoint(
+    fn: Callable,
+    *args,
+    preserve_rng_state: bool = True,
+    offload: str | Offload | None = None,
+    save: str | Callable | None = None,
+    **kwargs,
+):
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute the rest in backward.
 
     Non-reentrant (saved-tensor hooks): works with DistributedDataParallel, with blocks that
@@ -269,11 +290,14 @@ def checkpoint(fn: Callable, *args, preserve_rng_state: bool = True, offload: st
         fn: the block: a module, a function or any callable.
         preserve_rng_state: replay the CPU and input-device RNG state in recompute, so dropout
             masks are bitwise identical (see [Note: What recompute replays]).
-        offload: where the block inputs wait for backward: None (in place), ``"cpu"`` (host
-            memory; on a CPU device this is a no-op).
+        offload: where the kept tensors wait for backward: None (in place), ``"cpu"``,
+            ``"disk"`` or a :class:`memfit.Offload`; see [Note: Offload of saved tensors].
+        save: which op outputs to keep instead of recomputing: None (nothing: full
+            recompute), ``"linear"``, ``"matmul"``, ``"all"`` or a callable(op) -> bool; see
+            [Note: Selective recompute].
 
     Raises:
         CheckpointError: ``fn`` modifies a tensor input in place, or its recompute does not
             save the same number, shapes and dtypes of tensors as its forward.
     """
-    return _checkpoint(fn, args, kwargs, preserve_rng_state=preserve_rng_state, offload=offload)
+    return _checkpoint(fn, args, kwargs, preserve_rng_state=preserve_rng_state, offload=offload, save=save)

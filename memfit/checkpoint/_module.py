@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from torch import nn
 
 from memfit.checkpoint._function import _checkpoint
-from memfit.checkpoint._offload import offload_hooks
+from memfit.checkpoint._offload import Offload, resolve_offload
+from memfit.checkpoint._selective import resolve_save
 
 __all__ = [
     "apply_activation_checkpointing",
@@ -31,10 +32,11 @@ __all__ = [
 class _CheckpointedForward:
     """The instance-level `forward` of a checkpointed module."""
 
-    def __init__(self, module: nn.Module, offload: str | None, name: str) -> None:
+    def __init__(self, module: nn.Module, offload: Offload | None, save, name: str) -> None:
         self.inner = module.__dict__.get("forward")  # a forward set on the instance before us
         self.module = module
         self.offload = offload
+        self.save = save
         self.name = name
 
     def _plain_forward(self, *args, **kwargs):
@@ -43,10 +45,16 @@ class _CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        return _checkpoint(self._plain_forward, args, kwargs, offload=self.offload, name=self.name)
+        return _checkpoint(self._plain_forward, args, kwargs, offload=self.offload, save=self.save, name=self.name)
 
 
-def checkpoint_module(module: nn.Module, *, offload: str | None = None, name: str | None = None) -> nn.Module:
+def checkpoint_module(
+    module: nn.Module,
+    *,
+    offload: str | Offload | None = None,
+    save: str | Callable | None = None,
+    name: str | None = None,
+) -> nn.Module:
     """Checkpoint ``module`` in place: its forward keeps only its inputs; backward recomputes.
 
     Parameter names, ``state_dict()`` keys and ``named_modules()`` are unchanged (no wrapper
@@ -54,24 +62,27 @@ def checkpoint_module(module: nn.Module, *, offload: str | None = None, name: st
     it raises ValueError: call :func:`remove_checkpointing` first. Returns ``module``.
 
     Args:
-        offload: where the kept inputs wait for backward (None or ``"cpu"``); see
-            [Note: Offload of saved tensors].
+        offload: where the kept tensors wait for backward: None, ``"cpu"``, ``"disk"`` or a
+            :class:`memfit.Offload`; see [Note: Offload of saved tensors].
+        save: which op outputs to keep instead of recomputing (None: full recompute,
+            ``"linear"``, ``"matmul"``, ``"all"`` or a callable(op) -> bool); see
+            [Note: Selective recompute].
         name: how errors name the module (default: its class; apply_activation_checkpointing
             passes the module's path in the model).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"memfit.checkpoint_module: expected an nn.Module, got {type(module).__name__}")
-    offload_hooks(offload)  # validates
+    offload, save = resolve_offload(offload), resolve_save(save)
     current = module.__dict__.get("forward")
     if isinstance(current, _CheckpointedForward):
-        if current.offload == offload:
+        if (current.offload, current.save) == (offload, save):
             return module
         raise ValueError(
             f"memfit.checkpoint_module: {current.name} is already checkpointed with "
-            f"offload={current.offload!r}; call memfit.remove_checkpointing(module) before "
-            f"checkpointing it again with offload={offload!r}."
+            f"offload={current.offload!r}, save={current.save!r}; call memfit.remove_checkpointing(module) "
+            f"before checkpointing it again with offload={offload!r}, save={save!r}."
         )
-    module.forward = _CheckpointedForward(module, offload, name or type(module).__name__)
+    module.forward = _CheckpointedForward(module, offload, save, name or type(module).__name__)
     return module
 
 
@@ -135,20 +146,24 @@ def _selector(policy) -> Callable[[nn.Module], list[tuple[str, nn.Module]]]:
     )
 
 
-def apply_activation_checkpointing(model: nn.Module, policy, *, offload: str | None = None) -> list[str]:
+def apply_activation_checkpointing(
+    model: nn.Module, policy, *, offload: str | Offload | None = None, save: str | Callable | None = None
+) -> list[str]:
     """Checkpoint, in place, the submodules of ``model`` that ``policy`` selects.
 
     ``policy``: a module class, a tuple of classes, ``every_nth(n, classes)`` or a
     ``callable(module) -> bool``. When a selected module contains other selected modules only
     the outermost is checkpointed (a nested checkpoint would recompute the same work twice).
-    Returns the paths of the modules checkpointed (``""`` is the model itself).
+    ``offload`` and ``save`` are passed to :func:`checkpoint_module`. Returns the paths of the
+    modules checkpointed (``""`` is the model itself).
     """
     select = _selector(policy)
+    offload, save = resolve_offload(offload), resolve_save(save)
     chosen: list[str] = []
     for path, module in select(model):
         if any(path == c or path.startswith(c + ".") or c == "" for c in chosen):
             continue
         label = f"{path or '<root>'} ({type(module).__name__})"
-        checkpoint_module(module, offload=offload, name=label)
+        checkpoint_module(module, offload=offload, save=save, name=label)
         chosen.append(path)
     return chosen

@@ -1,41 +1,205 @@
-"""Where saved tensors wait for backward: in place, or in host memory.
+"""Where saved tensors wait for backward: in place, in host memory, or on disk.
 
 # [Note: Offload of saved tensors]
-# Offload applies saved-tensor hooks around the tensors a checkpointed block keeps (its
-# inputs). "cpu" copies accelerator tensors to pinned host memory in forward and copies them
-# back in backward; tensors already on the CPU are kept as they are, so on a CPU-only machine
-# "cpu" offload does no work at all. The copy path needs an accelerator and is not exercised
-# by the CPU test suite.
+# Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
+# a checkpointed block, or everything a block saves when it is not recomputed (save="all").
+# Parameters are never offloaded (they stay alive anyway, so moving them would save nothing).
+#   "cpu":  accelerator tensors are copied to pinned host memory on a side stream in forward
+#           and copied back on the compute stream in backward. Tensors already on the CPU are
+#           kept as they are: on a CPU-only machine "cpu" offload does no work. The copy path
+#           needs an accelerator and is not exercised by the CPU test suite; it does not
+#           prefetch the next block's tensors ahead of use (the copy back happens on unpack).
+#   "disk": every tensor is written to its own file in a private temporary directory (under
+#           `Offload.directory`, default the system temp dir) and read back, memory-mapped,
+#           on unpack. A file is deleted as soon as autograd drops the saved tensor; the
+#           directory is removed at exit. Works on the CPU: peak memory falls by the bytes
+#           offloaded, and values come back bitwise.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import errno
+import functools
+import itertools
+import os
+import shutil
+import tempfile
+import weakref
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+from torch import nn
 
-OFFLOAD_CHOICES = (None, "cpu")
+TARGETS = ("cpu", "disk")
 
 
-def _pack_cpu(t: torch.Tensor):
-    if t.device.type == "cpu":
+@dataclass(frozen=True)
+class Offload:
+    """Where the tensors a block keeps for backward wait.
+
+    Attributes:
+        target: ``"cpu"`` (pinned host memory; no-op for tensors already on the CPU) or
+            ``"disk"`` (memory-mapped files in a private temporary directory).
+        directory: for ``"disk"``: the parent of that temporary directory (default: the
+            system's temporary directory). Checked for writing when the policy is built, so
+            a bad directory fails before any forward, leaving nothing behind.
+    """
+
+    target: str
+    directory: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.target not in TARGETS:
+            raise ValueError(f"memfit: unknown offload target {self.target!r}; choose None or one of {TARGETS}")
+        if self.directory is not None and self.target != "disk":
+            raise ValueError(f"memfit.Offload: directory applies to target='disk' only, not {self.target!r}")
+        if self.target == "disk":
+            _probe_writable(self.directory or tempfile.gettempdir())
+
+
+def _probe_writable(directory: str) -> None:
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix="memfit-probe-", dir=directory))
+    except OSError as e:
+        raise ValueError(
+            f"memfit offload: cannot write to {directory!r} ({e.strerror or e}); pass "
+            "memfit.Offload('disk', directory=...) with a writable directory"
+        ) from None
+
+
+def resolve_offload(offload: str | Offload | None) -> Offload | None:
+    """Validate an ``offload`` argument: None, "cpu", "disk" or an :class:`Offload`."""
+    if offload is None or isinstance(offload, Offload):
+        return offload
+    if isinstance(offload, str) and offload in TARGETS:
+        return _from_name(offload)
+    raise ValueError(f"memfit: unknown offload target {offload!r}; choose None or one of {TARGETS}")
+
+
+@functools.cache
+def _from_name(target: str) -> Offload:
+    return Offload(target)  # built once: "disk" probes the temporary directory
+
+
+def offload_hooks(offload: Offload | None) -> contextlib.AbstractContextManager:
+    """A context under which saved tensors go to the ``offload`` target (None: stay in place)."""
+    if offload is None:
+        return contextlib.nullcontext()
+    if offload.target == "cpu":
+        return torch.autograd.graph.saved_tensors_hooks(_pack_host, _unpack_host)
+    store = _DiskStore.for_directory(offload.directory or tempfile.gettempdir())
+    return torch.autograd.graph.saved_tensors_hooks(store.pack, _unpack_disk)
+
+
+def _keep(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter)
+
+
+# -- host memory ---------------------------------------------------------------------------
+
+_side_streams: dict[torch.device, object] = {}
+
+
+def _pack_host(t: torch.Tensor):
+    if t.device.type == "cpu" or _keep(t):
         return t
-    host = torch.empty(t.size(), dtype=t.dtype, layout=t.layout, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    return (t.device, host)
+    mod = torch.get_device_module(t.device.type)
+    if t.device not in _side_streams:
+        _side_streams[t.device] = mod.Stream(t.device)
+    side = _side_streams[t.device]
+    side.wait_stream(mod.current_stream(t.device))
+    with mod.stream(side):
+        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        done = side.record_event()
+    t.record_stream(side)  # the allocator must not reuse t's memory before the copy ends
+    return (t.device, host, done)
 
 
-def _unpack_cpu(packed):
+def _unpack_host(packed):
     if isinstance(packed, torch.Tensor):
         return packed
-    device, host = packed
+    device, host, done = packed
+    torch.get_device_module(device.type).current_stream(device).wait_event(done)
     return host.to(device, non_blocking=True)
 
 
-def offload_hooks(offload: str | None) -> contextlib.AbstractContextManager:
-    """A context under which saved tensors go to the `offload` target ("cpu" or None)."""
-    if offload is None:
-        return contextlib.nullcontext()
-    if offload == "cpu":
-        return torch.autograd.graph.saved_tensors_hooks(_pack_cpu, _unpack_cpu)
-    raise ValueError(f"memfit: unknown offload target {offload!r}; choose one of {OFFLOAD_CHOICES}")
+# -- disk ----------------------------------------------------------------------------------
+
+
+class _OnDisk:
+    """A saved tensor written to ``path``; the file goes when this object does."""
+
+    __slots__ = ("__weakref__", "device", "dtype", "nbytes", "path", "shape", "stride")
+
+    def __init__(self, t: torch.Tensor, path: str) -> None:
+        self.path = path
+        self.shape, self.stride = t.shape, t.stride()
+        self.dtype, self.device = t.dtype, t.device
+        self.nbytes = t.numel() * t.element_size()
+        weakref.finalize(self, _remove, path)
+
+    def load(self) -> torch.Tensor:
+        raw = torch.from_file(self.path, shared=False, size=self.nbytes, dtype=torch.uint8)
+        t = raw.view(self.dtype).reshape(self.shape)
+        if t.stride() != self.stride:
+            t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype).copy_(t)
+        return t.to(self.device)
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+
+
+def _write(path: str, t: torch.Tensor) -> None:
+    data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+    with open(path, "wb") as f:
+        f.write(memoryview(data))
+
+
+class _DiskStore:
+    """One private temporary directory per parent directory, removed at exit."""
+
+    _stores: ClassVar[dict[str, _DiskStore]] = {}
+
+    def __init__(self, parent: str) -> None:
+        self.parent = parent
+        self.dir: str | None = None
+        self.names = itertools.count()
+
+    @classmethod
+    def for_directory(cls, parent: str) -> _DiskStore:
+        parent = os.path.abspath(parent)
+        if parent not in cls._stores:
+            cls._stores[parent] = cls(parent)
+        return cls._stores[parent]
+
+    def _directory(self) -> str:
+        if self.dir is None or not os.path.isdir(self.dir):
+            self.dir = tempfile.mkdtemp(prefix="memfit-offload-", dir=self.parent)
+            atexit.register(shutil.rmtree, self.dir, ignore_errors=True)
+        return self.dir
+
+    def pack(self, t: torch.Tensor):
+        if _keep(t) or t.numel() == 0:
+            return t
+        path = os.path.join(self._directory(), f"{next(self.names)}.bin")
+        try:
+            _write(path, t)
+        except OSError as e:
+            _remove(path)
+            raise OSError(
+                e.errno or errno.EIO,
+                f"memfit offload: writing a saved tensor ({t.numel() * t.element_size()} bytes) to {path} "
+                f"failed: {e.strerror or e}. Free space there, or offload elsewhere with "
+                "memfit.Offload('disk', directory=...). Parameters and gradients were not changed.",
+            ) from e
+        return _OnDisk(t, path)
+
+
+def _unpack_disk(packed):
+    return packed.load() if isinstance(packed, _OnDisk) else packed
