@@ -1,9 +1,10 @@
 """Shared measurement loop for the benchmark scripts: interleaved timing, then memory.
 
-Each strategy gets its own model copy and optimizer. After warm-up, the timed repeats go
-round-robin over the strategies (so drift in machine load hits all of them alike); the
-median is reported. Memory is measured afterwards, one step per strategy, with MemoryMeter
-(timing runs never run under the meter, which slows every op).
+Each strategy gets its own model copy and AdamW. After warm-up, the timed repeats go
+round-robin over the strategies (so drift in machine load hits all of them alike) and the
+median is reported. Memory is measured afterwards with MemoryMeter, which slows every op, so
+it never runs during a timed step: one full step per strategy for the peak and its breakdown,
+and one forward for the activations kept for backward.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import torch
 
 import memfit
 
+MIB = 2**20
+
 
 @dataclass
 class Result:
@@ -25,6 +28,7 @@ class Result:
     first_loss: float = float("nan")
     peak: int = 0
     breakdown: dict[str, int] = field(default_factory=dict)
+    kept: int = 0  # activation bytes alive after the forward (what backward will use)
 
     @property
     def time(self) -> float:
@@ -43,37 +47,56 @@ def make_step(model: torch.nn.Module, batch: dict, opt: torch.optim.Optimizer) -
     return step
 
 
-def run(models: dict[str, torch.nn.Module], batch: dict, warmup: int, repeats: int) -> list[Result]:
+def kept_after_forward(model: torch.nn.Module, batch: dict) -> int:
+    """Bytes of tensors other than parameters and buffers alive after one forward."""
+    state = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+    torch.manual_seed(0)
+    with memfit.MemoryMeter(model=model) as meter:
+        out = model(**batch)
+    kept = meter.current_bytes - state
+    del out
+    return kept
+
+
+def run(
+    models: dict[str, torch.nn.Module], batch: dict, warmup: int, repeats: int, progress=print
+) -> list[Result]:
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
     steps = {n: make_step(m, batch, opts[n]) for n, m in models.items()}
     results = {n: Result(n) for n in models}
     for n, step in steps.items():
+        progress(f"warm-up: {n}")
         results[n].first_loss = step(0)
         for i in range(1, warmup):
             step(i)
     for r in range(repeats):
+        progress(f"timed round {r + 1}/{repeats}")
         for n, step in steps.items():
             t0 = time.perf_counter()
             step(100 + r)
             results[n].times.append(time.perf_counter() - t0)
     for n, step in steps.items():
+        progress(f"memory: {n}")
         with memfit.MemoryMeter(model=models[n], optimizer=opts[n]) as meter:
             step(1000)
         results[n].peak = meter.peak_bytes
         results[n].breakdown = meter.breakdown()
+        results[n].kept = kept_after_forward(models[n], batch)
     return list(results.values())
 
 
 def table(results: list[Result]) -> str:
     base = results[0]
-    mib = 2**20
     lines = [
-        "| strategy | peak MiB | activations+other MiB | step s (median) | time vs none | peak vs none | first loss |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| strategy | peak MiB | params+grads+AdamW MiB | activations+other at peak MiB | kept after forward MiB "
+        "| kept vs none | step s (median) | time vs none | first loss |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in results:
+        state = r.peak - r.breakdown["activations_and_other"]
         lines.append(
-            f"| {r.name} | {r.peak / mib:.1f} | {r.breakdown['activations_and_other'] / mib:.1f} | "
-            f"{r.time:.3f} | {r.time / base.time:.2f}x | {r.peak / base.peak:.2f}x | {r.first_loss:.6f} |"
+            f"| {r.name} | {r.peak / MIB:.1f} | {state / MIB:.1f} | {r.breakdown['activations_and_other'] / MIB:.1f} "
+            f"| {r.kept / MIB:.1f} | {r.kept / base.kept:.2f}x | {r.time:.3f} | {r.time / base.time:.2f}x "
+            f"| {r.first_loss:.6f} |"
         )
     return "\n".join(lines)

@@ -11,26 +11,12 @@ the median of interleaved repeats after warm-up; peak is the live tensor bytes o
 from __future__ import annotations
 
 import argparse
-import copy
-import warnings
 
 import torch
 from _harness import run, table
+from strategies import prepare
 
-import memfit
-from memfit.models import BertShape, bert_layer_class, bert_mlm, mlm_batch
-
-
-def prepare(strategy: str, base: torch.nn.Module) -> torch.nn.Module:
-    model = copy.deepcopy(base)
-    if strategy == "memfit checkpoint":
-        memfit.apply_activation_checkpointing(model, bert_layer_class())
-    elif strategy == "torch.utils.checkpoint":
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model.train()
-    return model
+from memfit.models import BertShape, bert_mlm, mlm_batch
 
 
 def main() -> None:
@@ -44,10 +30,10 @@ def main() -> None:
     args = p.parse_args()
     shape = BertShape(layers=args.layers, hidden=args.hidden, seq=args.seq, batch=args.batch)
     base = bert_mlm(shape)
-    models = {s: prepare(s, base) for s in ("none", "memfit checkpoint", "torch.utils.checkpoint")}
+    models = {s: prepare(s, base) for s in ("none", "memfit full", "torch.utils.checkpoint")}
     print(f"HF BertForMaskedLM {shape}\nAdamW, fp32, torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"step time: median of {args.repeats} interleaved repeats after {args.warmup} warm-up steps\n")
-    print(table(run(models, mlm_batch(shape), args.warmup, args.repeats)))
+    print(table(run(models, mlm_batch(shape), args.warmup, args.repeats, progress=lambda s: None)))
 
 
 if __name__ == "__main__":

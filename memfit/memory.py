@@ -5,7 +5,8 @@
 # is reduced to its storage (views share one), and each storage is counted once, by its
 # bytes, while it is alive (a c10 weak reference tells when it is freed). The peak is taken
 # after every op, once its outputs exist: memory only grows at allocations, so this is the
-# exact peak of the storages that tensors hold. It does not see allocator rounding or
+# exact peak of the storages that tensors hold. Storages resized in place (how sharding frees
+# and refills parameters) are re-measured at each resize. It does not see allocator rounding or
 # scratch buffers used inside a kernel; that makes it deterministic on the CPU, where no
 # allocator statistics exist. On CUDA the allocator's own peak is reported beside it.
 # Tensors that existed before the region count from the moment an op first touches them;
@@ -26,6 +27,13 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["MemoryMeter"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations_and_other")
+_PLAIN = (torch.Tensor, nn.Parameter)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding the memory: a DTensor's local shard, else the tensor itself."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
 
 
 class _Mode(TorchDispatchMode):
@@ -34,6 +42,8 @@ class _Mode(TorchDispatchMode):
         self.meter = meter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t not in _PLAIN for t in types):
+            return NotImplemented  # a tensor subclass (DTensor): let it run its local ops, seen below
         kwargs = kwargs or {}
         self.meter._track_all(tree_flatten((args, kwargs))[0])
         out = func(*args, **kwargs)
@@ -87,9 +97,11 @@ class MemoryMeter:
         return d.type == self.device.type and (self.device.index is None or d.index == self.device.index)
 
     def _track_all(self, items: Iterable) -> None:
-        for t in items:
-            if isinstance(t, torch.Tensor) and self._matches(t):
-                self._track(t)
+        for item in items:
+            if isinstance(item, torch.Tensor):
+                t = _local(item)
+                if self._matches(t):
+                    self._track(t)
 
     def _track(self, t: torch.Tensor) -> None:
         try:
@@ -105,6 +117,21 @@ class MemoryMeter:
         nbytes = st.nbytes()
         self._live[key] = (StorageWeakRef(st), nbytes)
         self._total += nbytes
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        # Sharding frees and refills parameter memory with storage.resize_, which no op sees.
+        if st.device.type != self.device.type or (
+            self.device.index is not None and st.device.index != self.device.index
+        ):
+            return
+        key = st._cdata
+        entry = self._live.get(key)
+        if entry is not None:
+            self._total -= entry[1]
+        nbytes = st.nbytes()
+        self._live[key] = (StorageWeakRef(st), nbytes)
+        self._total += nbytes
+        self._update_peak()
 
     def _sweep(self) -> None:
         dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
@@ -122,9 +149,11 @@ class MemoryMeter:
 
     def _keys(self, tensors: Iterable[torch.Tensor]) -> set[int]:
         keys = set()
-        for t in tensors:
-            if isinstance(t, torch.Tensor) and self._matches(t):
-                keys.add(t.untyped_storage()._cdata)
+        for item in tensors:
+            if isinstance(item, torch.Tensor):
+                t = _local(item)
+                if self._matches(t):
+                    keys.add(t.untyped_storage()._cdata)
         return keys
 
     def _categorise(self) -> dict[str, int]:
@@ -181,10 +210,20 @@ class MemoryMeter:
             mod.reset_peak_memory_stats(self.device)
         self._mode = _Mode(self)
         self._mode.__enter__()
+        self._orig_resize = torch.UntypedStorage.resize_
+        meter, orig = self, self._orig_resize
+
+        def resize_(st, size):
+            out = orig(st, size)
+            meter._resized(st)
+            return out
+
+        torch.UntypedStorage.resize_ = resize_
         return self
 
     def __exit__(self, *exc) -> None:
         assert self._mode is not None
+        torch.UntypedStorage.resize_ = self._orig_resize
         self._mode.__exit__(*exc)
         self._mode = None
         if self._accel:

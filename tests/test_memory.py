@@ -28,6 +28,18 @@ def test_tensors_from_before_count_once_touched():
     assert c.untyped_storage()._cdata == b.untyped_storage()._cdata
 
 
+def test_storage_resize_is_tracked():
+    t = torch.empty(1000)  # 4000 bytes, made before the region
+    with memfit.MemoryMeter() as m:
+        t.add_(1)  # touched: counted
+        t.untyped_storage().resize_(0)  # freed in place
+        u = torch.empty(500)  # 2000 bytes
+        t.untyped_storage().resize_(4000)  # refilled
+    assert m.peak_bytes == 4000 + 2000
+    assert m.current_bytes == 4000 + 2000
+    del u
+
+
 def test_dtype_and_device_filter():
     with memfit.MemoryMeter("cpu") as m:
         torch.zeros(10, dtype=torch.float64)  # 80 bytes
