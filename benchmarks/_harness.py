@@ -58,9 +58,7 @@ def kept_after_forward(model: torch.nn.Module, batch: dict) -> int:
     return kept
 
 
-def run(
-    models: dict[str, torch.nn.Module], batch: dict, warmup: int, repeats: int, progress=print
-) -> list[Result]:
+def run(models: dict[str, torch.nn.Module], batch: dict, warmup: int, repeats: int, progress=print) -> list[Result]:
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
     steps = {n: make_step(m, batch, opts[n]) for n, m in models.items()}
     results = {n: Result(n) for n in models}

@@ -1,7 +1,7 @@
 """memfit: train PyTorch models larger than your memory.
 
-Activation checkpointing, a memory meter, and (in later releases) fully sharded data
-parallel and a planner. Everything a user needs is re-exported here.
+Activation checkpointing, a memory meter and fully sharded data parallel (a planner comes
+later). Everything a user needs is re-exported here.
 """
 
 from memfit.checkpoint import (
@@ -18,11 +18,13 @@ from memfit.checkpoint import (
     remove_checkpointing,
 )
 from memfit.memory import MemoryMeter
+from memfit.shard import FullyShardedDataParallel, clip_grad_norm_, shard, summon_full_params
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "FullyShardedDataParallel",
     "MemoryMeter",
     "Offload",
     "apply_activation_checkpointing",
@@ -30,8 +32,11 @@ __all__ = [
     "checkpoint_module",
     "checkpoint_sequential",
     "checkpoint_wrapper",
+    "clip_grad_norm_",
     "disable_checkpointing",
     "every_nth",
     "is_recomputing",
     "remove_checkpointing",
+    "shard",
+    "summon_full_params",
 ]

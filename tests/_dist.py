@@ -3,7 +3,8 @@
 `run_ranks(fn, world_size, *args)` starts one process per rank, initialises a gloo process
 group on a free port, calls ``fn(rank, world_size, *args)`` and returns the per-rank results.
 A rank that raises makes the call fail with that rank's traceback; ranks still running after
-``timeout`` seconds are killed and named. ``fn`` must be importable (a module-level function).
+``timeout`` seconds are killed and named; ``pg_timeout`` is the process group's own timeout
+for one collective. ``fn`` must be importable (a module-level function).
 
 `run_subtests(cases, world_size)` runs many named sub-cases in one process group (process
 start-up is the cost on a small machine) and returns {name: traceback or None} per rank 0's
@@ -31,7 +32,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results) -> None:
+def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results, pg_timeout: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
@@ -40,7 +41,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         out = fn(rank, world_size, *args)
         results.put((rank, None, out))
@@ -51,12 +52,12 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0) -> list:
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, pg_timeout: float = 60.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, pg_timeout), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:

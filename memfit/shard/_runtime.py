@@ -1,0 +1,162 @@
+"""When units gather, free and reduce: the module and autograd hooks of sharding.
+
+# [Note: One sharded training step]
+# Forward, per unit: the pre-forward hook finishes the unit's all-gather (started early by
+# the unit before it: forward prefetch), starts the next unit's, and wraps the inputs that
+# need a gradient in `_PostBackward`. The post-forward hook hooks the outputs (pre-backward)
+# and, with reshard_after_forward, frees the full parameters (the root keeps them: its
+# backward comes first).
+# Backward, per unit: the first output gradient (pre-backward) gathers the unit again and
+# prefetches the unit that ran before it in forward. Recompute of checkpointed blocks inside
+# the unit happens after this, so it never gathers a second time. When autograd has produced
+# the gradients of the unit's inputs, all parameter gradients of the unit are accumulated
+# (autograd runs AccumulateGrad before any earlier node): `_PostBackward` reduce-scatters them
+# into the shards and frees the full parameters. A unit whose inputs need no gradient (the
+# embeddings) is reduced by the callback queued at the root's pre-backward, which runs when
+# the whole backward ends and also resets every unit for the next step.
+# Without grad (evaluation) units gather before and free right after their forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memfit.shard._unit import TrainingState, Unit
+
+
+class RootState:
+    """Shared by the units under one root (the outermost sharded module)."""
+
+    def __init__(self, root: Unit, units: list[Unit]) -> None:
+        self.root = root
+        self.units = units  # root first, then in module order: the order names and indices come from
+        self.forward_order: list[Unit] = []  # recorded in the first step, used to prefetch
+        self.order_done = False
+        self.callback_queued = False
+
+    def next_in_forward(self, unit: Unit) -> Unit | None:
+        if not self.order_done or unit not in self.forward_order:
+            return None
+        i = self.forward_order.index(unit)
+        return self.forward_order[i + 1] if i + 1 < len(self.forward_order) else None
+
+    def prev_in_forward(self, unit: Unit) -> Unit | None:
+        if not self.order_done or unit not in self.forward_order:
+            return None
+        i = self.forward_order.index(unit)
+        return self.forward_order[i - 1] if i > 0 else None
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the unit's inputs; its backward runs once the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx, unit: Unit, *tensors: torch.Tensor):  # type: ignore[override]
+        ctx.unit = unit
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+        unit: Unit = ctx.unit
+        unit.pending_backward -= 1
+        if unit.pending_backward == 0:
+            post_backward(unit)
+        return (None, *grads)
+
+
+def post_backward(unit: Unit) -> None:
+    if unit.training_state is TrainingState.REDUCED:
+        return
+    unit.reshard()  # the parameters are no longer needed: free them before the reduce buffers
+    if unit.sync_grads:
+        unit.reduce_grads()
+    unit.training_state = TrainingState.REDUCED
+
+
+def ensure_finish_queued(state: RootState) -> None:
+    """Make sure `finish_backward` runs when the current backward pass ends."""
+    if not state.callback_queued:
+        Variable._execution_engine.queue_callback(lambda: finish_backward(state))
+        state.callback_queued = True
+
+
+def pre_backward(unit: Unit) -> None:
+    if unit.training_state is not TrainingState.FORWARD:
+        return
+    state: RootState = unit.root_state
+    ensure_finish_queued(state)
+    unit.training_state = TrainingState.BACKWARD
+    unit.wait_unshard()
+    prev = state.prev_in_forward(unit)
+    if prev is not None and prev.training_state is TrainingState.FORWARD:
+        prev.unshard()
+
+
+def finish_backward(state: RootState) -> None:
+    """End of the backward pass: reduce what is left, free everything, reset for the next step."""
+    for unit in reversed(state.units):
+        if unit.training_state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+            post_backward(unit)
+        unit.reshard()
+    for unit in state.units:
+        unit.training_state = TrainingState.IDLE
+        unit.pending_backward = 0
+    state.callback_queued = False
+
+
+def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+    unit: Unit = module._memfit_unit
+    state: RootState = unit.root_state
+    grad = torch.is_grad_enabled()
+    if unit is state.root and not state.order_done and state.forward_order:
+        state.order_done = True  # the first step's order is known once the root runs again
+    if not state.order_done and unit not in state.forward_order:
+        state.forward_order.append(unit)
+    unit.wait_unshard()
+    nxt = state.next_in_forward(unit)
+    if nxt is not None:
+        nxt.unshard()
+    if not grad:
+        return None
+    unit.training_state = TrainingState.FORWARD
+    flat, spec = tree_flatten((args, kwargs))
+    pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not pos:
+        return None
+    outs = _PostBackward.apply(unit, *[flat[i] for i in pos])
+    for i, t in zip(pos, outs):
+        flat[i] = t
+    unit.pending_backward += 1
+    return tree_unflatten(flat, spec)
+
+
+def post_forward(module: nn.Module, args: tuple, kwargs: dict, output):
+    unit: Unit = module._memfit_unit
+    if not torch.is_grad_enabled():
+        unit.reshard()
+        return None
+    for t in _tensors_in(output):
+        if t.requires_grad:
+            t.register_hook(lambda _grad, u=unit: pre_backward(u))
+    if unit.reshard_after_forward and unit is not unit.root_state.root:
+        unit.reshard()
+    return None
+
+
+def _tensors_in(obj) -> list[torch.Tensor]:
+    """Tensors in nested tuples, lists, mappings (HF ModelOutput included) and dataclasses."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for x in obj for t in _tensors_in(x)]
+    if isinstance(obj, Mapping):
+        return [t for x in obj.values() for t in _tensors_in(x)]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return [t for f in dataclasses.fields(obj) for t in _tensors_in(getattr(obj, f.name))]
+    return []

@@ -1,0 +1,168 @@
+"""A sharded unit: the parameters of one module (minus its sharded submodules), gathered and
+freed together, with one flat buffer per collective.
+"""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memfit.shard import _collectives as comm
+from memfit.shard._param import ShardedParam
+
+
+class ShardState(Enum):
+    SHARDED = auto()  # live: the local chunks; the full tensors have empty storage
+    GATHERING = auto()  # live: the chunks and the all-gather buffer; the collective is in flight
+    UNSHARDED = auto()  # live: the chunks and the full tensors, which the modules now register
+
+
+class TrainingState(Enum):
+    IDLE = auto()  # between steps
+    FORWARD = auto()  # inside the unit's forward
+    BACKWARD = auto()  # its backward has started (pre-backward ran), gradients not yet reduced
+    REDUCED = auto()  # gradients reduce-scattered into the shards for this step
+
+
+class Unit:
+    """The parameters one ``shard()`` call manages, and what moves them."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        params: list[ShardedParam],
+        group,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.module = module
+        self.params = params
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.reshard_after_forward = reshard_after_forward
+        self.name = type(module).__name__  # replaced by its path once the root knows it
+        self.index = 0  # position in the root's list of units; checked in every all-gather
+        self.shard_state = ShardState.SHARDED
+        self.training_state = TrainingState.IDLE
+        self.pending_backward = 0  # forward calls whose post-backward has not fired yet
+        self.sync_grads = True  # False inside no_sync(): keep full gradients, reduce later
+        self._gather: tuple[dist.Work, torch.Tensor] | None = None
+
+    def __repr__(self) -> str:
+        return f"Unit({self.name!r}, {len(self.params)} params, {self.shard_state.name})"
+
+    # -- all-gather ---------------------------------------------------------------------------
+
+    def _slot_numel(self) -> int:
+        return sum(p.slot_numel for p in self.params) + 1  # + the unit index, to catch divergence
+
+    def unshard(self) -> None:
+        """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
+        if self.shard_state is not ShardState.SHARDED or not self.params:
+            return
+        dtype, device = self.params[0].sharded.dtype, self.params[0].sharded.device
+        send = torch.zeros(self._slot_numel(), dtype=dtype, device=device)
+        offset = 0
+        for p in self.params:
+            send[offset : offset + p.local_numel].copy_(p.sharded.detach().reshape(-1))
+            offset += p.slot_numel
+        send[-1] = self.index
+        out = torch.empty(self.world * send.numel(), dtype=dtype, device=device)
+        self._gather = (comm.all_gather(out, send, self.group), out)
+        self.shard_state = ShardState.GATHERING
+
+    def wait_unshard(self) -> None:
+        """Finish the all-gather; the modules then compute with the full parameters."""
+        if self.shard_state is ShardState.SHARDED:
+            self.unshard()
+        if self.shard_state is not ShardState.GATHERING:
+            return
+        work, out = self._gather
+        self._gather = None
+        comm.wait(work, f"all-gather of sharded unit '{self.name}'", self.group)
+        slots = out.view(self.world, -1)
+        ids = slots[:, -1].tolist()
+        if any(i != self.index for i in ids):
+            raise RuntimeError(
+                f"memfit sharding: rank {self.rank} gathered unit '{self.name}' (#{self.index}) while the ranks sent "
+                f"units {[int(i) for i in ids]}: ranks diverged (one skipped or reordered a forward)."
+            )
+        offset = 0
+        for p in self.params:
+            full = p.alloc_full()
+            for r in range(self.world):
+                rows = p.rows_of(r)
+                if rows:
+                    start = r * p.chunk_rows
+                    full[start : start + rows].view(-1).copy_(slots[r, offset : offset + rows * p.row_numel])
+            p.register(p.full)
+            offset += p.slot_numel
+        self.shard_state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the full parameters; the modules register their local chunks again."""
+        if self.shard_state is ShardState.GATHERING:
+            self.wait_unshard()
+        if self.shard_state is not ShardState.UNSHARDED:
+            return
+        for p in self.params:
+            p.register(p.sharded)
+            p.free_full()
+        self.shard_state = ShardState.SHARDED
+
+    # -- reduce-scatter -----------------------------------------------------------------------
+
+    def reduce_grads(self) -> None:
+        """Sum the full gradients over ranks into the local chunks' ``.grad``, divided by W.
+
+        Each rank's slot holds its rows of every trainable parameter's gradient, then one
+        "has a gradient" flag per parameter (in every slot): after the reduce-scatter, a
+        parameter that no rank used keeps ``grad = None``, as in single-process training.
+        The slot ends with the unit index i and i*i: their sums over ranks are W*i and W*i*i
+        only if every rank reduced this same unit (the sums of squares differ otherwise).
+        """
+        trainable = [p for p in self.params if p.requires_grad]
+        if not trainable:
+            return
+        grad_numel = sum(p.slot_numel for p in trainable)
+        flags = grad_numel
+        slot = grad_numel + len(trainable) + 2
+        dtype, device = trainable[0].sharded.dtype, trainable[0].sharded.device
+        send = torch.zeros(self.world, slot, dtype=dtype, device=device)
+        offset = 0
+        for k, p in enumerate(trainable):
+            g = p.full.grad
+            if g is not None:
+                g = g.reshape(p.rows, p.row_numel)
+                for r in range(self.world):
+                    rows = p.rows_of(r)
+                    if rows:
+                        start = r * p.chunk_rows
+                        send[r, offset : offset + rows * p.row_numel].copy_(g[start : start + rows].reshape(-1))
+                send[:, flags + k] = 1
+            p.full.grad = None
+            offset += p.slot_numel
+        send[:, -2] = self.index
+        send[:, -1] = self.index * self.index
+        out = torch.empty(slot, dtype=dtype, device=device)
+        work = comm.reduce_scatter(out, send.view(-1), self.group)
+        comm.wait(work, f"reduce-scatter of sharded unit '{self.name}'", self.group)
+        if out[-2].item() != self.world * self.index or out[-1].item() != self.world * self.index**2:
+            raise RuntimeError(
+                f"memfit sharding: rank {self.rank} reduced the gradients of unit '{self.name}' (#{self.index}) "
+                "while other ranks reduced another unit: ranks diverged (one skipped or reordered a forward "
+                "or backward)."
+            )
+        out.div_(self.world)
+        offset = 0
+        for k, p in enumerate(trainable):
+            if out[flags + k] > 0:
+                g = out[offset : offset + p.local_numel].view_as(p.sharded)
+                if p.sharded.grad is None:
+                    p.sharded.grad = g.clone()
+                else:
+                    p.sharded.grad.add_(g)
+            offset += p.slot_numel
