@@ -49,7 +49,9 @@ def wrap(strategy: str, model: torch.nn.Module) -> torch.nn.Module:
 def worker(rank: int, world: int, port: int, args, queue) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    shape = BertShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch)
+    shape = BertShape(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab
+    )
     base = bert_mlm(shape, seed=0)
     base.train()
     batch = mlm_batch(shape, seed=rank)
@@ -98,6 +100,7 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=30522)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
@@ -112,7 +115,9 @@ def main() -> None:
     res = queue.get()
     med = {s: statistics.median(res["times"][s]) for s in STRATEGIES}
     peak = {s: max(r[s][0] for r in res["peaks"]) for s in STRATEGIES}
-    shape = BertShape(layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch)
+    shape = BertShape(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab
+    )
     lines = [
         f"# Data parallel on {args.world_size} gloo ranks (CPU): HF BERT-MLM",
         "",

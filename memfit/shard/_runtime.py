@@ -10,10 +10,12 @@
 # prefetches the unit that ran before it in forward. Recompute of checkpointed blocks inside
 # the unit happens after this, so it never gathers a second time. When autograd has produced
 # the gradients of the unit's inputs, all parameter gradients of the unit are accumulated
-# (autograd runs AccumulateGrad before any earlier node): `_PostBackward` reduce-scatters them
-# into the shards and frees the full parameters. A unit whose inputs need no gradient (the
-# embeddings) is reduced by the callback queued at the root's pre-backward, which runs when
-# the whole backward ends and also resets every unit for the next step.
+# (autograd runs AccumulateGrad before any earlier node): `_PostBackward` frees the full
+# parameters and starts reduce-scattering the gradients into the shards; that finishes while
+# the next unit computes (one reduce-scatter in flight at a time). A unit whose inputs need no
+# gradient (the embeddings) is reduced by the callback queued at the root's pre-backward,
+# which runs when the whole backward ends, finishes the last reduce-scatter and resets every
+# unit for the next step.
 # Without grad (evaluation) units gather before and free right after their forward.
 """
 
@@ -39,6 +41,7 @@ class RootState:
         self.forward_order: list[Unit] = []  # recorded in the first step, used to prefetch
         self.order_done = False
         self.callback_queued = False
+        self.pending_reduce = None  # the last reduce-scatter, finished when the next starts
 
     def next_in_forward(self, unit: Unit) -> Unit | None:
         if not self.order_done or unit not in self.forward_order:
@@ -71,12 +74,22 @@ class _PostBackward(torch.autograd.Function):
 
 
 def post_backward(unit: Unit) -> None:
+    """Free the unit's parameters and start reducing its gradients; the reduce-scatter runs
+    while the next unit computes its backward, and finishes when that unit's starts."""
     if unit.training_state is TrainingState.REDUCED:
         return
     unit.reshard()  # the parameters are no longer needed: free them before the reduce buffers
     if unit.sync_grads:
-        unit.reduce_grads()
+        state: RootState = unit.root_state
+        finish_pending_reduce(state)
+        state.pending_reduce = unit.start_reduce()
     unit.training_state = TrainingState.REDUCED
+
+
+def finish_pending_reduce(state: RootState) -> None:
+    if state.pending_reduce is not None:
+        pending, state.pending_reduce = state.pending_reduce, None
+        pending.finish()
 
 
 def ensure_finish_queued(state: RootState) -> None:
@@ -104,6 +117,7 @@ def finish_backward(state: RootState) -> None:
         if unit.training_state in (TrainingState.FORWARD, TrainingState.BACKWARD):
             post_backward(unit)
         unit.reshard()
+    finish_pending_reduce(state)
     for unit in state.units:
         unit.training_state = TrainingState.IDLE
         unit.pending_backward = 0

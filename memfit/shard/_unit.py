@@ -64,7 +64,8 @@ class Unit:
         if self.shard_state is not ShardState.SHARDED or not self.params:
             return
         dtype, device = self.params[0].sharded.dtype, self.params[0].sharded.device
-        send = torch.zeros(self._slot_numel(), dtype=dtype, device=device)
+        # Padding after each chunk is never read back, so the buffer is not zeroed.
+        send = torch.empty(self._slot_numel(), dtype=dtype, device=device)
         offset = 0
         for p in self.params:
             send[offset : offset + p.local_numel].copy_(p.sharded.detach().reshape(-1))
@@ -116,7 +117,14 @@ class Unit:
     # -- reduce-scatter -----------------------------------------------------------------------
 
     def reduce_grads(self) -> None:
-        """Sum the full gradients over ranks into the local chunks' ``.grad``, divided by W.
+        """Reduce-scatter the gradients and wait for it (see :meth:`start_reduce`)."""
+        pending = self.start_reduce()
+        if pending is not None:
+            pending.finish()
+
+    def start_reduce(self) -> PendingReduce | None:
+        """Start summing the full gradients over ranks into the local chunks' ``.grad``
+        (divided by W, when the returned handle finishes); frees the full gradients.
 
         Each rank's slot holds its rows of every trainable parameter's gradient, then one
         "has a gradient" flag per parameter (in every slot): after the reduce-scatter, a
@@ -131,7 +139,9 @@ class Unit:
         flags = grad_numel
         slot = grad_numel + len(trainable) + 2
         dtype, device = trainable[0].sharded.dtype, trainable[0].sharded.device
-        send = torch.zeros(self.world, slot, dtype=dtype, device=device)
+        # Not zeroed: padding, and the gradient slots of a parameter whose flag is 0, are never read.
+        send = torch.empty(self.world, slot, dtype=dtype, device=device)
+        send[:, flags:] = 0
         offset = 0
         for k, p in enumerate(trainable):
             g = p.full.grad
@@ -149,14 +159,28 @@ class Unit:
         send[:, -1] = self.index * self.index
         out = torch.empty(slot, dtype=dtype, device=device)
         work = comm.reduce_scatter(out, send.view(-1), self.group)
-        comm.wait(work, f"reduce-scatter of sharded unit '{self.name}'", self.group)
-        if out[-2].item() != self.world * self.index or out[-1].item() != self.world * self.index**2:
+        return PendingReduce(self, trainable, work, send, out)
+
+
+class PendingReduce:
+    """A reduce-scatter in flight; `finish` waits and writes the gradient shards."""
+
+    def __init__(self, unit: Unit, trainable: list[ShardedParam], work, send: torch.Tensor, out: torch.Tensor):
+        self.unit, self.trainable, self.work, self.send, self.out = unit, trainable, work, send, out
+
+    def finish(self) -> None:
+        unit, trainable, out = self.unit, self.trainable, self.out
+        comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
+        self.send = None  # free the send buffer
+        grad_numel = sum(p.slot_numel for p in trainable)
+        flags = grad_numel
+        if out[-2].item() != unit.world * unit.index or out[-1].item() != unit.world * unit.index**2:
             raise RuntimeError(
-                f"memfit sharding: rank {self.rank} reduced the gradients of unit '{self.name}' (#{self.index}) "
+                f"memfit sharding: rank {unit.rank} reduced the gradients of unit '{unit.name}' (#{unit.index}) "
                 "while other ranks reduced another unit: ranks diverged (one skipped or reordered a forward "
                 "or backward)."
             )
-        out.div_(self.world)
+        out.div_(unit.world)
         offset = 0
         for k, p in enumerate(trainable):
             if out[flags + k] > 0:
