@@ -1,7 +1,7 @@
 """memfit: train PyTorch models larger than your memory.
 
-Activation checkpointing, a memory meter and fully sharded data parallel (a planner comes
-later). Everything a user needs is re-exported here.
+Activation checkpointing, a memory meter, fully sharded data parallel and a planner that
+fits a training step into a memory budget. Everything a user needs is re-exported here.
 """
 
 from memfit.checkpoint import (
@@ -18,6 +18,7 @@ from memfit.checkpoint import (
     remove_checkpointing,
 )
 from memfit.memory import MemoryMeter
+from memfit.plan import Plan, PlanError, parse_bytes, plan
 from memfit.shard import FullyShardedDataParallel, clip_grad_norm_, shard, summon_full_params
 
 __version__ = "0.1.0"
@@ -27,6 +28,8 @@ __all__ = [
     "FullyShardedDataParallel",
     "MemoryMeter",
     "Offload",
+    "Plan",
+    "PlanError",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_module",
@@ -36,6 +39,8 @@ __all__ = [
     "disable_checkpointing",
     "every_nth",
     "is_recomputing",
+    "parse_bytes",
+    "plan",
     "remove_checkpointing",
     "shard",
     "summon_full_params",

@@ -184,6 +184,12 @@ class MemoryMeter:
         self._sweep()
         return self._total
 
+    def reset_peak(self) -> None:
+        """Start measuring the peak again from the bytes alive now (inside the region)."""
+        self._sweep()
+        self.peak_bytes = self._total
+        self._peak_breakdown = self._categorise()
+
     def breakdown(self) -> dict[str, int]:
         """Bytes per category at the peak: parameters, gradients, optimizer_state, activations_and_other."""
         return dict(self._peak_breakdown)

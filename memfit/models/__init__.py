@@ -61,3 +61,31 @@ def mlm_batch(shape: BertShape, seed: int = 0) -> dict[str, torch.Tensor]:
     labels = ids.clone()
     labels[torch.rand(ids.shape, generator=g) > 0.15] = -100
     return {"input_ids": ids, "labels": labels}
+
+
+def gpt2_lm(shape: BertShape, seed: int = 0) -> nn.Module:
+    """A randomly initialised ``transformers.GPT2LMHeadModel`` of ``shape`` (same fields as BERT's)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=shape.vocab,
+        n_embd=shape.hidden,
+        n_layer=shape.layers,
+        n_head=shape.heads,
+        n_positions=max(1024, shape.seq),
+        resid_pdrop=shape.dropout,
+        embd_pdrop=shape.dropout,
+        attn_pdrop=shape.dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,  # training: no key/value cache
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(cfg)
+
+
+def lm_batch(shape: BertShape, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random token ids; the labels are the ids (the model shifts them for next-token loss)."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
+    return {"input_ids": ids, "labels": ids.clone()}

@@ -1,0 +1,175 @@
+"""`memfit.plan`: fit a training step into a memory budget at the least extra time."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from torch import nn
+
+import memfit
+from memfit.plan._budget import format_bytes, parse_bytes
+from memfit.plan._profile import DECISIONS, ModelProfile, find_candidates, profile_model
+from memfit.plan._solve import Sharding, forecast, smallest_budget, solve
+
+
+class PlanError(ValueError):
+    """No plan fits the budget; the message gives the smallest budget that does."""
+
+
+@dataclass
+class Plan:
+    """Per-block decisions with their forecast. Decisions: keep (store activations),
+    selective (checkpoint, keep the Linear outputs), full (checkpoint), offload (checkpoint,
+    the block input to disk)."""
+
+    budget: int
+    decisions: dict[str, str]  # block path -> decision
+    profile: ModelProfile
+    sharding: Sharding | None
+    rule: str = "linear"
+    offload: memfit.Offload | None = None
+    solve_seconds: float = 0.0
+    forecast: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.forecast = forecast(self.profile, list(self.decisions.values()), self.sharding)
+
+    @property
+    def predicted_peak(self) -> int:
+        return int(self.forecast["peak"])
+
+    @property
+    def predicted_overhead(self) -> float:
+        """Seconds added to a step by recompute and offload."""
+        return self.forecast["extra_time"]
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        """Checkpoint ``model``'s blocks in place as decided (blocks to keep are left plain)."""
+        for path, decision in self.decisions.items():
+            block = model.get_submodule(path)
+            memfit.remove_checkpointing(block)
+            if decision == "full":
+                memfit.checkpoint_module(block, name=path)
+            elif decision == "selective":
+                memfit.checkpoint_module(block, save=self.rule, name=path)
+            elif decision == "offload":
+                memfit.checkpoint_module(block, offload=self.offload or "disk", name=path)
+        return model
+
+    def table(self) -> str:
+        """Per block: decision, bytes saved against keeping, extra time; then the forecast."""
+        lines = [f"{'block':<32}{'decision':<11}{'kept':>12}{'saved':>12}{'extra ms':>10}"]
+        for b in self.profile.blocks:
+            d = self.decisions[b.path]
+            lines.append(
+                f"{b.path:<32}{d:<11}{format_bytes(b.kept[d]):>12}{format_bytes(b.kept['keep'] - b.kept[d]):>12}"
+                f"{b.extra_time[d] * 1e3:>10.1f}"
+            )
+        f = self.forecast
+        lines += [
+            "",
+            f"budget {format_bytes(self.budget)}; predicted peak {format_bytes(f['peak'])} at {f['at']}; "
+            f"predicted overhead {f['extra_time'] * 1e3:.1f} ms per step (solved in {self.solve_seconds * 1e3:.0f} ms)",
+            "terms: "
+            + ", ".join(
+                f"{k.removeprefix('term:')} {format_bytes(v)}" for k, v in f.items() if k.startswith("term:") and v
+            )
+            + f", kept activations {format_bytes(f['kept_activations'])}",
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict:
+        return {
+            "budget": self.budget,
+            "world_size": self.sharding.world_size if self.sharding else 1,
+            "decisions": dict(self.decisions),
+            "predicted_peak": self.predicted_peak,
+            "predicted_overhead_s": self.predicted_overhead,
+            "peak_at": self.forecast["at"],
+            "terms": {k.removeprefix("term:"): v for k, v in self.forecast.items() if k.startswith("term:")},
+            "kept_activations": self.forecast["kept_activations"],
+            "blocks": [
+                {"path": b.path, "kept": b.kept, "peak": b.peak, "extra_time_s": b.extra_time}
+                for b in self.profile.blocks
+            ],
+        }
+
+    def compare(self, measured_peak: int | memfit.MemoryMeter) -> str:
+        """Predicted against measured peak (bytes, or a MemoryMeter around a step)."""
+        measured = measured_peak.peak_bytes if isinstance(measured_peak, memfit.MemoryMeter) else measured_peak
+        ratio = self.predicted_peak / measured
+        fits = "fits" if measured <= self.budget else "exceeds"
+        return (
+            f"predicted peak {format_bytes(self.predicted_peak)}, measured {format_bytes(measured)} "
+            f"({ratio:.3f}x, error {abs(ratio - 1):.1%}); the measured step {fits} the budget "
+            f"{format_bytes(self.budget)}"
+        )
+
+    def __repr__(self) -> str:
+        counts = {d: list(self.decisions.values()).count(d) for d in DECISIONS}
+        return f"Plan(budget={format_bytes(self.budget)}, peak={format_bytes(self.predicted_peak)}, {counts})"
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: dict,
+    *,
+    budget: int | float | str,
+    world_size: int = 1,
+    sharding: bool | None = None,
+    optimizer: str = "adamw",
+    candidates: list[str] | None = None,
+    decisions: tuple[str, ...] = DECISIONS,
+    profile: ModelProfile | None = None,
+) -> Plan:
+    """Measure ``model``'s blocks on ``example_inputs`` and choose, per block, keep / selective
+    / full checkpoint / offload so the step's predicted peak fits ``budget`` at the least
+    predicted extra time. See [Note: The planner's memory model] and [Note: The planner's solver].
+
+    Args:
+        model: called as ``model(**example_inputs)``; its output's ``.loss`` (or the output
+            itself, averaged) is the loss. Not modified (profiling works on a copy).
+        budget: bytes, or a string such as ``"6GB"``, ``"3.5GiB"``, ``"800MB"``.
+        world_size, sharding: forecast per rank for a model sharded over ``world_size`` ranks
+            (sharding defaults to ``world_size > 1``). The sharded terms are arithmetic on the
+            single-process measurements and have not been checked against a measured sharded
+            step yet.
+        optimizer: "adamw", "adam" or "sgd" (its state and step are measured).
+        candidates: module paths of the blocks to decide for (default: the layers, i.e. the
+            children of the longest list of same-class modules). Everything else is measured
+            as a whole (embeddings before the blocks, head and loss after).
+        decisions: the decisions allowed.
+        profile: a profile from an earlier call (``plan.profile``), to re-plan without measuring.
+
+    Raises:
+        PlanError: no plan fits; the message gives the smallest budget that does.
+    """
+    budget_bytes = parse_bytes(budget)
+    bad = [d for d in decisions if d not in DECISIONS]
+    if bad or not decisions:
+        raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
+    shard = Sharding(world_size) if (sharding if sharding is not None else world_size > 1) else None
+    if profile is None:
+        blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else find_candidates(model)
+        profile = profile_model(model, example_inputs, blocks, optimizer=optimizer)
+    t0 = time.perf_counter()
+    chosen = solve(profile, budget_bytes, shard, decisions)
+    seconds = time.perf_counter() - t0
+    if chosen is None:
+        floor = smallest_budget(profile, shard, decisions)
+        least = forecast(profile, ["keep"] * len(profile.blocks), shard)
+        raise PlanError(
+            f"memfit.plan: no plan fits {format_bytes(budget_bytes)}. The smallest budget that fits is "
+            f"{format_bytes(floor)}; keeping every activation needs {format_bytes(least['peak'])}. What no "
+            f"decision reduces: parameters, buffers and optimizer state {format_bytes(profile.state_bytes)}, "
+            f"optimizer step peak {format_bytes(profile.optimizer_peak)}, head and loss "
+            f"{format_bytes(profile.head_transient)}. Shard over more ranks, or use a smaller batch."
+        )
+    return Plan(
+        budget=budget_bytes,
+        decisions={b.path: d for b, d in zip(profile.blocks, chosen)},
+        profile=profile,
+        sharding=shard,
+        solve_seconds=seconds,
+    )

@@ -1,0 +1,302 @@
+"""Measure what the planner's memory model needs: per block and for the rest of the step.
+
+# [Note: The planner's memory model]
+# A training step's peak is the largest of three kinds of moment (named terms, all bytes):
+#   end of forward:  S + O + sum_j kept_j + y_last + T_head
+#   backward of i:   S + O + G_after_i + G_rest + sum_{j<i} kept_j + B_i
+#   optimizer step:  P_opt
+# S     parameters, buffers and optimizer state (per rank when sharded),
+# O     what exists when the first block starts: the batch and what the embeddings keep,
+# kept_j what block j keeps for backward under its decision, its input included unless
+#       offloaded (its output is the next block's input, counted there; the last one is y_last),
+# T_head the peak of the head, the loss and their backward above the end-of-forward state,
+# G_after_i / G_rest  the gradients of the blocks after i / of the parameters outside blocks,
+# B_i   the peak of block i's forward and backward on its own (input, what it keeps, recompute,
+#       gradients of its parameters and of its input, its output and the output's gradient),
+# P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries).
+# Every term is measured with MemoryMeter on the example batch, per block and per decision.
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+import memfit
+from memfit.checkpoint._selective import _READY
+
+DECISIONS = ("keep", "selective", "full", "offload")
+
+
+@dataclass
+class BlockProfile:
+    """One candidate block, measured on the example batch (bytes and seconds)."""
+
+    path: str
+    param_bytes: int  # its parameters (its gradients have the same size when trainable)
+    grad_bytes: int
+    input_bytes: int
+    output_bytes: int
+    kept: dict[str, int] = field(default_factory=dict)  # per decision, input included unless offloaded
+    peak: dict[str, int] = field(default_factory=dict)  # B_i per decision
+    forward_time: float = 0.0
+    extra_time: dict[str, float] = field(default_factory=dict)  # added to a step per decision
+
+
+@dataclass
+class ModelProfile:
+    blocks: list[BlockProfile]
+    state_bytes: int  # S: parameters + buffers + optimizer state
+    param_bytes: int
+    optimizer_bytes: int
+    grad_rest_bytes: int  # gradients of parameters outside the blocks
+    before_blocks: int  # O
+    last_output: int  # y_last
+    head_transient: int  # T_head
+    optimizer_peak: int  # P_opt
+    measured_keep_peak: int  # the whole step's peak with every block kept, for reference
+
+
+def find_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Default candidates: the children of the longest list of same-class blocks (the layers)."""
+    best: list[tuple[str, nn.Module]] = []
+    for path, m in model.named_modules():
+        if isinstance(m, (nn.ModuleList, nn.Sequential)):
+            kids = list(m.named_children())
+            if len(kids) >= 2 and len({type(k) for _, k in kids}) == 1 and len(kids) > len(best):
+                best = [(f"{path}.{n}" if path else n, k) for n, k in kids]
+    if not best:
+        raise ValueError(
+            f"memfit.plan: found no repeated blocks in {type(model).__name__}; pass candidates=[...] (module paths)"
+        )
+    return best
+
+
+def _tensor_bytes(obj) -> int:
+    seen, total = set(), 0
+    for t in tree_flatten(obj)[0]:
+        if isinstance(t, torch.Tensor) and t.untyped_storage()._cdata not in seen:
+            seen.add(t.untyped_storage()._cdata)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def _state_bytes(module: nn.Module) -> int:
+    return sum(t.untyped_storage().nbytes() for t in [*module.parameters(), *module.buffers()])
+
+
+def _apply(block: nn.Module, decision: str, rule: str, offload: memfit.Offload) -> None:
+    memfit.remove_checkpointing(block)
+    if decision == "full":
+        memfit.checkpoint_module(block)
+    elif decision == "selective":
+        memfit.checkpoint_module(block, save=rule)
+    elif decision == "offload":
+        memfit.checkpoint_module(block, offload=offload)
+
+
+def _fresh(args, kwargs):
+    def clone(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        c = t.detach().clone()
+        return c.requires_grad_(t.requires_grad)
+
+    return tree_map(clone, args), tree_map(clone, kwargs)
+
+
+def _outputs_with_grad(out) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+class _OpTimer(TorchDispatchMode):
+    """Seconds spent in ops whose outputs a selective rule keeps, and in all ops."""
+
+    def __init__(self, keep) -> None:
+        super().__init__()
+        self.keep, self.kept, self.total = keep, 0.0, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        t0 = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        dt = time.perf_counter() - t0
+        self.total += dt
+        if self.keep(func):
+            self.kept += dt
+        return out
+
+
+def _profile_block(path, block, args, kwargs, rule, offload, repeats) -> BlockProfile:
+    trainable = sum(p.untyped_storage().nbytes() for p in block.parameters() if p.requires_grad)
+    a, k = _fresh(args, kwargs)
+    with torch.no_grad():
+        out_bytes = _tensor_bytes(block(*a, **k))
+    prof = BlockProfile(path, _state_bytes(block), trainable, _tensor_bytes((a, k)), out_bytes)
+    for decision in DECISIONS:
+        _apply(block, decision, rule, offload)
+        a, k = _fresh(args, kwargs)
+        with memfit.MemoryMeter(model=block) as meter:
+            out = block(*a, **k)
+            alive = meter.current_bytes
+            outs = _outputs_with_grad(out)
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+        internal = alive - prof.param_bytes - prof.input_bytes - prof.output_bytes
+        prof.kept[decision] = internal + (0 if decision == "offload" else prof.input_bytes)
+        # In the chain the block's output is gone by its backward (the next block released it).
+        prof.peak[decision] = meter.peak_bytes - prof.param_bytes - prof.output_bytes
+        block.zero_grad(set_to_none=True)
+        del out, outs
+    memfit.remove_checkpointing(block)
+    times, timers = [], []
+    for _ in range(repeats):
+        a, k = _fresh(args, kwargs)
+        timer = _OpTimer(_READY[rule])
+        t0 = time.perf_counter()
+        with timer:
+            block(*a, **k)
+        times.append(time.perf_counter() - t0)
+        timers.append(timer)
+    prof.forward_time = statistics.median(times)
+    kept_share = statistics.median(t.kept / t.total for t in timers) if timers[0].total else 0.0
+    io = _offload_seconds(prof.input_bytes, offload, repeats)
+    prof.extra_time = {
+        "keep": 0.0,
+        "selective": prof.forward_time * (1.0 - kept_share),
+        "full": prof.forward_time,
+        "offload": prof.forward_time + io,
+    }
+    return prof
+
+
+def _offload_seconds(nbytes: int, offload: memfit.Offload, repeats: int) -> float:
+    """Time to write ``nbytes`` to the offload target and read them back (median)."""
+    from memfit.checkpoint._offload import _DiskStore, _unpack_disk
+
+    if nbytes == 0:
+        return 0.0
+    store = _DiskStore.for_directory(offload.directory or __import__("tempfile").gettempdir())
+    t = torch.empty(nbytes, dtype=torch.uint8)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        _unpack_disk(store.pack(t))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _loss_of(out) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if loss is None:
+        loss = out if isinstance(out, torch.Tensor) else tree_flatten(out)[0][0]
+    return loss if loss.dim() == 0 else loss.float().mean()
+
+
+def profile_model(
+    model: nn.Module,
+    example_inputs: dict,
+    candidates: list[tuple[str, nn.Module]],
+    *,
+    optimizer: str = "adamw",
+    rule: str = "linear",
+    offload: memfit.Offload | None = None,
+    repeats: int = 3,
+) -> ModelProfile:
+    """Measure every term of [Note: The planner's memory model] for ``model`` on the batch."""
+    offload = offload or memfit.Offload("disk")
+    model = copy.deepcopy(model)  # profiling checkpoints blocks and creates gradients and state
+    model.train()
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False  # an HF key/value cache is for generation, and would grow per run
+    blocks = [model.get_submodule(p) for p, _ in candidates]
+    captured: dict[int, tuple] = {}
+    marks: dict[str, int] = {}
+    meter_box: list[memfit.MemoryMeter] = []
+
+    def capture(i):
+        def hook(module, args, kwargs):
+            if i not in captured:
+                captured[i] = _fresh(args, kwargs)
+            if i == 0 and meter_box and "before" not in marks:
+                marks["before"] = meter_box[0].current_bytes
+
+        return hook
+
+    def after_last(module, args, kwargs, out):
+        if not meter_box:
+            return
+        meter = meter_box[0]
+        marks["at_last_output"] = meter.current_bytes
+        marks["last_output"] = _tensor_bytes(out)
+        meter.reset_peak()  # from here on: the head, the loss and their backward
+
+        def head_done(grad):
+            marks.setdefault("head_peak", meter.peak_bytes)
+
+        for t in _outputs_with_grad(out):
+            t.register_hook(head_done)
+
+    handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
+    opt = _make_optimizer(optimizer, model)
+    try:
+        # One step to create the optimizer state; then the measured one.
+        _loss_of(model(**example_inputs)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        captured.clear()
+        marks.clear()
+        with memfit.MemoryMeter(model=model, optimizer=opt) as whole:
+            meter_box.append(whole)
+            _loss_of(model(**example_inputs)).backward()
+        keep_peak = whole.peak_bytes
+    finally:
+        for h in handles:
+            h.remove()
+    with memfit.MemoryMeter(model=model, optimizer=opt) as opt_meter:
+        opt.step()
+    opt.zero_grad(set_to_none=True)
+    state = _state_bytes(model)
+    opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    del opt
+    profiles = [
+        _profile_block(path, blk, *captured[i], rule, offload, repeats)
+        for i, (path, blk) in enumerate(zip([p for p, _ in candidates], blocks))
+    ]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    grad_rest = sum(
+        p.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks
+    )
+    return ModelProfile(
+        blocks=profiles,
+        state_bytes=state + opt_bytes,
+        param_bytes=state,
+        optimizer_bytes=opt_bytes,
+        grad_rest_bytes=grad_rest,
+        before_blocks=marks["before"] - state - opt_bytes,
+        last_output=marks["last_output"],
+        head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
+        optimizer_peak=opt_meter.peak_bytes,
+        measured_keep_peak=keep_peak,
+    )
+
+
+def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params)
+    if name == "adam":
+        return torch.optim.Adam(params)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    raise ValueError(f"memfit.plan: unknown optimizer {name!r}; choose 'adamw', 'adam' or 'sgd'")
