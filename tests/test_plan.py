@@ -109,7 +109,8 @@ def test_plans_fit_and_forecasts_hold(arch):
     first = memfit.plan(model, batch, budget="10GB")
     profile = first.profile
     paths = [b.path for b in profile.blocks]
-    assert first.decisions == dict.fromkeys(paths, "keep")  # everything fits: nothing recomputed
+    # Everything fits: the plan is the fastest one, never slower than keeping every activation.
+    assert first.predicted_overhead <= 0.0
 
     def uniform(k):  # checkpoint every k-th block, fully
         return {p: ("full" if i % k == 0 else "keep") for i, p in enumerate(paths)}
