@@ -9,6 +9,7 @@ and one forward for the activations kept for backward.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import memfit
+from memfit.models import BertShape
 
 MIB = 2**20
 
@@ -98,3 +100,25 @@ def table(results: list[Result]) -> str:
             f"| {r.first_loss:.6f} |"
         )
     return "\n".join(lines)
+
+
+def add_shape_args(p: argparse.ArgumentParser, **defaults: int) -> None:
+    """--layers --hidden --heads --seq --batch --vocab, with this script's defaults."""
+    base = {"layers": 6, "hidden": 768, "heads": 12, "seq": 128, "batch": 8, "vocab": 30522} | defaults
+    for name, value in base.items():
+        p.add_argument(f"--{name}", type=int, default=value)
+
+
+def shape_from(args: argparse.Namespace) -> BertShape:
+    return BertShape(
+        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab
+    )
+
+
+def emit(lines: list[str], out: str | None) -> None:
+    """Print the report, and write it to ``out`` when given."""
+    report = "\n".join(lines)
+    print(report)
+    if out:
+        with open(out, "w") as f:
+            f.write(report)

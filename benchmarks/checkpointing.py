@@ -17,7 +17,7 @@ import tempfile
 import time
 
 import torch
-from _harness import MIB, run, table
+from _harness import MIB, add_shape_args, emit, run, shape_from, table
 from strategies import STRATEGIES, prepare
 
 from memfit.models import BertShape, bert_mlm, mlm_batch
@@ -43,20 +43,13 @@ def kept_minimum(shape: BertShape) -> list[tuple[str, int]]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=30522)
+    add_shape_args(p)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=STRATEGIES)
     p.add_argument("--out", help="also write the report (markdown) here")
     args = p.parse_args()
-    shape = BertShape(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab
-    )
+    shape = shape_from(args)
     strategies = ["none", *[s for s in args.strategies if s != "none"]]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="memfit-bench-") as offload_dir:
@@ -113,11 +106,7 @@ def main() -> None:
                 "(target <= 1.10x)"
             )
     lines.append("")
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ import sys
 import time
 
 import torch
-from _harness import MIB, run
+from _harness import MIB, add_shape_args, emit, run, shape_from
 
 import memfit
-from memfit.models import BertShape, bert_mlm, gpt2_lm, lm_batch, mlm_batch
+from memfit.models import bert_mlm, gpt2_lm, lm_batch, mlm_batch
 from memfit.plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit.plan._solve import forecast, solve
 
@@ -50,15 +50,8 @@ def bench_model(name, model, batch, warmup, repeats, log) -> list[str]:
         m.train()
         return plan.apply(m)
 
-    def peak_of(plan):  # one full step with the optimizer state present, as in the forecast
-        m = measured(plan)
-        opt = torch.optim.AdamW(m.parameters())
-        for _ in range(2):
-            with memfit.MemoryMeter(model=m, optimizer=opt) as meter:
-                m(**batch).loss.backward()
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        return meter.peak_bytes
+    def peak_of(plan):
+        return plan.measure(model, batch)
 
     keep_peak, full_peak = peak_of(plans["none (keep all)"]), peak_of(plans["uniform: all full"])
     budgets = {f"{int(f * 100)}%": int(full_peak + f * (keep_peak - full_peak)) for f in (0.25, 0.5, 0.75)}
@@ -139,17 +132,12 @@ def solver_time(n_blocks: int = 200) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--vocab", type=int, default=8192)
+    add_shape_args(p, hidden=512, heads=8, vocab=8192)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out")
     args = p.parse_args()
-    shape = BertShape(args.layers, args.hidden, args.heads, args.seq, args.batch, args.vocab)
+    shape = shape_from(args)
     started = time.perf_counter()
 
     def log(msg: str) -> None:
@@ -169,11 +157,7 @@ def main() -> None:
     for name, build, data in (("HF BERT-MLM", bert_mlm, mlm_batch), ("HF GPT-2", gpt2_lm, lm_batch)):
         lines += bench_model(name, build(shape), data(shape), args.warmup, args.repeats, log)
     lines += [f"Solver: {solver_time() * 1e3:.1f} ms (median of 5) for a 200-block chain.", ""]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -23,10 +23,11 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _harness import add_shape_args, emit, shape_from
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
-from memfit.models import BertShape, bert_layer_class, bert_mlm, mlm_batch
+from memfit.models import bert_layer_class, bert_mlm, mlm_batch
 
 STRATEGIES = ("DDP", "torch FSDP2", "memfit")
 MIB = 2**20
@@ -49,9 +50,7 @@ def wrap(strategy: str, model: torch.nn.Module) -> torch.nn.Module:
 def worker(rank: int, world: int, port: int, args, queue) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    shape = BertShape(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab
-    )
+    shape = shape_from(args)
     base = bert_mlm(shape, seed=0)
     base.train()
     batch = mlm_batch(shape, seed=rank)
@@ -95,12 +94,7 @@ def worker(rank: int, world: int, port: int, args, queue) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=6)
-    p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--heads", type=int, default=12)
-    p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=4)
-    p.add_argument("--vocab", type=int, default=30522)
+    add_shape_args(p, batch=4)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
@@ -115,9 +109,7 @@ def main() -> None:
     res = queue.get()
     med = {s: statistics.median(res["times"][s]) for s in STRATEGIES}
     peak = {s: max(r[s][0] for r in res["peaks"]) for s in STRATEGIES}
-    shape = BertShape(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab
-    )
+    shape = shape_from(args)
     lines = [
         f"# Data parallel on {args.world_size} gloo ranks (CPU): HF BERT-MLM",
         "",
@@ -145,11 +137,7 @@ def main() -> None:
         f"{med['memfit'] / med['DDP']:.3f}x (target <= 1.2)",
         "",
     ]
-    report = "\n".join(lines)
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -9,7 +10,7 @@ from torch import nn
 
 import memfit
 from memfit.plan._budget import format_bytes, parse_bytes
-from memfit.plan._profile import DECISIONS, ModelProfile, find_candidates, profile_model
+from memfit.plan._profile import DECISIONS, ModelProfile, _loss_of, _make_optimizer, find_candidates, profile_model
 from memfit.plan._solve import Sharding, forecast, smallest_budget, solve
 
 
@@ -94,6 +95,19 @@ class Plan:
                 for b in self.profile.blocks
             ],
         }
+
+    def measure(self, model: nn.Module, example_inputs: dict, *, optimizer: str = "adamw", steps: int = 2) -> int:
+        """Train a copy of ``model`` under this plan and return the peak of its last step
+        (MemoryMeter; after the first step the optimizer state exists, as in the forecast)."""
+        model = self.apply(copy.deepcopy(model))
+        model.train()
+        opt = _make_optimizer(optimizer, model)
+        for _ in range(steps):
+            with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
+                _loss_of(model(**example_inputs)).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        return meter.peak_bytes
 
     def compare(self, measured_peak: int | memfit.MemoryMeter) -> str:
         """Predicted against measured peak (bytes, or a MemoryMeter around a step)."""
