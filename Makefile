@@ -13,7 +13,8 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) benchmarks/demo.py
+	mkdir -p out
+	$(VENV)/bin/memfit bench --compare --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -17,9 +17,9 @@ import tempfile
 import time
 
 import torch
-from _harness import MIB, add_shape_args, emit, run, shape_from, table
 from strategies import STRATEGIES, prepare
 
+from memfit.cli._measure import MIB, add_shape_args, emit, run, shape_from, table
 from memfit.models import BertShape, bert_mlm, mlm_batch
 
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import argparse
 
 import torch
-from _harness import run, table
 from strategies import prepare
 
+from memfit.cli._measure import run, table
 from memfit.models import BertShape, bert_mlm, mlm_batch
 
 

@@ -19,9 +19,9 @@ import sys
 import time
 
 import torch
-from _harness import MIB, add_shape_args, emit, run, shape_from
 
 import memfit
+from memfit.cli._measure import MIB, add_shape_args, emit, run, shape_from
 from memfit.models import bert_mlm, gpt2_lm, lm_batch, mlm_batch
 from memfit.plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit.plan._solve import forecast, solve

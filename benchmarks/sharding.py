@@ -23,10 +23,10 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _harness import add_shape_args, emit, shape_from
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
+from memfit.cli._measure import add_shape_args, emit, shape_from
 from memfit.models import bert_layer_class, bert_mlm, mlm_batch
 
 STRATEGIES = ("DDP", "torch FSDP2", "memfit")

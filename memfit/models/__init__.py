@@ -89,3 +89,61 @@ def lm_batch(shape: BertShape, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def llama_lm(shape: BertShape, seed: int = 0) -> nn.Module:
+    """A randomly initialised ``transformers.LlamaForCausalLM`` of ``shape`` (grouped KV heads: heads/2)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=shape.vocab,
+        hidden_size=shape.hidden,
+        intermediate_size=int(shape.hidden * 8 / 3) // 64 * 64 or 64,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=max(1, shape.heads // 2),
+        max_position_embeddings=max(2048, shape.seq),
+        attention_dropout=shape.dropout,
+        bos_token_id=0,
+        eos_token_id=0,
+        use_cache=False,
+    )
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A named architecture and shape for the CLI and benchmarks."""
+
+    arch: str  # "bert" (masked LM), "gpt2" or "llama" (causal LM)
+    shape: BertShape
+
+    def build(self, seed: int = 0) -> nn.Module:
+        return {"bert": bert_mlm, "gpt2": gpt2_lm, "llama": llama_lm}[self.arch](self.shape, seed)
+
+    def layer_class(self) -> type[nn.Module]:
+        if self.arch == "bert":
+            return bert_layer_class()
+        if self.arch == "gpt2":
+            from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+            return GPT2Block
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        return LlamaDecoderLayer
+
+
+# Sized for a 2-core CPU by default; the real sizes for `--model bert-large` and friends.
+PRESETS = {
+    "bert": Preset("bert", BertShape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=30522)),
+    "gpt2": Preset("gpt2", BertShape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=50257)),
+    "llama": Preset("llama", BertShape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=32000, dropout=0.0)),
+    "bert-base": Preset("bert", BertShape(layers=12, hidden=768, heads=12, seq=512, batch=8, vocab=30522)),
+    "bert-large": Preset("bert", BertShape(layers=24, hidden=1024, heads=16, seq=512, batch=8, vocab=30522)),
+    "gpt2-small": Preset("gpt2", BertShape(layers=12, hidden=768, heads=12, seq=1024, batch=4, vocab=50257)),
+    "gpt2-medium": Preset("gpt2", BertShape(layers=24, hidden=1024, heads=16, seq=1024, batch=4, vocab=50257)),
+    "llama-1b": Preset(
+        "llama", BertShape(layers=16, hidden=2048, heads=32, seq=2048, batch=1, vocab=32000, dropout=0.0)
+    ),
+}

@@ -1,4 +1,4 @@
-"""Shared measurement loop for the benchmark scripts: interleaved timing, then memory.
+"""The measurement loop of `memfit bench` and the benchmark scripts: interleaved timing, then memory.
 
 Each strategy gets its own model copy and AdamW. After warm-up, the timed repeats go
 round-robin over the strategies (so drift in machine load hits all of them alike) and the

@@ -1,0 +1,7 @@
+"""`python -m memfit ...`: the memfit command."""
+
+import sys
+
+from memfit.cli import main
+
+sys.exit(main())

@@ -1,0 +1,50 @@
+"""`memfit plan`: measure one batch of a preset and print the plan and forecast for a budget."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import memfit
+from memfit.cli._data import batch_at
+from memfit.models import PRESETS, BertShape, Preset
+
+
+@dataclass
+class PlanConfig:
+    model: str = "bert"
+    budget: str = "1GB"
+    world_size: int = 1
+    layers: int | None = None
+    hidden: int | None = None
+    seq: int | None = None
+    batch: int | None = None
+    json: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"memfit plan: unknown model {self.model!r}; choose one of {sorted(PRESETS)}")
+        memfit.parse_bytes(self.budget)
+        if self.world_size < 1:
+            raise ValueError("memfit plan: --world-size must be >= 1")
+
+    def preset(self) -> Preset:
+        base = PRESETS[self.model]
+        overrides = {k: getattr(self, k) for k in ("layers", "hidden", "seq", "batch") if getattr(self, k)}
+        return Preset(base.arch, BertShape(**{**asdict(base.shape), **overrides}))
+
+
+def plan_command(cfg: PlanConfig) -> memfit.Plan:
+    from memfit.cli import _warn_world_size
+
+    _warn_world_size(cfg.world_size)
+    preset = cfg.preset()
+    model = preset.build()
+    batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
+    plan = memfit.plan(model, batch, budget=cfg.budget, world_size=cfg.world_size)
+    print(f"{cfg.model}: {preset.arch} {preset.shape}, AdamW fp32, world size {cfg.world_size}\n")
+    print(plan.table())
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(plan.to_dict(), f, indent=2)
+    return plan

@@ -1,0 +1,48 @@
+"""The memfit command: bench and plan end to end on tiny shapes, and their errors."""
+
+import json
+
+import pytest
+
+from memfit.cli import main
+
+TINY = ["--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "2"]
+
+
+def test_bench_writes_table_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    rc = main(["bench", *TINY, "--repeats", "1", "--warmup", "1", "--compare", "--json", str(out), "--plot", str(png)])
+    assert rc == 0
+    rows = json.loads(out.read_text())["results"]
+    names = [r["strategy"] for r in rows]
+    assert names == ["none", "full", "selective", "offload", "torch.utils.checkpoint", "planned"]
+    assert len({round(r["loss"], 6) for r in rows}) == 1  # same model, same batch, same loss
+    planned = rows[-1]
+    assert planned["peak_bytes"] <= 1.05 * planned["budget"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "peak MiB" in capsys.readouterr().out
+
+
+def test_plan_prints_table(capsys):
+    assert main(["plan", *TINY, "--model", "gpt2", "--budget", "1GB"]) == 0
+    text = capsys.readouterr().out
+    assert "transformer.h.0" in text and "predicted peak" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--model", "nope"], r"unknown model 'nope'; choose one of \['bert', 'bert-base'"),
+        (["bench", "--strategies", "none", "fast"], r"unknown strategies \['fast'\]; choose from"),
+        (["plan", *TINY, "--budget", "1KB"], r"no plan fits 1000 B\. The smallest budget that fits is"),
+        (["plan", "--budget", "lots"], r"cannot read the memory budget 'lots'"),
+    ],
+)
+def test_errors_say_what_to_do(argv, message, capsys):
+    assert main(argv) == 2
+    assert pytest.importorskip("re").search(message, capsys.readouterr().err)
+
+
+def test_world_size_above_core_count_warns(capsys):
+    with pytest.warns(UserWarning, match=r"--world-size 999 is more than the \d+ CPU cores"):
+        assert main(["plan", *TINY, "--budget", "1GB", "--world-size", "999"]) == 0
