@@ -200,6 +200,17 @@ def test_recomputed_graph_is_freed_after_backward():
     assert not [o for o in gc.get_objects() if type(o) is _Frame]
 
 
+def test_partial_backward_passes_do_not_accumulate_recomputed_tensors():
+    from memfit.checkpoint._function import _Holder
+
+    block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh())
+    y = memfit.checkpoint(block, torch.randn(4, 8, requires_grad=True))
+    for _ in range(3):  # each pass reaches only the block's tail, and recomputes all of it
+        torch.autograd.grad(y.sum(), [block[2].bias], retain_graph=True)
+        held = [t for o in gc.get_objects() if type(o) is _Holder for t in o.values.values()]
+        assert held == []
+
+
 def test_block_called_twice_with_shared_weights():
     lin = nn.Linear(5, 5)
     ref = copy.deepcopy(lin)

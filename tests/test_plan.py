@@ -80,7 +80,7 @@ def test_infeasible_budget_names_the_smallest():
 def test_sharded_terms_divide_state_by_world_size():
     profile = synthetic(4)
     one, four = terms(profile, None), terms(profile, Sharding(4))
-    assert four["state"] == one["state"] / 4 and four["grad_rest"] == one["grad_rest"] / 4
+    assert four["state"] == one["state"] / 4 and four["grad_rest"] == one["grad_rest"] / 4  # no buffers here
     rest = profile.param_bytes - sum(b.param_bytes for b in profile.blocks)
     assert four["gather_buffers"] == 2 * 400 + rest * 3 / 4
 
@@ -138,3 +138,33 @@ def test_table_to_dict_and_apply_keep_names():
     assert [n for n, _ in model.named_parameters()] == names
     assert "forward" in model.bert.encoder.layer[0].__dict__  # checkpointed in place
     assert "predicted peak" in plan.compare(plan.predicted_peak)
+
+
+class PassThrough(torch.nn.Module):
+    """Returns its mask input unchanged beside its output (as HF layers return extras)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x, mask):
+        return self.lin(x) * mask, mask
+
+
+class Chain(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(PassThrough() for _ in range(3))
+
+    def forward(self, x, mask):
+        for b in self.blocks:
+            x, mask = b(x, mask)
+        return x.square().mean()
+
+
+def test_outputs_sharing_an_input_storage_are_counted_once():
+    inputs = {"x": torch.randn(8, 16), "mask": torch.rand(8, 16)}
+    plan = memfit.plan(Chain(), inputs, budget="1GB")
+    for b in plan.profile.blocks:
+        assert b.output_bytes == 8 * 16 * 4  # the mask is counted as an input only
+        assert all(v >= 0 for v in b.kept.values())

@@ -464,6 +464,136 @@ def case_params_on_two_devices_are_refused(rank, world):
         memfit.shard(model)
 
 
+# -- regressions from review: unusual call patterns ------------------------------------------
+
+
+class Reuse(nn.Module):
+    """Block `a` runs twice per forward: on a tensor that needs grad and on the raw input."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 13)
+        self.a = nn.Sequential(nn.Linear(13, 13), nn.Tanh())
+        self.proj = nn.Linear(6, 13)
+        self.out = nn.Linear(13, 3)
+
+    def forward(self, x):
+        h = self.a(self.inp(x))
+        g = self.a(self.proj(x).detach())  # this call's input needs no grad
+        return self.out(h + g)
+
+
+def sgd_parity(rank, world, ref, wrap, step_fn, steps=3):
+    """Train ``wrap(copy of ref)`` on per-rank data and ``ref`` on the global batch with SGD;
+    ``step_fn(model, x, y)`` runs forward and backward. Gradients and parameters must match."""
+    model = wrap(copy.deepcopy(ref))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    for step in range(steps):
+        x, y = batch("mlp", rank, step)
+        step_fn(model, x, y)
+        gx, gy = global_batch("mlp", world, step)
+        step_fn(ref, gx, gy)
+        for n, p in model.named_parameters():
+            want = dict(ref.named_parameters())[n].grad
+            assert (p.grad is None) == (want is None), n
+            if want is not None:
+                torch.testing.assert_close(p.grad, my_rows(want, rank, world).view_as(p.grad), rtol=1e-5, atol=1e-6)
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        yield model, step
+    assert_params_close(model, ref, rtol=1e-5)
+
+
+def mse_step(model, x, y):
+    nn.functional.mse_loss(model(x), y).backward()
+
+
+def case_unit_called_with_and_without_grad_inputs(rank, world):
+    torch.manual_seed(0)
+    for _ in sgd_parity(rank, world, Reuse(), per_block(nn.Sequential), mse_step):
+        pass
+
+
+def case_two_forwards_then_two_backwards(rank, world):
+    def step(model, x, y):
+        # Two losses on the two halves of each rank's 4 rows, then two backward passes. The
+        # global reference takes the same halves of every rank's rows, so the means match.
+        xs, ys = x.view(-1, 4, 6), y.view(-1, 4, 3)
+        l1 = nn.functional.mse_loss(model(xs[:, :2].reshape(-1, 6)), ys[:, :2].reshape(-1, 3))
+        l2 = nn.functional.mse_loss(model(xs[:, 2:].reshape(-1, 6)), ys[:, 2:].reshape(-1, 3))
+        l1.backward()
+        l2.backward()
+
+    for _ in sgd_parity(rank, world, make("mlp"), per_block(nn.Sequential), step):
+        pass
+
+
+def case_evaluation_between_backward_and_step(rank, world):
+    for model, _ in sgd_parity(rank, world, make("mlp"), per_block(nn.Sequential), mse_step):
+        with torch.no_grad():
+            model(batch("mlp", rank, 50)[0])  # prefetches; the optimizer step must not reuse them
+    assert all(u.shard_state.name == "SHARDED" for u in units_of(model))
+
+
+def case_freezing_after_sharding(rank, world):
+    ref = make("mlp")
+    model = per_block(nn.Sequential)(copy.deepcopy(ref))
+    for m in (model, ref):
+        m.blocks[1][0].weight.requires_grad_(False)
+    x, y = batch("mlp", rank, 0)
+    mse_step(model, x, y)
+    assert model.blocks[1][0].weight.grad is None
+    assert model.blocks[1][2].weight.grad is not None
+
+
+def case_no_sync_unit_unused_in_synced_micro_batch(rank, world):
+    ref = make("mlp")
+    model = per_block(nn.Sequential)(copy.deepcopy(ref))
+    x, y = batch("mlp", rank, 0)
+    with model.no_sync():
+        mse_step(model, x, y)  # every block runs
+    model.skip = {2}
+    ref.skip = {2}
+    mse_step(model, x, y)  # synced, but block 2 does not run: its no_sync gradient must arrive
+    ref.skip = set()
+    gx, gy = global_batch("mlp", world, 0)
+    mse_step(ref, gx, gy)
+    ref.skip = {2}
+    mse_step(ref, gx, gy)
+    for n, p in model.named_parameters():
+        want = my_rows(dict(ref.named_parameters())[n].grad, rank, world)
+        torch.testing.assert_close(p.grad.reshape(-1), want.reshape(-1), rtol=1e-5, atol=1e-7)
+    assert all(sp.full.grad is None for u in units_of(model) for sp in u.params)
+
+
+def case_checkpointed_region_around_units(rank, world):
+    ref = make("mlp")
+    model = copy.deepcopy(ref)
+    memfit.checkpoint_module(model.blocks[0])  # a checkpointed region containing two units
+    model = per_block(nn.Linear)(model)
+    for _ in sgd_parity(rank, world, ref, lambda m: model, mse_step):
+        gathered = [u for u in units_of(model) if u.shard_state.name != "SHARDED"]
+        assert not gathered
+
+
+def case_many_units_in_bf16(rank, world):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(40)]).to(torch.bfloat16)
+    model = per_block(nn.Linear)(model)  # 41 units: unit indices beyond bf16's exact integers
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def case_mixed_dtypes_in_one_unit_are_refused(rank, world):
+    model = make("mlp")
+    model.out.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"several dtypes .*bfloat16.*out\.weight"):
+        memfit.shard(model)
+
+
 CASES = [
     case_mlp_parity_with_uneven_and_empty_shards,
     case_tied_lm_head_per_block_units,
@@ -484,6 +614,14 @@ CASES = [
     case_optimizer_built_before_sharding_is_refused,
     case_sharding_twice_is_refused,
     case_params_on_two_devices_are_refused,
+    case_unit_called_with_and_without_grad_inputs,
+    case_two_forwards_then_two_backwards,
+    case_evaluation_between_backward_and_step,
+    case_freezing_after_sharding,
+    case_no_sync_unit_unused_in_synced_micro_batch,
+    case_checkpointed_region_around_units,
+    case_many_units_in_bf16,
+    case_mixed_dtypes_in_one_unit_are_refused,
 ]
 
 _reports: dict[int, dict] = {}

@@ -169,6 +169,8 @@ class _Frame:
 
     def recompute(self, gid: int) -> None:
         self.filled[gid] = 0
+        if gid >= 0:  # inside a backward pass: forget what it did not unpack when it ends
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.forget(gid))
         args, kwargs = self.inputs()
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack_recomputed(gid, t), lambda t: t)
         try:
@@ -186,6 +188,15 @@ class _Frame:
                 "path in forward and recompute: avoid control flow on global state or on values "
                 "that change between the two runs."
             )
+
+    def forget(self, gid: int) -> None:
+        """Drop backward pass ``gid``'s recomputed tensors that it did not use (a pass that
+        reaches only part of the block, e.g. torch.autograd.grad on a retained graph)."""
+        self.filled.pop(gid, None)
+        for ref in self.holders:
+            holder = ref()
+            if holder is not None:
+                holder.values.pop(gid, None)
 
     def pack_recomputed(self, gid: int, t: torch.Tensor) -> torch.Tensor:
         i = self.filled[gid]

@@ -60,6 +60,7 @@ class ModelProfile:
     head_transient: int  # T_head
     optimizer_peak: int  # P_opt
     measured_keep_peak: int  # the whole step's peak with every block kept, for reference
+    buffer_bytes: int = 0  # buffers (replicated on every rank when sharded)
 
 
 def find_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -118,8 +119,11 @@ def _profile_block(path, block, args, kwargs, rule, offload, repeats) -> BlockPr
     trainable = sum(p.untyped_storage().nbytes() for p in block.parameters() if p.requires_grad)
     a, k = _fresh(args, kwargs)
     with torch.no_grad():
-        out_bytes = _tensor_bytes(block(*a, **k))
-    prof = BlockProfile(path, _state_bytes(block), trainable, _tensor_bytes((a, k)), out_bytes)
+        out = block(*a, **k)
+    # Outputs that share storage with an input (a mask passed through) count once, as input.
+    in_bytes = _tensor_bytes((a, k))
+    out_bytes = _tensor_bytes(((a, k), out)) - in_bytes
+    prof = BlockProfile(path, _state_bytes(block), trainable, in_bytes, out_bytes)
     for decision in DECISIONS:
         _apply(block, decision, rule, offload)
         a, k = _fresh(args, kwargs)
@@ -129,10 +133,10 @@ def _profile_block(path, block, args, kwargs, rule, offload, repeats) -> BlockPr
             outs = _outputs_with_grad(out)
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-        internal = alive - prof.param_bytes - prof.input_bytes - prof.output_bytes
+        internal = max(0, alive - prof.param_bytes - prof.input_bytes - prof.output_bytes)
         prof.kept[decision] = internal + (0 if decision == "offload" else prof.input_bytes)
         # In the chain the block's output is gone by its backward (the next block released it).
-        prof.peak[decision] = meter.peak_bytes - prof.param_bytes - prof.output_bytes
+        prof.peak[decision] = max(0, meter.peak_bytes - prof.param_bytes - prof.output_bytes)
         block.zero_grad(set_to_none=True)
         del out, outs
     # Extra time per decision: the block's forward and backward, timed under each decision
@@ -255,6 +259,7 @@ def profile_model(
         head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
         optimizer_peak=opt_meter.peak_bytes,
         measured_keep_peak=keep_peak,
+        buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
     )
 
 

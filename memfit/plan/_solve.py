@@ -39,7 +39,8 @@ def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
     w = sharding.world_size if sharding else 1
     largest = max(b.param_bytes for b in profile.blocks)
     t = {
-        "state": profile.state_bytes / w,  # parameters, buffers, optimizer state (sharded)
+        # parameters and optimizer state (sharded); buffers (replicated)
+        "state": (profile.state_bytes - profile.buffer_bytes) / w + profile.buffer_bytes,
         "before_blocks": profile.before_blocks,
         "grad_rest": profile.grad_rest_bytes / w,
         "last_output": profile.last_output,
@@ -106,7 +107,7 @@ def solve(
         pick = np.zeros(BINS + 1, dtype=np.int8)
         for d in allowed:
             fits = bins * grain + b.peak[d] <= cap  # this block's backward moment, per prefix
-            q = int(np.ceil(b.kept[d] / grain))
+            q = max(0, int(np.ceil(b.kept[d] / grain)))
             if q > BINS:
                 continue
             cand = np.full(BINS + 1, np.inf)
@@ -126,7 +127,7 @@ def solve(
     for i in reversed(range(n)):
         d = DECISIONS[choices[i, at]]
         decisions.append(d)
-        at -= int(np.ceil(profile.blocks[i].kept[d] / grain))
+        at -= max(0, int(np.ceil(profile.blocks[i].kept[d] / grain)))
     return decisions[::-1]
 
 

@@ -267,6 +267,13 @@ def shard(
             f"memfit.shard: the parameters of {type(module).__name__} live on several devices {by_device}; "
             "move the module to one device first."
         )
+    dtypes = {p.dtype for p, _ in new} | {sp.sharded.dtype for sp in adopted}
+    if len(dtypes) > 1:
+        by_dtype = {str(d): [paths[p] for p, _ in new if p.dtype == d][:3] for d in dtypes}
+        raise ValueError(
+            f"memfit.shard: the parameters of {type(module).__name__} have several dtypes {by_dtype}; one unit "
+            "gathers them in one buffer. Shard the submodules of each dtype separately first, or cast the module."
+        )
     if sync_module_states and world > 1:
         with torch.no_grad():
             for p, _ in new:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from memfit.checkpoint import is_recomputing
 from memfit.shard._unit import TrainingState, Unit
 
 
@@ -68,7 +69,7 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         unit: Unit = ctx.unit
         unit.pending_backward -= 1
-        if unit.pending_backward == 0:
+        if unit.pending_backward == 0 and not unit.reduce_at_end:
             post_backward(unit)
         return (None, *grads)
 
@@ -83,6 +84,9 @@ def post_backward(unit: Unit) -> None:
         state: RootState = unit.root_state
         finish_pending_reduce(state)
         state.pending_reduce = unit.start_reduce()
+        unit.unsynced = False
+    else:
+        unit.unsynced = True  # full gradients wait for the next synced backward
     unit.training_state = TrainingState.REDUCED
 
 
@@ -100,7 +104,10 @@ def ensure_finish_queued(state: RootState) -> None:
 
 
 def pre_backward(unit: Unit) -> None:
-    if unit.training_state is not TrainingState.FORWARD:
+    # FORWARD: the first backward after the forward. IDLE or REDUCED: another backward pass
+    # through a graph that is still alive (retain_graph, or two forwards and two backwards):
+    # gather again. BACKWARD: already gathered in this pass.
+    if unit.training_state is TrainingState.BACKWARD:
         return
     state: RootState = unit.root_state
     ensure_finish_queued(state)
@@ -114,19 +121,27 @@ def pre_backward(unit: Unit) -> None:
 def finish_backward(state: RootState) -> None:
     """End of the backward pass: reduce what is left, free everything, reset for the next step."""
     for unit in reversed(state.units):
-        if unit.training_state in (TrainingState.FORWARD, TrainingState.BACKWARD):
+        ran = unit.training_state in (TrainingState.FORWARD, TrainingState.BACKWARD)
+        if ran or (unit.unsynced and unit.sync_grads):  # incl. gradients left by no_sync steps
+            unit.training_state = TrainingState.BACKWARD
             post_backward(unit)
         unit.reshard()
     finish_pending_reduce(state)
     for unit in state.units:
         unit.training_state = TrainingState.IDLE
         unit.pending_backward = 0
+        unit.reduce_at_end = False
     state.callback_queued = False
 
 
 def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     unit: Unit = module._memfit_unit
     state: RootState = unit.root_state
+    if is_recomputing():
+        # A checkpointed region around this unit is being recomputed in backward: the unit
+        # only needs its parameters; its own backward hooks were set in the real forward.
+        unit.wait_unshard()
+        return None
     grad = torch.is_grad_enabled()
     if unit is state.root and not state.order_done and state.forward_order:
         state.order_done = True  # the first step's order is known once the root runs again
@@ -134,7 +149,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
         state.forward_order.append(unit)
     unit.wait_unshard()
     nxt = state.next_in_forward(unit)
-    if nxt is not None:
+    if nxt is not None and nxt.training_state is not TrainingState.FORWARD:
         nxt.unshard()
     if not grad:
         return None
@@ -142,6 +157,7 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     flat, spec = tree_flatten((args, kwargs))
     pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not pos:
+        unit.reduce_at_end = True  # this call's backward cannot be seen ending: reduce at the end
         return None
     outs = _PostBackward.apply(unit, *[flat[i] for i in pos])
     for i, t in zip(pos, outs):
@@ -152,13 +168,21 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
 
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output):
     unit: Unit = module._memfit_unit
+    state: RootState = unit.root_state
+    if is_recomputing():
+        if unit.reshard_after_forward and unit is not state.root:
+            unit.reshard()
+        return None
     if not torch.is_grad_enabled():
         unit.reshard()
+        if unit is state.root:  # evaluation ends: drop gathers prefetched for nothing
+            for u in state.units:
+                u.reshard()
         return None
     for t in _tensors_in(output):
         if t.requires_grad:
             t.register_hook(lambda _grad, u=unit: pre_backward(u))
-    if unit.reshard_after_forward and unit is not unit.root_state.root:
+    if unit.reshard_after_forward and unit is not state.root:
         unit.reshard()
     return None
 
