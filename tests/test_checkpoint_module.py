@@ -207,3 +207,28 @@ def test_hf_bert_bitwise_equal_with_dropout(attn):
         assert (p.grad is None) == (q.grad is None), n
         if p.grad is not None:
             assert torch.equal(p.grad, q.grad), n
+
+
+def test_hf_bert_peak_equals_torch_checkpoint():
+    # Same decisions as torch's non-reentrant checkpoint: the same tensors live at every
+    # moment, so MemoryMeter's peaks must be equal, byte for byte.
+    import warnings
+
+    from transformers.models.bert.modeling_bert import BertLayer
+
+    base = bert()
+    ids = torch.randint(0, 120, (4, 32))
+    peaks = []
+    for use_memfit in (True, False):
+        model = copy.deepcopy(base)
+        if use_memfit:
+            memfit.apply_activation_checkpointing(model, BertLayer)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        with memfit.MemoryMeter(model=model) as meter:
+            model(input_ids=ids, labels=ids).loss.backward()
+        peaks.append(meter.peak_bytes)
+    assert peaks[0] == peaks[1]

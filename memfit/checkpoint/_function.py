@@ -170,7 +170,10 @@ class _Frame:
     def recompute(self, gid: int) -> None:
         self.filled[gid] = 0
         if gid >= 0:  # inside a backward pass: forget what it did not unpack when it ends
-            torch.autograd.Variable._execution_engine.queue_callback(lambda: self.forget(gid))
+            # A weak reference: the callback must not keep the frame (and the block's inputs)
+            # alive until the end of the backward pass.
+            ref = weakref.ref(self)
+            torch.autograd.Variable._execution_engine.queue_callback(lambda: _forget(ref, gid))
         args, kwargs = self.inputs()
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack_recomputed(gid, t), lambda t: t)
         try:
@@ -222,6 +225,12 @@ class _Frame:
         # grad_fn is that op, a cycle through C++ that Python's GC cannot collect, leaking
         # the whole recomputed graph (and this frame) every step.
         return value
+
+
+def _forget(ref: weakref.ref, gid: int) -> None:
+    frame = ref()
+    if frame is not None:
+        frame.forget(gid)
 
 
 def _version(t: torch.Tensor) -> int | None:
