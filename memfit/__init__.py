@@ -19,7 +19,15 @@ from memfit.checkpoint import (
 )
 from memfit.memory import MemoryMeter
 from memfit.plan import Plan, PlanError, parse_bytes, plan
-from memfit.shard import FullyShardedDataParallel, clip_grad_norm_, shard, summon_full_params
+from memfit.shard import (
+    FullyShardedDataParallel,
+    clip_grad_norm_,
+    export_safetensors,
+    load_checkpoint,
+    save_checkpoint,
+    shard,
+    summon_full_params,
+)
 
 __version__ = "0.1.0"
 
@@ -38,10 +46,13 @@ __all__ = [
     "clip_grad_norm_",
     "disable_checkpointing",
     "every_nth",
+    "export_safetensors",
     "is_recomputing",
+    "load_checkpoint",
     "parse_bytes",
     "plan",
     "remove_checkpointing",
+    "save_checkpoint",
     "shard",
     "summon_full_params",
 ]

@@ -1,5 +1,15 @@
 """Fully sharded data parallel (ZeRO-3) on torch.distributed collectives."""
 
 from memfit.shard._api import FullyShardedDataParallel, clip_grad_norm_, shard, summon_full_params
+from memfit.shard._export import export_safetensors
+from memfit.shard._state import load_checkpoint, save_checkpoint
 
-__all__ = ["FullyShardedDataParallel", "clip_grad_norm_", "shard", "summon_full_params"]
+__all__ = [
+    "FullyShardedDataParallel",
+    "clip_grad_norm_",
+    "export_safetensors",
+    "load_checkpoint",
+    "save_checkpoint",
+    "shard",
+    "summon_full_params",
+]

@@ -1,0 +1,289 @@
+"""Sharded checkpoints that load at any world size, and export of the full weights.
+
+# [Note: Sharded checkpoints]
+# `save_checkpoint` writes with torch.distributed.checkpoint (DCP): every sharded parameter,
+# and every optimizer state tensor shaped like it, goes in as a DTensor placed Shard(0) on
+# the ranks (torch.chunk layout, the same as memfit's), so each rank writes its own chunks
+# and nobody gathers the model. DCP records the full shape of each tensor, so
+# `load_checkpoint` at another world size reads back exactly the rows each new rank owns.
+# Replicated tensors (buffers, step counters, tensors in `extra`) are written once.
+# Saving is atomic: all ranks write into `<path>.tmp-<id>`; after a barrier rank 0 writes the
+# JSON part (optimizer hyperparameters, `extra`), syncs, and swaps the directory in with two
+# renames, so a crash at any point leaves the previous checkpoint intact.
+# Loading never unpickles arbitrary objects: DCP's `.metadata` file is a pickle, so it is read
+# first with an unpickler that admits only DCP's own metadata classes and torch sizes and
+# dtypes; tensors are read by DCP with weights_only loading; the rest is JSON.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import uuid
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from memfit.shard._api import ShardedModule
+from memfit.shard._param import ShardedParam
+
+__all__ = ["load_checkpoint", "save_checkpoint"]
+
+_JSON = "memfit.json"
+
+
+def _shard_params(model: nn.Module) -> tuple[dict[int, ShardedParam], Any]:
+    units = [m._memfit_unit for m in model.modules() if isinstance(m, ShardedModule)]
+    if not units:
+        raise ValueError(f"memfit: {type(model).__name__} is not sharded; save it with torch.save or shard it first")
+    return {id(sp.sharded): sp for u in units for sp in u.params}, units[0].group
+
+
+def _as_dtensor(local: torch.Tensor, sp: ShardedParam, mesh: DeviceMesh) -> DTensor:
+    full = (sp.rows, *sp.shape[1:]) if len(sp.shape) else (sp.rows,)
+    stride = torch.empty(full, device="meta").stride()
+    return DTensor.from_local(local.reshape(sp.local_rows, *full[1:]), mesh, [Shard(0)], shape=full, stride=stride)
+
+
+def _mesh(group) -> DeviceMesh:
+    return DeviceMesh.from_group(group, "cpu")
+
+
+def _model_state(model: nn.Module, mesh: DeviceMesh, shards: dict[int, ShardedParam]) -> dict[str, Any]:
+    state: dict[str, Any] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        sp = shards.get(id(t))
+        state[f"model/{name}"] = _as_dtensor(t.detach(), sp, mesh) if sp else t.detach()
+    return state
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def _optim_state(optimizer, model, mesh, shards) -> tuple[dict[str, Any], list[dict]]:
+    names = _names(model)
+    state: dict[str, Any] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        hyper = {k: v for k, v in group.items() if k != "params" and _jsonable(v)}
+        groups.append({"params": [names[id(p)] for p in group["params"]], **hyper})
+        for p in group["params"]:
+            sp = shards.get(id(p))
+            for k, v in optimizer.state.get(p, {}).items():
+                if not torch.is_tensor(v):
+                    continue
+                sharded = sp is not None and v.shape == p.shape and v.dim() > 0
+                state[f"optim/{names[id(p)]}/{k}"] = _as_dtensor(v, sp, mesh) if sharded else v
+    return state, groups
+
+
+def _jsonable(v) -> bool:
+    try:
+        json.dumps(v)
+        return True
+    except TypeError:
+        return False
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra) -> None:
+    """Write a sharded checkpoint of ``model`` (and ``optimizer``) to directory ``path``,
+    atomically; every rank must call it. ``extra`` holds what else resuming needs: JSON
+    values (step, data position) and tensors (saved once, from rank 0). See
+    [Note: Sharded checkpoints]."""
+    shards, group = _shard_params(model)
+    rank = dist.get_rank(group)
+    path = os.path.abspath(path)
+    # Rank 0 picks the temporary directory and checks that it can be created, before anything
+    # else happens; every rank learns the outcome (no rank is left waiting in a collective).
+    box: list[Any] = [None]
+    if rank == 0:
+        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+        try:
+            os.makedirs(tmp)
+            box[0] = tmp
+        except OSError as e:
+            box[0] = OSError(
+                e.errno, f"memfit.save_checkpoint: cannot write to {os.path.dirname(path)!r}: {e.strerror}"
+            )
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(box[0], Exception):
+        raise box[0]
+    tmp = box[0]
+    mesh = _mesh(group)
+    state = _model_state(model, mesh, shards)
+    groups: list[dict] = []
+    if optimizer is not None:
+        opt_state, groups = _optim_state(optimizer, model, mesh, shards)
+        state.update(opt_state)
+    plain = {k: v for k, v in extra.items() if not torch.is_tensor(v)}
+    bad = [k for k, v in plain.items() if not _jsonable(v)]
+    if bad:
+        raise TypeError(f"memfit.save_checkpoint: extra values {bad} are neither tensors nor JSON-serialisable")
+    state.update({f"extra/{k}": v for k, v in extra.items() if torch.is_tensor(v)})
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+    dist.barrier(group=group)
+    if rank == 0:
+        with open(os.path.join(tmp, _JSON), "w") as f:
+            json.dump({"version": 1, "optimizer_groups": groups, "extra": plain}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        old = None
+        if os.path.exists(path):
+            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
+            os.rename(path, old)
+        os.rename(tmp, path)
+        if old:
+            shutil.rmtree(old, ignore_errors=True)
+        fd = os.open(os.path.dirname(path), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    dist.barrier(group=group)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits DCP's metadata dataclasses, torch sizes and dtypes, and builtins; nothing else."""
+
+    _ALLOWED = frozenset(
+        {
+            ("torch", "Size"),
+            ("torch", "device"),
+            ("torch.serialization", "_get_layout"),  # a layout by name: torch.strided
+            ("builtins", "set"),
+            ("builtins", "frozenset"),
+            ("builtins", "tuple"),
+            ("builtins", "list"),
+            ("builtins", "dict"),
+            ("collections", "OrderedDict"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "PurePosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("pathlib", "PureWindowsPath"),
+        }
+    )
+    _MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+
+    def find_class(self, module: str, name: str):
+        if module in self._MODULES or (module, name) in self._ALLOWED:
+            return super().find_class(module, name)
+        value = getattr(torch, name, None) if module == "torch" else None
+        if isinstance(value, (torch.dtype, torch.memory_format)):
+            return value
+        raise pickle.UnpicklingError(f"{module}.{name}")
+
+
+def _read_metadata(path: str):
+    meta_path = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta_path) or not os.path.isfile(os.path.join(path, _JSON)):
+        raise FileNotFoundError(f"memfit.load_checkpoint: {path!r} is not a complete memfit checkpoint")
+    with open(meta_path, "rb") as f:
+        data = f.read()
+    try:
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+    except pickle.UnpicklingError as e:
+        raise RuntimeError(
+            f"memfit.load_checkpoint: refusing {meta_path!r}: it asks to load {e}, which a checkpoint's "
+            "metadata never contains (it could run arbitrary code)"
+        ) from None
+    except Exception as e:  # truncated or garbled
+        raise RuntimeError(f"memfit.load_checkpoint: {meta_path!r} is corrupted ({e})") from None
+
+
+def _check_files(path: str, meta) -> None:
+    ends: dict[str, int] = {}
+    for info in (meta.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for rel, end in ends.items():
+        file = os.path.join(path, rel)
+        size = os.path.getsize(file) if os.path.isfile(file) else -1
+        if size < end:
+            raise RuntimeError(
+                f"memfit.load_checkpoint: {file!r} is {'missing' if size < 0 else f'truncated ({size} of {end} bytes)'}"
+            )
+
+
+def _check_keys(meta, state: dict[str, Any], what: str) -> None:
+    saved = {k for k in meta.state_dict_metadata if k.startswith(what + "/")}
+    wanted = {k for k in state if k.startswith(what + "/")}
+    missing, unexpected = sorted(wanted - saved), sorted(saved - wanted)
+    if missing or unexpected:
+        cut = len(what) + 1
+        raise RuntimeError(
+            f"memfit.load_checkpoint: the checkpoint does not match this {what}: missing keys "
+            f"{[k[cut:] for k in missing][:10]}, unexpected keys {[k[cut:] for k in unexpected][:10]}"
+        )
+    for k in sorted(wanted):
+        m = meta.state_dict_metadata[k]
+        t = state[k]
+        if tuple(m.size) != tuple(t.shape) or m.properties.dtype != t.dtype:
+            raise RuntimeError(
+                f"memfit.load_checkpoint: '{k[len(what) + 1 :]}' is {m.properties.dtype}{list(m.size)} in the "
+                f"checkpoint but {t.dtype}{list(t.shape)} here"
+            )
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint written by :func:`save_checkpoint`, at this world size (any); every
+    rank must call it. Returns ``extra``. Refuses, naming what differs: another model's
+    checkpoint (missing and unexpected keys), other shapes or dtypes, truncated or missing
+    files, and metadata that would unpickle anything but checkpoint metadata."""
+    shards, group = _shard_params(model)
+    path = os.path.abspath(path)
+    meta = _read_metadata(path)
+    _check_files(path, meta)
+    with open(os.path.join(path, _JSON)) as f:
+        info = json.load(f)
+    mesh = _mesh(group)
+    state = _model_state(model, mesh, shards)
+    _check_keys(meta, state, "model")
+    opt_keys: dict[str, tuple[torch.Tensor, str]] = {}
+    if optimizer is not None:
+        names = _names(model)
+        by_name = {names[id(p)]: p for g in optimizer.param_groups for p in g["params"]}
+        for key, m in meta.state_dict_metadata.items():
+            if not key.startswith("optim/"):
+                continue
+            pname, k = key[len("optim/") :].rsplit("/", 1)
+            p = by_name.get(pname)
+            if p is None:
+                raise RuntimeError(f"memfit.load_checkpoint: the optimizer has no parameter '{pname}'")
+            sp = shards.get(id(p))
+            if sp is not None and tuple(m.size) == (sp.rows, *sp.shape[1:]) and len(m.size) > 0:
+                local = torch.zeros_like(p.detach(), dtype=m.properties.dtype)
+                state[key] = _as_dtensor(local, sp, mesh)
+            else:
+                local = torch.zeros(tuple(m.size), dtype=m.properties.dtype)
+                state[key] = local
+            opt_keys[key] = (p, k)
+    extra_keys = [k for k in meta.state_dict_metadata if k.startswith("extra/")]
+    for key in extra_keys:
+        m = meta.state_dict_metadata[key]
+        state[key] = torch.zeros(tuple(m.size), dtype=m.properties.dtype)
+    try:
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), process_group=group)
+    except Exception as e:
+        raise RuntimeError(f"memfit.load_checkpoint: reading {path!r} failed: {e}") from e
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            v = state[f"model/{name}"]
+            t.copy_(v.to_local().reshape(t.shape) if isinstance(v, DTensor) else v)
+    if optimizer is not None:
+        for key, (p, k) in opt_keys.items():
+            v = state[key]
+            v = v.to_local().reshape(p.shape) if isinstance(v, DTensor) else v
+            optimizer.state[p][k] = v.clone()
+        for group_state, saved in zip(optimizer.param_groups, info["optimizer_groups"]):
+            group_state.update({k: v for k, v in saved.items() if k != "params"})
+    extra = dict(info["extra"])
+    extra.update({k[len("extra/") :]: state[k] for k in extra_keys})
+    return extra
