@@ -35,6 +35,23 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("layers", "hidden", "seq", "batch"):
         pl.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
     pl.add_argument("--json", help="write the plan here")
+
+    t = sub.add_parser("train", help="train a preset (one process, or under torchrun); resumable")
+    t.add_argument("--model", default="bert", help=f"one of {', '.join(sorted(PRESETS))}")
+    t.add_argument("--steps", type=int, default=20)
+    t.add_argument("--lr", type=float, default=3e-4)
+    t.add_argument("--warmup", type=int, default=2, help="linear warm-up steps, then cosine decay")
+    t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
+    t.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
+    t.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
+    for name in ("layers", "hidden", "seq", "batch"):
+        t.add_argument(f"--{name}", type=int, help=f"override the preset's {name} (batch: per rank)")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--checkpoint-dir")
+    t.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps")
+    t.add_argument("--resume", default="no", choices=["no", "yes", "auto"], help="auto: if a checkpoint exists")
+    t.add_argument("--json", help="write the log and a digest of the final parameters here")
+    t.add_argument("--fail-at-step", type=int, help=argparse.SUPPRESS)  # tests: the last rank dies there once
     return p
 
 
@@ -57,6 +74,14 @@ def main(argv: list[str] | None = None) -> int:
                 plot=args.plot,
             )
             bench(cfg)
+        elif args.command == "train":
+            from memfit.cli._train import TrainConfig, train
+
+            train(
+                TrainConfig(
+                    **{k: v for k, v in vars(args).items() if k != "command"},
+                )
+            )
         else:
             from memfit.cli._plan import PlanConfig, plan_command
 

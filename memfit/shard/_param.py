@@ -63,7 +63,11 @@ class ShardedParam:
         return self.full.data.view(self.rows, self.row_numel)
 
     def free_full(self) -> None:
-        self.full.untyped_storage().resize_(0)
+        try:
+            self.full.untyped_storage().resize_(0)
+        except RuntimeError:  # exported (e.g. .numpy() inside summon_full_params): leave it to them
+            self.full.data = torch.empty_like(self.full.data)
+            self.full.untyped_storage().resize_(0)
 
     @property
     def local_numel(self) -> int:

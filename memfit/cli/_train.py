@@ -1,0 +1,181 @@
+"""`memfit train`: a real training loop on a sharded model; resumable, survives a killed rank.
+
+One process (`memfit train ...`) or many (`torchrun --nproc-per-node N -m memfit train ...`,
+and torchrun's rendezvous across machines). The model is sharded with
+FullyShardedDataParallel (one unit per layer), optionally checkpointed; AdamW with linear
+warm-up and cosine decay, gradient accumulation (no_sync on all but the last micro-batch),
+clipping by the global norm. Every step is a function of the step number alone: the batch is
+the step's window of the corpus split over ranks, and the RNG is seeded from (seed, step,
+rank). So a run resumed from a checkpoint computes exactly what the uninterrupted run would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import signal
+import socket
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+
+import memfit
+from memfit.cli._data import batch_at
+from memfit.models import PRESETS, BertShape, Preset
+
+CHECKPOINTING = ("none", "full", "selective")
+
+
+@dataclass
+class TrainConfig:
+    """What `memfit train` runs (each field is a command-line flag)."""
+
+    model: str = "bert"
+    steps: int = 20
+    lr: float = 3e-4
+    warmup: int = 2
+    accumulate: int = 1  # micro-batches per step (each rank's share of the batch, split)
+    clip: float = 1.0
+    checkpointing: str = "full"
+    layers: int | None = None
+    hidden: int | None = None
+    seq: int | None = None
+    batch: int | None = None  # per rank, per step
+    seed: int = 0
+    checkpoint_dir: str | None = None
+    save_every: int = 0
+    resume: str = "no"  # "no", "yes" (a checkpoint must exist) or "auto" (if one exists)
+    json: str | None = None
+    fail_at_step: int | None = None  # testing: the last rank kills itself there on the first attempt
+
+    def __post_init__(self) -> None:
+        if self.model not in PRESETS:
+            raise ValueError(f"memfit train: unknown model {self.model!r}; choose one of {sorted(PRESETS)}")
+        if self.checkpointing not in CHECKPOINTING:
+            raise ValueError(f"memfit train: unknown checkpointing {self.checkpointing!r}; choose from {CHECKPOINTING}")
+        if self.resume not in ("no", "yes", "auto"):
+            raise ValueError("memfit train: --resume takes no, yes or auto")
+        if self.resume != "no" or self.save_every:
+            if not self.checkpoint_dir:
+                raise ValueError("memfit train: --resume and --save-every need --checkpoint-dir")
+        if min(self.steps, self.accumulate) < 1 or self.warmup < 0:
+            raise ValueError("memfit train: --steps and --accumulate must be >= 1, --warmup >= 0")
+
+    def preset(self) -> Preset:
+        base = PRESETS[self.model]
+        overrides = {k: getattr(self, k) for k in ("layers", "hidden", "seq", "batch") if getattr(self, k)}
+        return Preset(base.arch, BertShape(**{**asdict(base.shape), **overrides}))
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
+        return self.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def _init_distributed() -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        dist.init_process_group("gloo")
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+
+
+def _has_checkpoint(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, "memfit.json"))
+
+
+def _digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    with memfit.summon_full_params(model, writeback=False):
+        for name, p in model.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().clone().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(cfg: TrainConfig) -> dict:
+    _init_distributed()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    preset = cfg.preset()
+    shape = preset.shape
+    model = preset.build(cfg.seed)
+    if cfg.checkpointing != "none":
+        memfit.apply_activation_checkpointing(
+            model, preset.layer_class(), save="linear" if cfg.checkpointing == "selective" else None
+        )
+    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={preset.layer_class()})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    start = 0
+    if cfg.resume != "no":
+        if _has_checkpoint(cfg.checkpoint_dir):
+            try:
+                start = memfit.load_checkpoint(cfg.checkpoint_dir, model, opt)["step"]
+            except RuntimeError as e:  # another model's checkpoint, a damaged one: say which
+                raise ValueError(f"memfit train: cannot resume from {cfg.checkpoint_dir!r}: {e}") from e
+        elif cfg.resume == "yes":
+            raise ValueError(
+                f"memfit train: --resume yes, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
+                "--resume (or with --resume auto) to start from scratch"
+            )
+    log: list[dict] = []
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    for step in range(start, cfg.steps):
+        if cfg.fail_at_step == step and rank == world - 1 and first_attempt:
+            os.kill(os.getpid(), signal.SIGKILL)
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = cfg.lr_at(step)
+        whole = batch_at(preset.arch, shape.batch * world, shape.seq, step=step, seed=cfg.seed)
+        mine = {k: v.chunk(world)[rank] for k, v in whole.items()}
+        micro = [{k: v.chunk(cfg.accumulate)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
+        torch.manual_seed(cfg.seed * 1_000_003 + step * world + rank)
+        meter = memfit.MemoryMeter(model=model, optimizer=opt) if step == start else None
+        total = 0.0
+        with meter if meter else contextlib.nullcontext():
+            for i, mb in enumerate(micro):
+                last = i == len(micro) - 1
+                with contextlib.nullcontext() if last else model.no_sync():
+                    loss = model(**mb).loss / cfg.accumulate
+                    loss.backward()
+                total += loss.item()
+            norm = memfit.clip_grad_norm_(model, cfg.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        mean = torch.tensor([total])
+        dist.all_reduce(mean)
+        entry = {
+            "step": step + 1,
+            "loss": mean.item() / world,
+            "grad_norm": norm,
+            "lr": cfg.lr_at(step),
+            "tokens_per_s": shape.batch * world * shape.seq / (time.perf_counter() - t0),
+        }
+        if meter:
+            entry["peak_bytes"] = meter.peak_bytes
+        log.append(entry)
+        if rank == 0:
+            peak = f"  peak {entry['peak_bytes'] / 2**20:.1f} MiB" if meter else ""
+            print(
+                f"step {step + 1}/{cfg.steps}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  "
+                f"{entry['tokens_per_s']:.0f} tok/s{peak}",
+                flush=True,
+            )
+        if cfg.save_every and (step + 1) % cfg.save_every == 0:
+            memfit.save_checkpoint(cfg.checkpoint_dir, model, opt, step=step + 1)
+    result = {"log": log, "world_size": world, "params_sha256": _digest(model)}
+    if rank == 0 and cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump(result, f, indent=2)
+    dist.barrier()
+    return result
