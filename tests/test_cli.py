@@ -46,3 +46,13 @@ def test_errors_say_what_to_do(argv, message, capsys):
 def test_world_size_above_core_count_warns(capsys):
     with pytest.warns(UserWarning, match=r"--world-size 999 is more than the \d+ CPU cores"):
         assert main(["plan", *TINY, "--budget", "1GB", "--world-size", "999"]) == 0
+
+
+def test_bench_world_size_compares_ddp_and_sharding(tmp_path):
+    out = tmp_path / "dist.json"
+    argv = ["bench", *TINY, "--world-size", "2", "--repeats", "1", "--warmup", "1", "--json", str(out)]
+    assert main(argv) == 0
+    rows = {r["strategy"]: r for r in json.loads(out.read_text())["results"]}
+    assert set(rows) == {"DDP", "memfit"}
+    assert rows["memfit"]["peak_bytes"] < rows["DDP"]["peak_bytes"]  # parameters, grads, AdamW sharded
+    assert rows["memfit"]["loss"] == rows["DDP"]["loss"]  # same init, same batch on rank 0

@@ -20,7 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="bert", help=f"one of {', '.join(sorted(PRESETS))} (default: bert)")
     b.add_argument("--strategies", nargs="+", default=list(STRATEGIES), help=f"from {', '.join(STRATEGIES)}")
     b.add_argument("--budget", help="memory budget of the planned strategy, e.g. 300MB (default: halfway)")
-    b.add_argument("--compare", action="store_true", help="add torch.utils.checkpoint")
+    b.add_argument("--compare", action="store_true", help="add torch.utils.checkpoint (with --world-size: FSDP2)")
+    b.add_argument("--world-size", type=int, default=1, help="N > 1: DDP vs memfit sharding on N spawned ranks")
     for name in ("layers", "hidden", "seq", "batch"):
         b.add_argument(f"--{name}", type=int, help=f"override the preset's {name}")
     b.add_argument("--warmup", type=int, default=2)
@@ -64,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 strategies=tuple(args.strategies),
                 budget=args.budget,
                 compare=args.compare,
+                world_size=args.world_size,
                 layers=args.layers,
                 hidden=args.hidden,
                 seq=args.seq,

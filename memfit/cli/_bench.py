@@ -31,7 +31,8 @@ class BenchConfig:
     model: str = "bert"  # a preset name (memfit.models.PRESETS)
     strategies: tuple[str, ...] = STRATEGIES
     budget: str | None = None  # for "planned"; default: halfway between "full" and "none"
-    compare: bool = False  # add torch.utils.checkpoint
+    compare: bool = False  # add torch.utils.checkpoint (with --world-size: torch FSDP2)
+    world_size: int = 1  # > 1: DDP vs memfit sharding on spawned gloo ranks
     layers: int | None = None  # shape overrides
     hidden: int | None = None
     seq: int | None = None
@@ -48,6 +49,8 @@ class BenchConfig:
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad:
             raise ValueError(f"memfit bench: unknown strategies {bad}; choose from {list(STRATEGIES)}")
+        if self.world_size < 1:
+            raise ValueError("memfit bench: --world-size must be >= 1")
         if self.warmup < 1 or self.repeats < 1:
             raise ValueError("memfit bench: --warmup and --repeats must be >= 1")
         if self.budget is not None:
@@ -86,6 +89,8 @@ def bench(cfg: BenchConfig, console=None) -> list[dict]:
     out = _Output(console)
     preset = cfg.preset
     s = preset.shape
+    if cfg.world_size > 1:
+        return _bench_distributed(cfg, out)
     batch = batch_at(preset.arch, s.batch, s.seq, step=0)
     base = preset.build()
     names = [x for x in cfg.strategies if x != "planned"] + (list(COMPARE) if cfg.compare else [])
@@ -135,6 +140,28 @@ def bench(cfg: BenchConfig, console=None) -> list[dict]:
             json.dump({"config": _jsonable(cfg), "results": rows}, f, indent=2)
     if cfg.plot:
         _plot(rows, cfg.plot, cfg.model)
+    return rows
+
+
+def _bench_distributed(cfg: BenchConfig, out: _Output) -> list[dict]:
+    from memfit.cli import _warn_world_size
+    from memfit.cli._bench_dist import run_distributed
+
+    _warn_world_size(cfg.world_size)
+    strategies = ("DDP", "memfit", *(("torch FSDP2",) if cfg.compare else ()))
+    out.say(f"{cfg.world_size} spawned gloo ranks: {', '.join(strategies)}")
+    rows = run_distributed(cfg.preset, cfg.world_size, strategies, cfg.warmup, cfg.repeats)
+    ddp = rows[0]
+    for r in rows:
+        r["overhead_vs_none"] = r["step_seconds"] / ddp["step_seconds"] - 1
+        r["peak_vs_none"] = r["peak_bytes"] / ddp["peak_bytes"]
+    s = cfg.preset.shape
+    out.table(rows, f"{cfg.model}: {cfg.preset.arch} {s}, per rank, {cfg.world_size} ranks (ratios against DDP)")
+    if cfg.json:
+        with open(cfg.json, "w") as f:
+            json.dump({"config": _jsonable(cfg), "results": rows}, f, indent=2)
+    if cfg.plot:
+        _plot(rows, cfg.plot, f"{cfg.model}, {cfg.world_size} ranks")
     return rows
 
 
