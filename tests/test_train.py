@@ -32,7 +32,7 @@ def test_resume_continues_exactly(tmp_path):
         "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", "--fail-at-step", "4", check=False
     )
     assert killed.returncode != 0  # SIGKILL at the start of step 5, after the step-4 checkpoint
-    memfit_train("--checkpoint-dir", str(tmp_path / "ck"), "--resume", "yes", "--json", str(tmp_path / "rest.json"))
+    memfit_train("--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--json", str(tmp_path / "rest.json"))
     whole, rest = read(tmp_path / "whole.json"), read(tmp_path / "rest.json")
     assert [e["step"] for e in rest["log"]] == [5, 6]
     assert [e["loss"] for e in rest["log"]] == [e["loss"] for e in whole["log"][4:]]

@@ -50,7 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--checkpoint-dir")
     t.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps")
-    t.add_argument("--resume", default="no", choices=["no", "yes", "auto"], help="auto: if a checkpoint exists")
+    t.add_argument(
+        "--resume",
+        nargs="?",
+        const="yes",
+        default="no",
+        choices=["no", "yes", "auto"],
+        help="continue from --checkpoint-dir (auto: only if a checkpoint is there)",
+    )
     t.add_argument("--json", help="write the log and a digest of the final parameters here")
     t.add_argument("--fail-at-step", type=int, help=argparse.SUPPRESS)  # tests: the last rank dies there once
     return p

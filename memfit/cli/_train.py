@@ -125,7 +125,7 @@ def train(cfg: TrainConfig) -> dict:
                 raise ValueError(f"memfit train: cannot resume from {cfg.checkpoint_dir!r}: {e}") from e
         elif cfg.resume == "yes":
             raise ValueError(
-                f"memfit train: --resume yes, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
+                f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
                 "--resume (or with --resume auto) to start from scratch"
             )
     log: list[dict] = []
