@@ -1,6 +1,13 @@
 """Fully sharded data parallel (ZeRO-3) on torch.distributed collectives."""
 
-from memfit.shard._api import FullyShardedDataParallel, clip_grad_norm_, shard, summon_full_params
+from memfit.shard._api import (
+    FullyShardedDataParallel,
+    clip_grad_norm_,
+    load_full_state_dict,
+    materialize,
+    shard,
+    summon_full_params,
+)
 from memfit.shard._export import export_safetensors
 from memfit.shard._state import load_checkpoint, save_checkpoint
 
@@ -9,6 +16,8 @@ __all__ = [
     "clip_grad_norm_",
     "export_safetensors",
     "load_checkpoint",
+    "load_full_state_dict",
+    "materialize",
     "save_checkpoint",
     "shard",
     "summon_full_params",

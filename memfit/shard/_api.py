@@ -27,7 +27,14 @@ from memfit.shard import _runtime
 from memfit.shard._param import ShardedParam
 from memfit.shard._unit import ShardState, Unit
 
-__all__ = ["FullyShardedDataParallel", "clip_grad_norm_", "shard", "summon_full_params"]
+__all__ = [
+    "FullyShardedDataParallel",
+    "clip_grad_norm_",
+    "load_full_state_dict",
+    "materialize",
+    "shard",
+    "summon_full_params",
+]
 
 # Parameters replaced by their shards -> the ShardedParam that replaced them.
 _RETIRED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -185,6 +192,7 @@ def shard(
     group: dist.ProcessGroup | None = None,
     reshard_after_forward: bool = True,
     sync_module_states: bool = True,
+    device: torch.device | str | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the ranks of ``group``, in place (ZeRO-3).
 
@@ -202,6 +210,9 @@ def shard(
             less communication, more memory). The root always keeps them.
         sync_module_states: broadcast parameters and buffers from rank 0 first, so ranks start
             equal.
+        device: where the chunks of parameters built on the meta device are allocated (default
+            the CPU); fill them with :func:`materialize` or :func:`load_full_state_dict`, so
+            the full model never exists on one rank (deferred initialisation).
 
     Ranks that diverge (one skips or reorders a unit's forward) fail at once when the units
     they exchange differ (every collective carries the unit's index), else after the process
@@ -260,7 +271,7 @@ def shard(
                 sp.register(sp.sharded)
                 u.pending_ties.remove(tie)
 
-    devices = {p.device for p, _ in new} | {sp.sharded.device for sp in adopted}
+    devices = {p.device for p, _ in new if not p.is_meta} | {sp.sharded.device for sp in adopted}
     if len(devices) > 1:
         by_device = {str(d): [paths[p] for p, _ in new if p.device == d][:3] for d in devices}
         raise ValueError(
@@ -274,10 +285,16 @@ def shard(
             f"memfit.shard: the parameters of {type(module).__name__} have several dtypes {by_dtype}; one unit "
             "gathers them in one buffer. Shard the submodules of each dtype separately first, or cast the module."
         )
+    target = torch.device(device) if device is not None else next(iter(devices), torch.device("cpu"))
+    for _, m in managed:  # buffers built on the meta device: allocated now, filled by materialize
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.zeros_like(b, device=target)
     if sync_module_states and world > 1:
         with torch.no_grad():
             for p, _ in new:
-                dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+                if not p.is_meta:
+                    dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
             for _, m in managed:
                 for b in m._buffers.values():
                     if b is not None:
@@ -285,11 +302,12 @@ def shard(
 
     params = []
     for p, p_uses in new:
-        sp = ShardedParam(p, p_uses, paths[p], rank, world)
+        sp = ShardedParam(p, p_uses, paths[p], rank, world, target)
         _RETIRED[p] = sp
         params.append(sp)
     unit = Unit(module, [*params, *adopted], group, reshard_after_forward)
     unit.pending_ties = pending
+    unit.managed = [m for _, m in managed]  # modules whose parameters this unit owns
     unit.root_state = None
     unit.parent = None
     for sp in unit.params:
@@ -321,6 +339,13 @@ def _pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     unit: Unit = module._memfit_unit
     if unit.root_state is None:
         _init_root(unit)
+        deferred = [sp.fqn for u in unit.root_state.units for sp in u.params if sp.deferred]
+        if deferred:
+            unit.root_state = None
+            raise RuntimeError(
+                f"memfit sharding: parameters {deferred[:5]} were built on the meta device and have no values; "
+                "call memfit.materialize(model) or memfit.load_full_state_dict(model, state_dict) first"
+            )
     return _runtime.pre_forward(module, args, kwargs)
 
 
@@ -434,3 +459,90 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
                         start = min(u.rank * sp.chunk_rows, sp.rows)
                         sp.sharded.detach().view(-1).copy_(full[start : start + sp.local_rows].reshape(-1))
                 u.reshard()
+
+
+# -- deferred initialisation -----------------------------------------------------------------
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = None, seed: int = 0) -> nn.Module:
+    """Give the parameters built on the meta device their initial values, one unit at a time:
+    the unit's full parameters are allocated, ``init(module)`` (default: the module's own
+    ``reset_parameters``) runs on each of its modules under the same seed on every rank, each
+    rank keeps its rows, and the full parameters are freed. No communication; the peak is the
+    local chunks plus one unit in full. Buffers built on the meta device start at zero unless
+    ``init`` or ``reset_parameters`` sets them (BatchNorm's do)."""
+    for i, unit in enumerate(_units_of(model)):
+        todo = [sp for sp in unit.params if sp.deferred]
+        if not todo:
+            continue
+        torch.manual_seed(seed * 1_000_003 + i)  # the same values on every rank
+        for sp in unit.params:
+            sp.alloc_full()
+            sp.register(sp.full)
+        try:
+            for m in unit.managed:
+                if init is not None:
+                    init(m)
+                elif hasattr(m, "reset_parameters") and (m._parameters or m._buffers):
+                    m.reset_parameters()
+            for sp in todo:
+                sp.keep_rows(sp.full, unit.rank)
+                sp.deferred = False
+        finally:
+            for sp in unit.params:
+                sp.register(sp.sharded)
+                sp.free_full()
+    return model
+
+
+@torch.no_grad()
+def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None) -> nn.Module:
+    """Load full tensors held by rank 0 (``state_dict``; other ranks pass None) into a sharded
+    model, streamed one tensor at a time: rank 0 broadcasts it, every rank keeps its rows. No
+    rank holds more than its chunks plus one full tensor beyond what rank 0 already has."""
+    units = _units_of(model)
+    group = units[0].group
+    src = dist.get_global_rank(group, 0)
+    shards = {id(sp.sharded): sp for u in units for sp in u.params}
+    rank = dist.get_rank(group)
+    names = list(model.state_dict(keep_vars=True).items())
+
+    def full_shape(t):
+        sp = shards.get(id(t))
+        return tuple(sp.shape) if sp is not None else tuple(t.shape)
+
+    problem = None
+    if rank == 0:  # checked before any broadcast, and shared, so no rank waits in vain
+        missing = [n for n, _ in names if n not in state_dict]
+        unexpected = [n for n in state_dict if n not in dict(names)]
+        shapes = [
+            f"'{n}' is {list(state_dict[n].shape)}, the model has {list(full_shape(t))}"
+            for n, t in names
+            if n in state_dict and tuple(state_dict[n].shape) != full_shape(t)
+        ]
+        if missing or unexpected or shapes:
+            problem = f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; {'; '.join(shapes[:5])}"
+    box = [problem]
+    dist.broadcast_object_list(box, src=src, group=group)
+    if box[0]:
+        raise RuntimeError(f"memfit.load_full_state_dict: the state dict does not match the model: {box[0]}")
+    done: set[int] = set()
+    for name, t in names:
+        if id(t) in done:  # tied: loaded once
+            continue
+        done.add(id(t))
+        sp = shards.get(id(t))
+        shape = sp.shape if sp is not None else t.shape
+        buf = state_dict[name].detach().to(t.dtype).clone() if rank == 0 else torch.empty(shape, dtype=t.dtype)
+        if rank == 0 and tuple(buf.shape) != tuple(shape):
+            raise RuntimeError(
+                f"memfit.load_full_state_dict: '{name}' is {list(buf.shape)}, the model has {list(shape)}"
+            )
+        dist.broadcast(buf, src=src, group=group)
+        if sp is not None:
+            sp.keep_rows(buf, dist.get_rank(group))
+            sp.deferred = False
+        else:
+            t.copy_(buf)
+    return model

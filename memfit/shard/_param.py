@@ -25,7 +25,15 @@ from torch import nn
 class ShardedParam:
     """A parameter owned by one sharded unit."""
 
-    def __init__(self, param: nn.Parameter, uses: list[tuple[nn.Module, str]], fqn: str, rank: int, world: int):
+    def __init__(
+        self,
+        param: nn.Parameter,
+        uses: list[tuple[nn.Module, str]],
+        fqn: str,
+        rank: int,
+        world: int,
+        device: torch.device | None = None,
+    ):
         self.fqn = fqn  # path of its first registration, for errors and state dicts
         self.uses = uses  # every (module, attribute) that registers it
         self.shape = param.shape
@@ -37,10 +45,19 @@ class ShardedParam:
         self.world = world
         start = min(rank * self.chunk_rows, self.rows)
         self.local_rows = min(start + self.chunk_rows, self.rows) - start
-        data = param.detach().reshape(self.rows, self.row_numel)[start : start + self.local_rows]
         local_shape = (self.local_rows, *param.shape[1:]) if param.dim() > 0 else (self.local_rows,)
-        self.sharded = nn.Parameter(data.clone().reshape(local_shape), requires_grad=param.requires_grad)
-        self.full = nn.Parameter(torch.empty_like(param), requires_grad=param.requires_grad)
+        # A parameter on the meta device has no values yet: its chunk is allocated on `device`
+        # and filled by memfit.materialize or memfit.load_full_state_dict (deferred init).
+        self.deferred = param.is_meta
+        if self.deferred:
+            device = device or torch.device("cpu")
+            local = torch.empty(local_shape, dtype=param.dtype, device=device)
+            full = torch.empty(param.shape, dtype=param.dtype, device=device)
+        else:
+            data = param.detach().reshape(self.rows, self.row_numel)[start : start + self.local_rows]
+            local, full = data.clone().reshape(local_shape), torch.empty_like(param)
+        self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
+        self.full = nn.Parameter(full, requires_grad=param.requires_grad)
         self.full.untyped_storage().resize_(0)
         self.register(self.sharded)
 
@@ -68,6 +85,12 @@ class ShardedParam:
         except RuntimeError:  # exported (e.g. .numpy() inside summon_full_params): leave it to them
             self.full.data = torch.empty_like(self.full.data)
             self.full.untyped_storage().resize_(0)
+
+    def keep_rows(self, full: torch.Tensor, rank: int) -> None:
+        """Copy this rank's rows of a full tensor (shaped like the parameter) into the chunk."""
+        start = min(rank * self.chunk_rows, self.rows)
+        rows = full.detach().reshape(self.rows, self.row_numel)[start : start + self.local_rows]
+        self.sharded.detach().view(-1).copy_(rows.reshape(-1))
 
     @property
     def local_numel(self) -> int:
