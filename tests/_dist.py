@@ -94,7 +94,9 @@ def _run_cases(rank: int, world_size: int, cases: list[Callable]) -> dict[str, s
         try:
             case(rank, world_size)
             report[case.__name__] = None
-        except Exception:
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # pytest.fail and pytest.raises' "did not raise" are BaseExceptions
             report[case.__name__] = traceback.format_exc()
         dist.barrier()
     return report

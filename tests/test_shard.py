@@ -457,13 +457,6 @@ def case_sharding_twice_is_refused(rank, world):
         memfit.shard(model)
 
 
-def case_params_on_two_devices_are_refused(rank, world):
-    model = make("mlp")
-    model.out.to("meta")
-    with pytest.raises(ValueError, match=r"several devices"):
-        memfit.shard(model)
-
-
 # -- regressions from review: unusual call patterns ------------------------------------------
 
 
@@ -613,7 +606,6 @@ CASES = [
     case_eval_under_no_grad_frees,
     case_optimizer_built_before_sharding_is_refused,
     case_sharding_twice_is_refused,
-    case_params_on_two_devices_are_refused,
     case_unit_called_with_and_without_grad_inputs,
     case_two_forwards_then_two_backwards,
     case_evaluation_between_backward_and_step,
