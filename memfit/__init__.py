@@ -21,6 +21,7 @@ from memfit.memory import MemoryMeter
 from memfit.plan import Plan, PlanError, parse_bytes, plan
 from memfit.shard import (
     FullyShardedDataParallel,
+    MixedPrecision,
     clip_grad_norm_,
     export_safetensors,
     load_checkpoint,
@@ -37,6 +38,7 @@ __all__ = [
     "CheckpointError",
     "FullyShardedDataParallel",
     "MemoryMeter",
+    "MixedPrecision",
     "Offload",
     "Plan",
     "PlanError",

@@ -9,10 +9,12 @@ from memfit.shard._api import (
     summon_full_params,
 )
 from memfit.shard._export import export_safetensors
+from memfit.shard._mixed import MixedPrecision
 from memfit.shard._state import load_checkpoint, save_checkpoint
 
 __all__ = [
     "FullyShardedDataParallel",
+    "MixedPrecision",
     "clip_grad_norm_",
     "export_safetensors",
     "load_checkpoint",

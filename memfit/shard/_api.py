@@ -24,6 +24,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit.shard import _runtime
+from memfit.shard._mixed import MixedPrecision
 from memfit.shard._param import ShardedParam
 from memfit.shard._unit import ShardState, Unit
 
@@ -75,7 +76,8 @@ class FullyShardedDataParallel(ShardedModule):
             tuple of classes, a ``callable(module) -> bool``, or an int: the minimum number of
             (not yet wrapped) parameters for a submodule to become a unit (FairScale's
             size-based policy). None: the whole model is one unit.
-        group, reshard_after_forward, sync_module_states: as for :func:`shard`.
+        group, reshard_after_forward, sync_module_states, device, mixed_precision: as for
+            :func:`shard`.
     """
 
     def __new__(cls, module: nn.Module, **kwargs):
@@ -193,6 +195,7 @@ def shard(
     reshard_after_forward: bool = True,
     sync_module_states: bool = True,
     device: torch.device | str | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the ranks of ``group``, in place (ZeRO-3).
 
@@ -213,6 +216,8 @@ def shard(
         device: where the chunks of parameters built on the meta device are allocated (default
             the CPU); fill them with :func:`materialize` or :func:`load_full_state_dict`, so
             the full model never exists on one rank (deferred initialisation).
+        mixed_precision: compute in a lower precision from fp32 shards; see
+            [Note: Mixed precision].
 
     Ranks that diverge (one skips or reorders a unit's forward) fail at once when the units
     they exchange differ (every collective carries the unit's index), else after the process
@@ -300,12 +305,17 @@ def shard(
                     if b is not None:
                         dist.broadcast(b, src=dist.get_global_rank(group, 0), group=group)
 
+    if mixed_precision is not None:
+        mixed_precision.prepare([m for _, m in managed])
     params = []
     for p, p_uses in new:
-        sp = ShardedParam(p, p_uses, paths[p], rank, world, target)
+        dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
+        sp = ShardedParam(p, p_uses, paths[p], rank, world, target, dtype)
         _RETIRED[p] = sp
         params.append(sp)
-    unit = Unit(module, [*params, *adopted], group, reshard_after_forward)
+    reduce_dtype = mixed_precision.reduce_dtype if mixed_precision else None
+    unit = Unit(module, [*params, *adopted], group, reshard_after_forward, reduce_dtype)
+    unit.input_dtype = mixed_precision.param_dtype if mixed_precision else None
     unit.pending_ties = pending
     unit.managed = [m for _, m in managed]  # modules whose parameters this unit owns
     unit.root_state = None

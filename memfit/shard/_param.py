@@ -33,6 +33,7 @@ class ShardedParam:
         rank: int,
         world: int,
         device: torch.device | None = None,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.fqn = fqn  # path of its first registration, for errors and state dicts
         self.uses = uses  # every (module, attribute) that registers it
@@ -57,6 +58,8 @@ class ShardedParam:
             data = param.detach().reshape(self.rows, self.row_numel)[start : start + self.local_rows]
             local, full = data.clone().reshape(local_shape), torch.empty_like(param)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
+        if compute_dtype is not None:  # mixed precision: the full parameter computes in this dtype
+            full = full.to(compute_dtype)
         self.full = nn.Parameter(full, requires_grad=param.requires_grad)
         self.full.untyped_storage().resize_(0)
         self.register(self.sharded)

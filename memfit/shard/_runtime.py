@@ -151,14 +151,16 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
     nxt = state.next_in_forward(unit)
     if nxt is not None and nxt.training_state is not TrainingState.FORWARD:
         nxt.unshard()
-    if not grad:
-        return None
-    unit.training_state = TrainingState.FORWARD
     flat, spec = tree_flatten((args, kwargs))
+    if unit.input_dtype is not None:  # mixed precision: floating inputs in the compute dtype
+        flat = [x.to(unit.input_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
+    if not grad:
+        return tree_unflatten(flat, spec) if unit.input_dtype is not None else None
+    unit.training_state = TrainingState.FORWARD
     pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not pos:
         unit.reduce_at_end = True  # this call's backward cannot be seen ending: reduce at the end
-        return None
+        return tree_unflatten(flat, spec) if unit.input_dtype is not None else None
     outs = _PostBackward.apply(unit, *[flat[i] for i in pos])
     for i, t in zip(pos, outs):
         flat[i] = t

@@ -36,8 +36,11 @@ class Unit:
         params: list[ShardedParam],
         group,
         reshard_after_forward: bool,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.module = module
+        self.reduce_dtype = reduce_dtype  # mixed precision: gradients summed in this dtype
+        self.input_dtype: torch.dtype | None = None  # mixed precision: floating inputs cast to this
         self.params = params
         self.group = group
         self.rank = dist.get_rank(group)
@@ -66,7 +69,11 @@ class Unit:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
         if self.shard_state is not ShardState.SHARDED or not self.params:
             return
-        dtype, device = self.params[0].sharded.dtype, self.params[0].sharded.device
+        device = self.params[0].sharded.device
+        # Gathered in the compute dtype when all parameters share one (mixed precision: half the
+        # bytes), else in the shards' dtype and cast when copied out.
+        dtypes = {p.full.dtype for p in self.params}
+        dtype = dtypes.pop() if len(dtypes) == 1 else self.params[0].sharded.dtype
         # Padding after each chunk is never read back, so the buffer is not zeroed.
         send = torch.empty(self._slot_numel(), dtype=dtype, device=device)
         offset = 0
@@ -150,7 +157,11 @@ class Unit:
         grad_numel = sum(p.slot_numel for p in trainable)
         flags = grad_numel
         slot = grad_numel + len(trainable) + 2
-        dtype, device = trainable[0].sharded.dtype, trainable[0].sharded.device
+        # The gradients' own dtype, or fp32 where a unit mixes dtypes (fp32 norms with bf16 layers)
+        # unless a reduce dtype was asked for.
+        grad_dtypes = {p.full.dtype for p in trainable}
+        common = grad_dtypes.pop() if len(grad_dtypes) == 1 else torch.float32
+        dtype, device = self.reduce_dtype or common, trainable[0].sharded.device
         # Not zeroed: padding, and the gradient slots of a parameter whose flag is 0, are never read.
         send = torch.empty(self.world, slot, dtype=dtype, device=device)
         send[:, flags:] = 0
@@ -198,7 +209,7 @@ class PendingReduce:
         offset = 0
         for k, p in enumerate(trainable):
             if out[flags + k] > 0:
-                g = out[offset : offset + p.local_numel].view_as(p.sharded)
+                g = out[offset : offset + p.local_numel].view(p.sharded.shape).to(p.sharded.dtype)
                 if p.sharded.grad is None:
                     p.sharded.grad = g.clone()
                 else:

@@ -1,0 +1,101 @@
+"""Mixed precision (bf16 on the CPU) against one process doing the same casts."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memfit
+from memfit.shard._mixed import _NORMS
+from tests._dist import run_subtests
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(6, 16), nn.LayerNorm(16), nn.GELU())
+        self.b = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh())
+        self.out = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.out(self.b(self.a(x)))
+
+
+def data(step, rank, world, rows=8):
+    g = torch.Generator().manual_seed(step)
+    x, y = torch.randn(rows * world, 6, generator=g), torch.randn(rows * world, 3, generator=g)
+    return x[rank * rows : (rank + 1) * rows], y[rank * rows : (rank + 1) * rows], x, y
+
+
+def reference(master, mp):
+    """A copy that computes like memfit's mixed precision: low-precision parameters outside the
+    norm layers, fp32 norms with cast inputs and outputs."""
+    compute = copy.deepcopy(master)
+    for m in compute.modules():
+        if not isinstance(m, _NORMS):
+            for name, p in m._parameters.items():
+                if p is not None:
+                    m._parameters[name] = nn.Parameter(p.detach().to(mp.param_dtype))
+    mp.prepare(list(compute.modules()))
+    return compute
+
+
+def case_bf16_matches_reference(rank, world):
+    reduce = torch.float32 if world > 1 else None
+    mp = memfit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce)
+    torch.manual_seed(0)
+    master = Net()
+    model = memfit.FullyShardedDataParallel(copy.deepcopy(master), auto_wrap_policy=nn.Sequential, mixed_precision=mp)
+    compute = reference(master, mp)
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(master.parameters(), lr=1e-3)
+    exact = world == 1
+    for step in range(3):
+        x, y, gx, gy = data(step, rank, world)
+        out = model(x)
+        assert out.dtype == torch.bfloat16
+        loss = nn.functional.mse_loss(out.float(), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            for pc, pm in zip(compute.parameters(), master.parameters()):
+                pc.copy_(pm)
+        ref_loss = nn.functional.mse_loss(compute(gx.to(mp.param_dtype)).float(), gy)
+        ref_loss.backward()
+        for pc, pm in zip(compute.parameters(), master.parameters()):
+            pm.grad, pc.grad = pc.grad.float(), None
+        ref_opt.step()
+        ref_opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        if exact:
+            assert torch.equal(t / world, ref_loss.detach())
+        else:  # per-rank bf16 gradients summed in fp32 against bf16 gradients of the whole batch
+            torch.testing.assert_close(t / world, ref_loss.detach(), rtol=2e-2, atol=1e-3)
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the shards stay fp32
+    with memfit.summon_full_params(model, writeback=False):
+        full = dict(model.named_parameters())
+        for n, p in master.named_parameters():
+            if exact:
+                assert torch.equal(full[n].float(), p.to(full[n].dtype).float()), n
+            else:
+                torch.testing.assert_close(full[n].float(), p.to(full[n].dtype).float(), rtol=0, atol=2e-2)
+    bn = model.b[1]
+    assert bn.weight.dtype == torch.float32 and bn.running_var.dtype == torch.float32
+
+
+def case_bad_dtype(rank, world):
+    with pytest.raises(ValueError, match=r"param_dtype must be a floating torch\.dtype"):
+        memfit.MixedPrecision(param_dtype=torch.int8)
+
+
+CASES = [case_bf16_matches_reference, case_bad_dtype]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_mixed_precision(world):
+    report = run_subtests(CASES, world)
+    failures = {k: v for k, v in report.items() if v}
+    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
