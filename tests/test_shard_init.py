@@ -82,7 +82,35 @@ def on_meta_mlp():
         return MLP()
 
 
-CASES = [case_materialize_peak_and_values, case_forward_before_materialize_is_refused, case_streamed_load_from_rank_0]
+def case_cpu_offload_logic(rank, world):
+    # On this machine the compute device is the CPU too: this checks the offload paths (host
+    # shards, gradients returned to the host, optimizer on the host) give the same training;
+    # the memory saving needs an accelerator.
+    results = []
+    for offload in (None, "cpu"):
+        torch.manual_seed(0)
+        model = memfit.FullyShardedDataParallel(MLP(), auto_wrap_policy=nn.Sequential, offload=offload)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for step in range(3):
+            g = torch.Generator().manual_seed(step * 10 + rank)
+            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        assert all(p.device.type == "cpu" for p in model.parameters())
+        assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
+        results.append(digest(model))
+    assert results[0] == results[1]
+    with pytest.raises(ValueError, match="offload must be None or 'cpu'"):
+        memfit.shard(MLP(), offload="disk")
+
+
+CASES = [
+    case_materialize_peak_and_values,
+    case_forward_before_materialize_is_refused,
+    case_streamed_load_from_rank_0,
+    case_cpu_offload_logic,
+]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

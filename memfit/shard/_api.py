@@ -76,8 +76,8 @@ class FullyShardedDataParallel(ShardedModule):
             tuple of classes, a ``callable(module) -> bool``, or an int: the minimum number of
             (not yet wrapped) parameters for a submodule to become a unit (FairScale's
             size-based policy). None: the whole model is one unit.
-        group, reshard_after_forward, sync_module_states, device, mixed_precision: as for
-            :func:`shard`.
+        group, reshard_after_forward, sync_module_states, device, mixed_precision, offload: as
+            for :func:`shard`.
     """
 
     def __new__(cls, module: nn.Module, **kwargs):
@@ -196,6 +196,7 @@ def shard(
     sync_module_states: bool = True,
     device: torch.device | str | None = None,
     mixed_precision: MixedPrecision | None = None,
+    offload: str | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over the ranks of ``group``, in place (ZeRO-3).
 
@@ -218,6 +219,12 @@ def shard(
             the full model never exists on one rank (deferred initialisation).
         mixed_precision: compute in a lower precision from fp32 shards; see
             [Note: Mixed precision].
+        offload: ``"cpu"`` keeps the shards, their gradients and so the optimizer state in host
+            memory (the optimizer steps on the CPU); a unit's full parameters are gathered on
+            the compute device (``device``, default the module's) for its forward and backward,
+            and gradients come back to the host after the reduce-scatter. With an accelerator
+            that saves its memory; on a CPU-only machine the compute device is the CPU too, so
+            the copies are host-to-host: the logic is tested here, the savings need a GPU.
 
     Ranks that diverge (one skips or reorders a unit's forward) fail at once when the units
     they exchange differ (every collective carries the unit's index), else after the process
@@ -290,7 +297,10 @@ def shard(
             f"memfit.shard: the parameters of {type(module).__name__} have several dtypes {by_dtype}; one unit "
             "gathers them in one buffer. Shard the submodules of each dtype separately first, or cast the module."
         )
+    if offload not in (None, "cpu"):
+        raise ValueError(f"memfit.shard: offload must be None or 'cpu', got {offload!r}")
     target = torch.device(device) if device is not None else next(iter(devices), torch.device("cpu"))
+    host = torch.device("cpu") if offload == "cpu" else None
     for _, m in managed:  # buffers built on the meta device: allocated now, filled by materialize
         for name, b in m._buffers.items():
             if b is not None and b.is_meta:
@@ -310,7 +320,10 @@ def shard(
     params = []
     for p, p_uses in new:
         dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
-        sp = ShardedParam(p, p_uses, paths[p], rank, world, target, dtype)
+        sp = ShardedParam(p, p_uses, paths[p], rank, world, target, dtype, host)
+        if host is not None:
+            sp.full.data = sp.full.data.to(target)  # computes on the device; storage freed below
+            sp.full.untyped_storage().resize_(0)
         _RETIRED[p] = sp
         params.append(sp)
     reduce_dtype = mixed_precision.reduce_dtype if mixed_precision else None

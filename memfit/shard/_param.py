@@ -34,6 +34,7 @@ class ShardedParam:
         world: int,
         device: torch.device | None = None,
         compute_dtype: torch.dtype | None = None,
+        shard_device: torch.device | None = None,
     ):
         self.fqn = fqn  # path of its first registration, for errors and state dicts
         self.uses = uses  # every (module, attribute) that registers it
@@ -57,6 +58,8 @@ class ShardedParam:
         else:
             data = param.detach().reshape(self.rows, self.row_numel)[start : start + self.local_rows]
             local, full = data.clone().reshape(local_shape), torch.empty_like(param)
+        if shard_device is not None:  # CPU offload: the chunk lives in host memory
+            local = local.to(shard_device)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
         if compute_dtype is not None:  # mixed precision: the full parameter computes in this dtype
             full = full.to(compute_dtype)

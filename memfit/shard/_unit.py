@@ -69,7 +69,7 @@ class Unit:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
         if self.shard_state is not ShardState.SHARDED or not self.params:
             return
-        device = self.params[0].sharded.device
+        device = self.params[0].full.device  # the compute device (shards may be offloaded)
         # Gathered in the compute dtype when all parameters share one (mixed precision: half the
         # bytes), else in the shards' dtype and cast when copied out.
         dtypes = {p.full.dtype for p in self.params}
@@ -161,7 +161,7 @@ class Unit:
         # unless a reduce dtype was asked for.
         grad_dtypes = {p.full.dtype for p in trainable}
         common = grad_dtypes.pop() if len(grad_dtypes) == 1 else torch.float32
-        dtype, device = self.reduce_dtype or common, trainable[0].sharded.device
+        dtype, device = self.reduce_dtype or common, trainable[0].full.device
         # Not zeroed: padding, and the gradient slots of a parameter whose flag is 0, are never read.
         send = torch.empty(self.world, slot, dtype=dtype, device=device)
         send[:, flags:] = 0
@@ -209,7 +209,8 @@ class PendingReduce:
         offset = 0
         for k, p in enumerate(trainable):
             if out[flags + k] > 0:
-                g = out[offset : offset + p.local_numel].view(p.sharded.shape).to(p.sharded.dtype)
+                g = out[offset : offset + p.local_numel].view(p.sharded.shape)
+                g = g.to(device=p.sharded.device, dtype=p.sharded.dtype)  # to host memory when offloaded
                 if p.sharded.grad is None:
                     p.sharded.grad = g.clone()
                 else:
