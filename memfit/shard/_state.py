@@ -53,8 +53,9 @@ def _as_dtensor(local: torch.Tensor, sp: ShardedParam, mesh: DeviceMesh) -> DTen
     return DTensor.from_local(local.reshape(sp.local_rows, *full[1:]), mesh, [Shard(0)], shape=full, stride=stride)
 
 
-def _mesh(group) -> DeviceMesh:
-    return DeviceMesh.from_group(group, "cpu")
+def _mesh(group, shards: dict[int, ShardedParam]) -> DeviceMesh:
+    device = next(iter(shards.values())).sharded.device.type if shards else "cpu"
+    return DeviceMesh.from_group(group, device)
 
 
 def _model_state(model: nn.Module, mesh: DeviceMesh, shards: dict[int, ShardedParam]) -> dict[str, Any]:
@@ -118,7 +119,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if isinstance(box[0], Exception):
         raise box[0]
     tmp = box[0]
-    mesh = _mesh(group)
+    mesh = _mesh(group, shards)
     state = _model_state(model, mesh, shards)
     groups: list[dict] = []
     if optimizer is not None:
@@ -243,7 +244,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     _check_files(path, meta)
     with open(os.path.join(path, _JSON)) as f:
         info = json.load(f)
-    mesh = _mesh(group)
+    mesh = _mesh(group, shards)
     state = _model_state(model, mesh, shards)
     _check_keys(meta, state, "model")
     opt_keys: dict[str, tuple[torch.Tensor, str]] = {}
