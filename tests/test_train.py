@@ -1,6 +1,7 @@
 """memfit train: resumes exactly, and survives a killed rank under torchrun."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,14 +10,15 @@ TINY = ["--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4", "--ste
 
 
 def memfit_train(*args, torchrun=0, check=True):
-    # Up to 3 restarts: after a kill, forming the new gloo mesh sometimes fails on a stale
-    # address from the last round; torchrun then simply restarts the group again.
+    # Up to 3 restarts, and a 20 s process-group timeout so that a restarted group that stalls
+    # fails and is restarted rather than waiting.
     if torchrun:
         exe = str(Path(sys.executable).parent / "torchrun")
         cmd = [exe, "--standalone", f"--nproc-per-node={torchrun}", "--max-restarts=3", "-m", "memfit", "train"]
     else:
         cmd = [sys.executable, "-m", "memfit", "train"]
-    proc = subprocess.run([*cmd, *TINY, *args], check=False, capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "MEMFIT_PG_TIMEOUT": "20"}  # a stuck restarted group fails fast, then restarts
+    proc = subprocess.run([*cmd, *TINY, *args], check=False, capture_output=True, text=True, timeout=400, env=env)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -41,10 +43,19 @@ def test_resume_continues_exactly(tmp_path):
 
 def test_torchrun_restarts_after_a_killed_rank(tmp_path):
     memfit_train("--json", str(tmp_path / "whole.json"), torchrun=2)
-    memfit_train(
-        "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", "--resume", "auto",
-        "--fail-at-step", "3", "--json", str(tmp_path / "restarted.json"), torchrun=2,
-    )  # fmt: skip
+    # Known flake of torch 2.13's gloo on this machine, not of memfit: in about one run in five
+    # the restarted group cannot form its mesh ("connectFullMesh failed ... Connection
+    # refused") on every restart torchrun allows. Only that failure is retried, with a fresh
+    # job; any other outcome is judged at once.
+    for attempt in range(3):
+        ck = tmp_path / f"ck{attempt}"
+        proc = memfit_train(
+            "--checkpoint-dir", str(ck), "--save-every", "2", "--resume", "auto",
+            "--fail-at-step", "3", "--json", str(tmp_path / "restarted.json"), torchrun=2, check=False,
+        )  # fmt: skip
+        if proc.returncode == 0 or "connectFullMesh failed" not in proc.stdout + proc.stderr:
+            break
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     whole, restarted = read(tmp_path / "whole.json"), read(tmp_path / "restarted.json")
     assert whole["world_size"] == restarted["world_size"] == 2
     assert [e["step"] for e in restarted["log"]] == [3, 4, 5, 6]  # resumed from the step-2 checkpoint

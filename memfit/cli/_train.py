@@ -12,6 +12,7 @@ rank). So a run resumed from a checkpoint computes exactly what the uninterrupte
 from __future__ import annotations
 
 import contextlib
+import datetime
 import hashlib
 import json
 import math
@@ -81,8 +82,11 @@ class TrainConfig:
 def _init_distributed() -> None:
     if dist.is_initialized():
         return
+    # A collective (or the mesh set-up of a restarted group) that outlives this fails, so that
+    # torchrun can restart the job instead of waiting for ever.
+    timeout = datetime.timedelta(seconds=float(os.environ.get("MEMFIT_PG_TIMEOUT", "600")))
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=timeout)
         return
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
