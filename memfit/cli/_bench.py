@@ -18,7 +18,7 @@ from torch import nn
 import memfit
 from memfit.cli._data import batch_at
 from memfit.cli._measure import MIB, run
-from memfit.models import PRESETS, BertShape, Preset
+from memfit.models import PRESETS, Preset
 
 STRATEGIES = ("none", "full", "selective", "offload", "planned")
 COMPARE = ("torch.utils.checkpoint",)
@@ -55,10 +55,9 @@ class BenchConfig:
             raise ValueError("memfit bench: --warmup and --repeats must be >= 1")
         if self.budget is not None:
             memfit.parse_bytes(self.budget)  # validates
-        base = PRESETS[self.model]
-        overrides = {k: getattr(self, k) for k in ("layers", "hidden", "seq", "batch") if getattr(self, k)}
-        shape = BertShape(**{**asdict(base.shape), **overrides})
-        self.preset = Preset(base.arch, shape)
+        self.preset = PRESETS[self.model].resized(
+            layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch
+        )
 
 
 def _prepare(strategy: str, base: nn.Module, preset: Preset) -> nn.Module:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import memfit
 from memfit.cli._data import batch_at
-from memfit.models import PRESETS, BertShape, Preset
+from memfit.models import PRESETS, Preset
 
 
 @dataclass
@@ -29,9 +29,7 @@ class PlanConfig:
             raise ValueError("memfit plan: --world-size must be >= 1")
 
     def preset(self) -> Preset:
-        base = PRESETS[self.model]
-        overrides = {k: getattr(self, k) for k in ("layers", "hidden", "seq", "batch") if getattr(self, k)}
-        return Preset(base.arch, BertShape(**{**asdict(base.shape), **overrides}))
+        return PRESETS[self.model].resized(layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch)
 
 
 def plan_command(cfg: PlanConfig) -> memfit.Plan:

@@ -20,14 +20,14 @@ import os
 import signal
 import socket
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 import memfit
 from memfit.cli._data import batch_at
-from memfit.models import PRESETS, BertShape, Preset
+from memfit.models import PRESETS, Preset
 
 CHECKPOINTING = ("none", "full", "selective")
 
@@ -68,9 +68,7 @@ class TrainConfig:
             raise ValueError("memfit train: --steps and --accumulate must be >= 1, --warmup >= 0")
 
     def preset(self) -> Preset:
-        base = PRESETS[self.model]
-        overrides = {k: getattr(self, k) for k in ("layers", "hidden", "seq", "batch") if getattr(self, k)}
-        return Preset(base.arch, BertShape(**{**asdict(base.shape), **overrides}))
+        return PRESETS[self.model].resized(layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:

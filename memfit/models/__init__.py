@@ -5,6 +5,7 @@ Nothing is downloaded: every model is built from a config and initialised with a
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -121,6 +122,11 @@ class Preset:
 
     def build(self, seed: int = 0) -> nn.Module:
         return {"bert": bert_mlm, "gpt2": gpt2_lm, "llama": llama_lm}[self.arch](self.shape, seed)
+
+    def resized(self, **sizes: int | None) -> Preset:
+        """This preset with some sizes (layers, hidden, seq, batch, ...) replaced; None keeps one."""
+        given = {k: v for k, v in sizes.items() if v}
+        return Preset(self.arch, dataclasses.replace(self.shape, **given))
 
     def layer_class(self) -> type[nn.Module]:
         if self.arch == "bert":
