@@ -118,7 +118,7 @@ def solver_time(n_blocks: int = 200) -> float:
                 {"keep": 0.0, "selective": 0.003, "full": 0.01, "offload": 0.015},
             )
         )
-    profile = ModelProfile(blocks, 10**6, 4 * 10**5, 6 * 10**5, 500, 300, 100, 3000, 10**6, 0)
+    profile = ModelProfile(blocks, 10**6, 4 * 10**5, 6 * 10**5, 500, 300, 100, 3000, 10**6)
     low = forecast(profile, ["offload"] * n_blocks)["peak"]
     high = forecast(profile, ["keep"] * n_blocks)["peak"]
     budget = int((low + high) / 2)

@@ -35,7 +35,7 @@ def synthetic(n, seed=0):
         t = r(5, 15) / 1000
         extra = {"keep": 0.0, "selective": t * 0.3, "full": t, "offload": t * 1.5}
         blocks.append(BlockProfile(f"b{i}", 400, 400, 100, 100, kept, peak, t, extra))
-    return ModelProfile(blocks, 10_000, 4_000, 6_000, 500, 300, 100, 3_000, 13_000, 0)
+    return ModelProfile(blocks, 10_000, 4_000, 6_000, 500, 300, 100, 3_000, 13_000)
 
 
 def brute_force(profile, budget):

@@ -59,7 +59,6 @@ class ModelProfile:
     last_output: int  # y_last
     head_transient: int  # T_head
     optimizer_peak: int  # P_opt
-    measured_keep_peak: int  # the whole step's peak with every block kept, for reference
     buffer_bytes: int = 0  # buffers (replicated on every rank when sharded)
 
 
@@ -230,7 +229,6 @@ def profile_model(
         with memfit.MemoryMeter(model=model, optimizer=opt) as whole:
             meter_box.append(whole)
             _loss_of(model(**example_inputs)).backward()
-        keep_peak = whole.peak_bytes
     finally:
         for h in handles:
             h.remove()
@@ -258,7 +256,6 @@ def profile_model(
         last_output=marks["last_output"],
         head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
         optimizer_peak=opt_meter.peak_bytes,
-        measured_keep_peak=keep_peak,
         buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
     )
 
