@@ -21,10 +21,10 @@ import time
 import torch
 
 import memfit
+from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
+from memfit._plan._solve import forecast, solve
 from memfit.cli._measure import MIB, add_shape_args, emit, run, shape_from
 from memfit.models import bert_mlm, gpt2_lm, lm_batch, mlm_batch
-from memfit.plan._profile import DECISIONS, BlockProfile, ModelProfile
-from memfit.plan._solve import forecast, solve
 
 
 def uniform(paths: list[str], k: int) -> dict[str, str]:
@@ -39,11 +39,9 @@ def bench_model(name, model, batch, warmup, repeats, log) -> list[str]:
     paths = [b.path for b in profile.blocks]
     n = len(paths)
     ks = sorted({k for k in (1, 2, 3, n) if k <= n})
-    plans = {"none (keep all)": memfit.Plan(10**15, dict.fromkeys(paths, "keep"), profile, None)}
+    plans = {"none (keep all)": memfit.Plan.fixed(dict.fromkeys(paths, "keep"), profile)}
     for k in ks:
-        plans[f"uniform: every {k}" if k > 1 else "uniform: all full"] = memfit.Plan(
-            10**15, uniform(paths, k), profile, None
-        )
+        plans[f"uniform: every {k}" if k > 1 else "uniform: all full"] = memfit.Plan.fixed(uniform(paths, k), profile)
 
     def measured(plan):
         m = copy.deepcopy(model)

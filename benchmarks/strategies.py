@@ -28,15 +28,16 @@ def prepare(strategy: str, base: torch.nn.Module, offload_dir: str | None = None
     """A deep copy of ``base`` with ``strategy`` applied to every BertLayer."""
     model = copy.deepcopy(base)
     layer = bert_layer_class()
-    if strategy == "memfit full":
-        memfit.apply_activation_checkpointing(model, layer)
-    elif strategy == "memfit selective (linear)":
-        memfit.apply_activation_checkpointing(model, layer, save="linear")
-    elif strategy == "memfit selective (matmul)":
-        memfit.apply_activation_checkpointing(model, layer, save="matmul")
-    elif strategy == "memfit full + offload=disk":
-        offload = memfit.Offload("disk", directory=offload_dir or tempfile.gettempdir())
-        memfit.apply_activation_checkpointing(model, layer, offload=offload)
+    memfit_decisions = {
+        "memfit full": memfit.Decision("full"),
+        "memfit selective (linear)": memfit.Decision("selective", save="linear"),
+        "memfit selective (matmul)": memfit.Decision("selective", save="matmul"),
+        "memfit full + offload=disk": memfit.Decision(
+            "offload", offload=memfit.Offload("disk", directory=offload_dir or tempfile.gettempdir())
+        ),
+    }
+    if strategy in memfit_decisions:
+        memfit_decisions[strategy].apply_to(model, layer)
     elif strategy == "torch.utils.checkpoint":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)

@@ -4,8 +4,9 @@ Activation checkpointing, a memory meter, fully sharded data parallel and a plan
 fits a training step into a memory budget. Everything a user needs is re-exported here.
 """
 
-from memfit.checkpoint import (
+from memfit._checkpoint import (
     CheckpointError,
+    Decision,
     Offload,
     apply_activation_checkpointing,
     checkpoint,
@@ -17,9 +18,8 @@ from memfit.checkpoint import (
     is_recomputing,
     remove_checkpointing,
 )
-from memfit.memory import MemoryMeter
-from memfit.plan import Plan, PlanError, parse_bytes, plan
-from memfit.shard import (
+from memfit._plan import Plan, PlanError, parse_bytes, plan
+from memfit._shard import (
     FullyShardedDataParallel,
     MixedPrecision,
     clip_grad_norm_,
@@ -31,11 +31,13 @@ from memfit.shard import (
     shard,
     summon_full_params,
 )
+from memfit.memory import MemoryMeter
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
+    "Decision",
     "FullyShardedDataParallel",
     "MemoryMeter",
     "MixedPrecision",

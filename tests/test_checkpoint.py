@@ -191,7 +191,7 @@ def test_retain_graph_second_backward_recomputes():
 
 
 def test_recomputed_graph_is_freed_after_backward():
-    from memfit.checkpoint._function import _Frame
+    from memfit._checkpoint._function import _Frame
 
     block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh())
     y = memfit.checkpoint(block, torch.randn(2, 4, requires_grad=True))
@@ -201,7 +201,7 @@ def test_recomputed_graph_is_freed_after_backward():
 
 
 def test_partial_backward_passes_do_not_accumulate_recomputed_tensors():
-    from memfit.checkpoint._function import _Holder
+    from memfit._checkpoint._function import _Holder
 
     block = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8), nn.Tanh())
     y = memfit.checkpoint(block, torch.randn(4, 8, requires_grad=True))

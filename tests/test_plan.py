@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import memfit
+from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
+from memfit._plan._solve import Sharding, forecast, solve, terms
 from memfit.models import BertShape, bert_mlm, gpt2_lm, lm_batch, mlm_batch
-from memfit.plan._profile import DECISIONS, BlockProfile, ModelProfile
-from memfit.plan._solve import Sharding, forecast, solve, terms
 
 
 def test_parse_bytes():
@@ -105,7 +105,7 @@ def test_plans_fit_and_forecasts_hold(arch):
     def uniform(k):  # checkpoint every k-th block, fully
         return {p: ("full" if i % k == 0 else "keep") for i, p in enumerate(paths)}
 
-    uniforms = {k: memfit.Plan(10**12, uniform(k), profile, None) for k in (1, 2, 4)}
+    uniforms = {k: memfit.Plan.fixed(uniform(k), profile) for k in (1, 2, 4)}
     peaks = {k: measured_peak(model, batch, u) for k, u in uniforms.items()}
     keep_peak = measured_peak(model, batch, first)
     full_peak = peaks[1]

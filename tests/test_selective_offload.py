@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
-from memfit.checkpoint import _offload
+from memfit._checkpoint import _offload
 from tests.test_checkpoint import assert_same, grads
 from tests.test_checkpoint_module import bert
 

@@ -19,8 +19,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
-from memfit.shard import _collectives as comm
-from memfit.shard._api import ShardedModule
+from memfit._shard import _collectives as comm
+from memfit._shard._api import ShardedModule
 from tests._dist import run_ranks, run_subtests
 
 RTOL, ATOL = 1e-6, 1e-7

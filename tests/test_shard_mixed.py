@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
-from memfit.shard._mixed import _NORMS
+from memfit._shard._mixed import _NORMS
 from tests._dist import run_subtests
 
 

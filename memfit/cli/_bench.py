@@ -62,17 +62,12 @@ class BenchConfig:
 
 def _prepare(strategy: str, base: nn.Module, preset: Preset) -> nn.Module:
     model = _copy(base)
-    layer = preset.layer_class()
-    if strategy == "full":
-        memfit.apply_activation_checkpointing(model, layer)
-    elif strategy == "selective":
-        memfit.apply_activation_checkpointing(model, layer, save="linear")
-    elif strategy == "offload":
-        memfit.apply_activation_checkpointing(model, layer, offload="disk")
-    elif strategy == "torch.utils.checkpoint":
+    if strategy == "torch.utils.checkpoint":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        memfit.Decision.parse(strategy).apply_to(model, preset.layer_class())
     model.train()
     return model
 
@@ -103,12 +98,8 @@ def bench(cfg: BenchConfig, console=None) -> list[dict]:
             out.say("planned: measuring the all-full and none peaks to set the budget halfway")
             layer_paths = [p for p, m in base.named_modules() if isinstance(m, preset.layer_class())]
             probe = memfit.plan(base, batch, budget="1TB")
-            none_peak = memfit.Plan(10**15, dict.fromkeys(layer_paths, "keep"), probe.profile, None).measure(
-                base, batch
-            )
-            full_peak = memfit.Plan(10**15, dict.fromkeys(layer_paths, "full"), probe.profile, None).measure(
-                base, batch
-            )
+            none_peak = memfit.Plan.fixed(dict.fromkeys(layer_paths, "keep"), probe.profile).measure(base, batch)
+            full_peak = memfit.Plan.fixed(dict.fromkeys(layer_paths, "full"), probe.profile).measure(base, batch)
             budget = int((none_peak + full_peak) / 2)
             plan = memfit.plan(base, batch, budget=budget, profile=probe.profile)
         else:

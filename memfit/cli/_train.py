@@ -111,10 +111,7 @@ def train(cfg: TrainConfig) -> dict:
     preset = cfg.preset()
     shape = preset.shape
     model = preset.build(cfg.seed)
-    if cfg.checkpointing != "none":
-        memfit.apply_activation_checkpointing(
-            model, preset.layer_class(), save="linear" if cfg.checkpointing == "selective" else None
-        )
+    memfit.Decision.parse(cfg.checkpointing).apply_to(model, preset.layer_class())
     model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={preset.layer_class()})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)

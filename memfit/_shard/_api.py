@@ -23,10 +23,10 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memfit.shard import _runtime
-from memfit.shard._mixed import MixedPrecision
-from memfit.shard._param import ShardedParam
-from memfit.shard._unit import ShardState, Unit
+from memfit._shard import _runtime
+from memfit._shard._mixed import MixedPrecision
+from memfit._shard._param import ShardedParam
+from memfit._shard._unit import ShardState, Unit
 
 __all__ = [
     "FullyShardedDataParallel",

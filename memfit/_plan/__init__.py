@@ -1,6 +1,6 @@
 """The planner: measure blocks, forecast the step's peak, choose what to keep or recompute."""
 
-from memfit.plan._budget import parse_bytes
-from memfit.plan._plan import Plan, PlanError, plan
+from memfit._plan._budget import parse_bytes
+from memfit._plan._plan import Plan, PlanError, plan
 
 __all__ = ["Plan", "PlanError", "parse_bytes", "plan"]

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 from torch import nn
 
 import memfit
-from memfit.plan._budget import format_bytes, parse_bytes
-from memfit.plan._profile import DECISIONS, ModelProfile, _loss_of, _make_optimizer, find_candidates, profile_model
-from memfit.plan._solve import Sharding, forecast, smallest_budget, solve
+from memfit._plan._budget import format_bytes, parse_bytes
+from memfit._plan._profile import DECISIONS, ModelProfile, _loss_of, _make_optimizer, find_candidates, profile_model
+from memfit._plan._solve import Sharding, forecast, smallest_budget, solve
 
 
 class PlanError(ValueError):
@@ -24,8 +24,8 @@ class Plan:
     selective (checkpoint, keep the Linear outputs), full (checkpoint), offload (checkpoint,
     the block input to disk)."""
 
-    budget: int
-    decisions: dict[str, str]  # block path -> decision
+    budget: int | None  # bytes; None for a fixed strategy (Plan.fixed)
+    decisions: dict[str, str]  # block path -> decision kind (see Plan.decision)
     profile: ModelProfile
     sharding: Sharding | None
     rule: str = "linear"
@@ -35,6 +35,15 @@ class Plan:
 
     def __post_init__(self) -> None:
         self.forecast = forecast(self.profile, list(self.decisions.values()), self.sharding)
+
+    @classmethod
+    def fixed(cls, decisions: dict[str, str], profile: ModelProfile, sharding: Sharding | None = None) -> Plan:
+        """A strategy chosen by hand, not solved for a budget: ``decisions`` maps every block of
+        ``profile`` to a kind. Its forecast, ``apply`` and ``measure`` work as for a solved plan."""
+        missing = [b.path for b in profile.blocks if b.path not in decisions]
+        if missing:
+            raise ValueError(f"memfit.Plan.fixed: no decision for blocks {missing}")
+        return cls(budget=None, decisions=dict(decisions), profile=profile, sharding=sharding)
 
     @property
     def predicted_peak(self) -> int:
@@ -47,16 +56,13 @@ class Plan:
 
     def apply(self, model: nn.Module) -> nn.Module:
         """Checkpoint ``model``'s blocks in place as decided (blocks to keep are left plain)."""
-        for path, decision in self.decisions.items():
-            block = model.get_submodule(path)
-            memfit.remove_checkpointing(block)
-            if decision == "full":
-                memfit.checkpoint_module(block, name=path)
-            elif decision == "selective":
-                memfit.checkpoint_module(block, save=self.rule, name=path)
-            elif decision == "offload":
-                memfit.checkpoint_module(block, offload=self.offload or "disk", name=path)
+        for path, kind in self.decisions.items():
+            self.decision(kind).apply(model.get_submodule(path), name=path)
         return model
+
+    def decision(self, kind: str) -> memfit.Decision:
+        """The :class:`memfit.Decision` this plan means by ``kind`` (its rule and offload)."""
+        return memfit.Decision.parse(kind, save=self.rule, offload=self.offload)
 
     def table(self) -> str:
         """Per block: decision, bytes saved against keeping, extra time; then the forecast."""
@@ -70,7 +76,7 @@ class Plan:
         f = self.forecast
         lines += [
             "",
-            f"budget {format_bytes(self.budget)}; predicted peak {format_bytes(f['peak'])} at {f['at']}; "
+            f"{self._budget_text()}; predicted peak {format_bytes(f['peak'])} at {f['at']}; "
             f"predicted overhead {f['extra_time'] * 1e3:.1f} ms per step (solved in {self.solve_seconds * 1e3:.0f} ms)",
             "terms: "
             + ", ".join(
@@ -113,16 +119,22 @@ class Plan:
         """Predicted against measured peak (bytes, or a MemoryMeter around a step)."""
         measured = measured_peak.peak_bytes if isinstance(measured_peak, memfit.MemoryMeter) else measured_peak
         ratio = self.predicted_peak / measured
-        fits = "fits" if measured <= self.budget else "exceeds"
-        return (
+        text = (
             f"predicted peak {format_bytes(self.predicted_peak)}, measured {format_bytes(measured)} "
-            f"({ratio:.3f}x, error {abs(ratio - 1):.1%}); the measured step {fits} the budget "
-            f"{format_bytes(self.budget)}"
+            f"({ratio:.3f}x, error {abs(ratio - 1):.1%})"
         )
+        if self.budget is None:
+            return text
+        fits = "fits" if measured <= self.budget else "exceeds"
+        return f"{text}; the measured step {fits} the budget {format_bytes(self.budget)}"
+
+    def _budget_text(self) -> str:
+        return "fixed strategy (no budget)" if self.budget is None else f"budget {format_bytes(self.budget)}"
 
     def __repr__(self) -> str:
         counts = {d: list(self.decisions.values()).count(d) for d in DECISIONS}
-        return f"Plan(budget={format_bytes(self.budget)}, peak={format_bytes(self.predicted_peak)}, {counts})"
+        budget = "None" if self.budget is None else format_bytes(self.budget)
+        return f"Plan(budget={budget}, peak={format_bytes(self.predicted_peak)}, {counts})"
 
 
 def plan(

@@ -29,8 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 import memfit
-
-DECISIONS = ("keep", "selective", "full", "offload")
+from memfit._checkpoint._decision import KINDS as DECISIONS
 
 
 @dataclass
@@ -90,16 +89,6 @@ def _state_bytes(module: nn.Module) -> int:
     return sum(t.untyped_storage().nbytes() for t in [*module.parameters(), *module.buffers()])
 
 
-def _apply(block: nn.Module, decision: str, rule: str, offload: memfit.Offload) -> None:
-    memfit.remove_checkpointing(block)
-    if decision == "full":
-        memfit.checkpoint_module(block)
-    elif decision == "selective":
-        memfit.checkpoint_module(block, save=rule)
-    elif decision == "offload":
-        memfit.checkpoint_module(block, offload=offload)
-
-
 def _fresh(args, kwargs):
     def clone(t):
         if not isinstance(t, torch.Tensor):
@@ -124,7 +113,7 @@ def _profile_block(path, block, args, kwargs, rule, offload, repeats) -> BlockPr
     out_bytes = _tensor_bytes(((a, k), out)) - in_bytes
     prof = BlockProfile(path, _state_bytes(block), trainable, in_bytes, out_bytes)
     for decision in DECISIONS:
-        _apply(block, decision, rule, offload)
+        memfit.Decision.parse(decision, save=rule, offload=offload).apply(block)
         a, k = _fresh(args, kwargs)
         with memfit.MemoryMeter(model=block) as meter:
             out = block(*a, **k)
@@ -146,7 +135,7 @@ def _profile_block(path, block, args, kwargs, rule, offload, repeats) -> BlockPr
     times: dict[str, list[float]] = {d: [] for d in DECISIONS}
     for _ in range(repeats):
         for decision in DECISIONS:
-            _apply(block, decision, rule, offload)
+            memfit.Decision.parse(decision, save=rule, offload=offload).apply(block)
             a, k = _fresh(args, kwargs)
             t0 = time.perf_counter()
             outs = _outputs_with_grad(block(*a, **k))
@@ -181,14 +170,53 @@ def profile_model(
     offload: memfit.Offload | None = None,
     repeats: int = 5,
 ) -> ModelProfile:
-    """Measure every term of [Note: The planner's memory model] for ``model`` on the batch."""
+    """Measure every term of the planner's memory model for ``model`` on the batch."""
     offload = offload or memfit.Offload("disk")
     model = copy.deepcopy(model)  # profiling checkpoints blocks and creates gradients and state
     model.train()
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):
         config.use_cache = False  # an HF key/value cache is for generation, and would grow per run
-    blocks = [model.get_submodule(p) for p, _ in candidates]
+    paths = [p for p, _ in candidates]
+    blocks = [model.get_submodule(p) for p in paths]
+    whole = _measure_step(model, example_inputs, blocks, optimizer)
+    profiles = [
+        _profile_block(path, blk, *whole.block_inputs[i], rule, offload, repeats)
+        for i, (path, blk) in enumerate(zip(paths, blocks))
+    ]
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    grad_rest = sum(
+        p.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks
+    )
+    state = _state_bytes(model)
+    marks = whole.marks
+    return ModelProfile(
+        blocks=profiles,
+        state_bytes=state + whole.optimizer_bytes,
+        param_bytes=state,
+        optimizer_bytes=whole.optimizer_bytes,
+        grad_rest_bytes=grad_rest,
+        before_blocks=marks["before"] - state - whole.optimizer_bytes,
+        last_output=marks["last_output"],
+        head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
+        optimizer_peak=whole.optimizer_peak,
+        buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
+    )
+
+
+@dataclass
+class _WholeStep:
+    """What one measured step of the whole model gives the profile."""
+
+    block_inputs: dict[int, tuple]  # block index -> fresh copies of its (args, kwargs)
+    marks: dict[str, int]  # live bytes at named moments: before, at_last_output, head_peak; last_output
+    optimizer_bytes: int  # the optimizer's state after its first step
+    optimizer_peak: int  # P_opt
+
+
+def _measure_step(model: nn.Module, example_inputs: dict, blocks: list[nn.Module], optimizer: str) -> _WholeStep:
+    """One step to create the optimizer state, then one under MemoryMeter with hooks that
+    capture each block's inputs and mark the moments the memory model names."""
     captured: dict[int, tuple] = {}
     marks: dict[str, int] = {}
     meter_box: list[memfit.MemoryMeter] = []
@@ -220,7 +248,6 @@ def profile_model(
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
     opt = _make_optimizer(optimizer, model)
     try:
-        # One step to create the optimizer state; then the measured one.
         _loss_of(model(**example_inputs)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -235,29 +262,8 @@ def profile_model(
     with memfit.MemoryMeter(model=model, optimizer=opt) as opt_meter:
         opt.step()
     opt.zero_grad(set_to_none=True)
-    state = _state_bytes(model)
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    del opt
-    profiles = [
-        _profile_block(path, blk, *captured[i], rule, offload, repeats)
-        for i, (path, blk) in enumerate(zip([p for p, _ in candidates], blocks))
-    ]
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    grad_rest = sum(
-        p.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks
-    )
-    return ModelProfile(
-        blocks=profiles,
-        state_bytes=state + opt_bytes,
-        param_bytes=state,
-        optimizer_bytes=opt_bytes,
-        grad_rest_bytes=grad_rest,
-        before_blocks=marks["before"] - state - opt_bytes,
-        last_output=marks["last_output"],
-        head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
-        optimizer_peak=opt_meter.peak_bytes,
-        buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
-    )
+    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes)
 
 
 def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:

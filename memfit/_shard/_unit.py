@@ -10,8 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit.shard import _collectives as comm
-from memfit.shard._param import ShardedParam
+from memfit._shard import _collectives as comm
+from memfit._shard._param import ShardedParam
 
 
 class ShardState(Enum):

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from memfit.checkpoint._offload import Offload, offload_hooks, resolve_offload
-from memfit.checkpoint._replay import Replay
-from memfit.checkpoint._selective import resolve_save, selective_contexts
+from memfit._checkpoint._offload import Offload, offload_hooks, resolve_offload
+from memfit._checkpoint._replay import Replay
+from memfit._checkpoint._selective import resolve_save, selective_contexts
 
 __all__ = ["CheckpointError", "checkpoint", "disable_checkpointing", "is_recomputing"]
 

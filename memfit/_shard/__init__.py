@@ -1,6 +1,6 @@
 """Fully sharded data parallel (ZeRO-3) on torch.distributed collectives."""
 
-from memfit.shard._api import (
+from memfit._shard._api import (
     FullyShardedDataParallel,
     clip_grad_norm_,
     load_full_state_dict,
@@ -8,9 +8,9 @@ from memfit.shard._api import (
     shard,
     summon_full_params,
 )
-from memfit.shard._export import export_safetensors
-from memfit.shard._mixed import MixedPrecision
-from memfit.shard._state import load_checkpoint, save_checkpoint
+from memfit._shard._export import export_safetensors
+from memfit._shard._mixed import MixedPrecision
+from memfit._shard._state import load_checkpoint, save_checkpoint
 
 __all__ = [
     "FullyShardedDataParallel",

@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from memfit.checkpoint._function import _checkpoint
-from memfit.checkpoint._offload import Offload, resolve_offload
-from memfit.checkpoint._selective import resolve_save
+from memfit._checkpoint._function import _checkpoint
+from memfit._checkpoint._offload import Offload, resolve_offload
+from memfit._checkpoint._selective import resolve_save
 
 __all__ = [
     "apply_activation_checkpointing",

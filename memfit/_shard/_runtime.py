@@ -29,8 +29,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from memfit.checkpoint import is_recomputing
-from memfit.shard._unit import TrainingState, Unit
+from memfit._checkpoint import is_recomputing
+from memfit._shard._unit import TrainingState, Unit
 
 
 class RootState:

@@ -1,18 +1,20 @@
 """Activation checkpointing: function, sequential and module forms."""
 
-from memfit.checkpoint._function import CheckpointError, checkpoint, disable_checkpointing, is_recomputing
-from memfit.checkpoint._module import (
+from memfit._checkpoint._decision import Decision
+from memfit._checkpoint._function import CheckpointError, checkpoint, disable_checkpointing, is_recomputing
+from memfit._checkpoint._module import (
     apply_activation_checkpointing,
     checkpoint_module,
     checkpoint_wrapper,
     every_nth,
     remove_checkpointing,
 )
-from memfit.checkpoint._offload import Offload
-from memfit.checkpoint._sequential import checkpoint_sequential
+from memfit._checkpoint._offload import Offload
+from memfit._checkpoint._sequential import checkpoint_sequential
 
 __all__ = [
     "CheckpointError",
+    "Decision",
     "Offload",
     "apply_activation_checkpointing",
     "checkpoint",

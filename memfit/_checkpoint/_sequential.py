@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-from memfit.checkpoint._function import _checkpoint
+from memfit._checkpoint._function import _checkpoint
 
 __all__ = ["checkpoint_sequential"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from memfit.plan._profile import DECISIONS, ModelProfile
+from memfit._plan._profile import DECISIONS, ModelProfile
 
 BINS = 8192
 
@@ -56,28 +56,51 @@ def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
     return t
 
 
+@dataclass(frozen=True)
+class _Moments:
+    """The decision-independent part of every moment of [Note: The planner's memory model],
+    per rank: what ``forecast`` adds up and what ``solve`` subtracts from the budget."""
+
+    terms: dict[str, float]
+    base: float  # S + gather buffers + O: alive at every forward and backward moment
+    end_of_forward: float  # y_last + T_head, on top of base and the kept activations
+    backward: list[float]  # per block i: G_rest + G_after_i (+ its own gradients when sharded)
+    optimizer: float  # P_opt + gather buffers
+
+    @classmethod
+    def of(cls, profile: ModelProfile, sharding: Sharding | None) -> _Moments:
+        t = terms(profile, sharding)
+        w = sharding.world_size if sharding else 1
+        backward, grads_after = [0.0] * len(profile.blocks), 0.0
+        for i in reversed(range(len(profile.blocks))):
+            own = profile.blocks[i].grad_bytes if w > 1 else 0  # unsharded until reduce-scattered
+            backward[i] = t["grad_rest"] + grads_after + own
+            grads_after += profile.blocks[i].grad_bytes / w
+        return cls(
+            terms=t,
+            base=t["state"] + t["gather_buffers"] + t["before_blocks"],
+            end_of_forward=t["last_output"] + t["head_transient"],
+            backward=backward,
+            optimizer=t["optimizer_peak"] + t["gather_buffers"],
+        )
+
+
 def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> dict[str, float]:
     """Predicted peak of a step under ``decisions``, with the moment that sets it and its terms."""
-    t = terms(profile, sharding)
-    w = sharding.world_size if sharding else 1
-    base = t["state"] + t["gather_buffers"] + t["before_blocks"]
+    m = _Moments.of(profile, sharding)
     kept = [b.kept[d] for b, d in zip(profile.blocks, decisions)]
-    moments = {"end of forward": base + sum(kept) + t["last_output"] + t["head_transient"]}
-    grads_after = 0.0
+    moments = {"end of forward": m.base + sum(kept) + m.end_of_forward}
     for i in reversed(range(len(profile.blocks))):
         b = profile.blocks[i]
-        moments[f"backward of {b.path}"] = (
-            base + t["grad_rest"] + grads_after + sum(kept[:i]) + b.peak[decisions[i]] + (b.grad_bytes if w > 1 else 0)
-        )
-        grads_after += b.grad_bytes / w
-    moments["optimizer step"] = t["optimizer_peak"] + t["gather_buffers"]
+        moments[f"backward of {b.path}"] = m.base + m.backward[i] + sum(kept[:i]) + b.peak[decisions[i]]
+    moments["optimizer step"] = m.optimizer
     where = max(moments, key=moments.get)
     return {
         "peak": moments[where],
         "at": where,
         "kept_activations": sum(kept),
         "extra_time": sum(b.extra_time[d] for b, d in zip(profile.blocks, decisions)),
-        **{f"term:{k}": v for k, v in t.items()},
+        **{f"term:{k}": v for k, v in m.terms.items()},
     }
 
 
@@ -85,24 +108,17 @@ def solve(
     profile: ModelProfile, budget: int, sharding: Sharding | None = None, allowed: tuple[str, ...] = DECISIONS
 ) -> list[str] | None:
     """Least-extra-time decisions whose forecast peak fits ``budget``; None if none fits."""
-    t = terms(profile, sharding)
-    w = sharding.world_size if sharding else 1
-    base = t["state"] + t["gather_buffers"] + t["before_blocks"]
-    if t["optimizer_peak"] + t["gather_buffers"] > budget:
+    m = _Moments.of(profile, sharding)
+    if m.optimizer > budget:
         return None
     grain = max(budget / BINS, 1.0)
     n = len(profile.blocks)
-    grads_after = np.zeros(n)
-    acc = 0.0
-    for i in reversed(range(n)):
-        grads_after[i] = acc
-        acc += profile.blocks[i].grad_bytes / w
     bins = np.arange(BINS + 1)
     cost = np.full(BINS + 1, np.inf)
     cost[0] = 0.0
     choices = np.zeros((n, BINS + 1), dtype=np.int8)
     for i, b in enumerate(profile.blocks):
-        cap = budget - base - t["grad_rest"] - grads_after[i] - (b.grad_bytes if w > 1 else 0)
+        cap = budget - m.base - m.backward[i]
         new = np.full(BINS + 1, np.inf)
         pick = np.zeros(BINS + 1, dtype=np.int8)
         for d in allowed:
@@ -118,7 +134,7 @@ def solve(
             pick[better] = DECISIONS.index(d)
         cost = new
         choices[i] = pick
-    end_cap = budget - base - t["last_output"] - t["head_transient"]
+    end_cap = budget - m.base - m.end_of_forward
     ok = np.where(bins * grain <= end_cap, cost, np.inf)
     if not np.isfinite(ok).any():
         return None
