@@ -21,10 +21,9 @@ import time
 import torch
 
 import memfit
-from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
-from memfit._plan._solve import forecast, solve
 from memfit.cli._measure import MIB, add_shape_args, emit, run, shape_from
 from memfit.models import bert_mlm, gpt2_lm, lm_batch, mlm_batch
+from memfit.testing import DECISIONS, BlockProfile, ModelProfile, forecast, solve
 
 
 def uniform(paths: list[str], k: int) -> dict[str, str]:

@@ -6,9 +6,8 @@ import pytest
 import torch
 
 import memfit
-from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
-from memfit._plan._solve import Sharding, forecast, solve, terms
 from memfit.models import BertShape, bert_mlm, gpt2_lm, lm_batch, mlm_batch
+from memfit.testing import DECISIONS, BlockProfile, ModelProfile, Sharding, forecast, solve, terms
 
 
 def test_parse_bytes():

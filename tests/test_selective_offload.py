@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
-from memfit._checkpoint import _offload
+import memfit.testing
 from tests.test_checkpoint import assert_same, grads
 from tests.test_checkpoint_module import bert
 
@@ -207,17 +207,19 @@ def test_disk_full_mid_forward(tmp_path, monkeypatch):
     opt.zero_grad()
     before = copy.deepcopy(model.state_dict())
     opt_before = copy.deepcopy(opt.state_dict())
-    real_write, calls = _offload._write, []
+    calls = []
 
-    def full_disk(path, t):
+    def full_disk(path, t, real_write):
         calls.append(path)
         if len(calls) == 3:
             raise OSError(errno.ENOSPC, "No space left on device")
         real_write(path, t)
 
-    monkeypatch.setattr(_offload, "_write", full_disk)
-    with pytest.raises(
-        OSError, match=r"writing a saved tensor .* to .*memfit-offload-[^/]+/\d+\.bin failed: No space left"
+    with (
+        memfit.testing.offload_writer(full_disk),
+        pytest.raises(
+            OSError, match=r"writing a saved tensor .* to .*memfit-offload-[^/]+/\d+\.bin failed: No space left"
+        ),
     ):
         step(model, x)
     gc.collect()
@@ -226,6 +228,5 @@ def test_disk_full_mid_forward(tmp_path, monkeypatch):
     assert str(opt.state_dict()) == str(opt_before)
     (store,) = os.listdir(tmp_path)
     assert os.listdir(tmp_path / store) == []  # nothing left behind
-    monkeypatch.setattr(_offload, "_write", real_write)
     step(model, x)  # training goes on once there is space again
     assert all(p.grad is not None for p in model.parameters())

@@ -19,8 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
-from memfit._shard import _collectives as comm
-from memfit._shard._api import ShardedModule
+import memfit.testing
 from tests._dist import run_ranks, run_subtests
 
 RTOL, ATOL = 1e-6, 1e-7
@@ -156,7 +155,7 @@ def my_rows(t, rank, world):
 
 
 def units_of(model):
-    return [m._memfit_unit for m in model.modules() if isinstance(m, ShardedModule)]
+    return memfit.testing.sharded_units(model)
 
 
 def assert_params_close(model, ref, rtol=RTOL, skip=()):
@@ -364,9 +363,9 @@ def case_checkpointing_inside_units_gathers_once(rank, world):
         model = per_block({Block})(model)
         x, y = batch("lm", rank, 0)
         loss_of("lm", model, x, y).backward()  # first step: records the order
-        comm.STATS.reset()
+        memfit.testing.collective_stats().reset()
         loss_of("lm", model, x, y).backward()
-        counts[ckpt] = comm.STATS.all_gathers
+        counts[ckpt] = memfit.testing.collective_stats().all_gathers
     # Forward: root + 2 blocks; backward: the 2 blocks again (the root keeps its parameters).
     assert counts[False] == counts[True] == 3 + 2
 
@@ -379,7 +378,7 @@ def case_communication_volume(rank, world):
         units = units_of(model)
         x, y = batch("mlp", rank, 0)
         loss_of("mlp", model, x, y).backward()
-        comm.STATS.reset()
+        memfit.testing.collective_stats().reset()
         loss_of("mlp", model, x, y).backward()
         ring = (world - 1) / world
         # Per unit, a slot per rank: every parameter's padded chunk, plus the unit index
@@ -388,13 +387,17 @@ def case_communication_volume(rank, world):
         reduce = {u: world * (sum(p.slot_numel + 1 for p in u.params) + 2) * 4 * ring for u in units}
         root = units[0]
         regathered = [u for u in units if reshard and u is not root]
-        assert comm.STATS.all_gather_bytes == sum(gather.values()) + sum(gather[u] for u in regathered)
-        assert comm.STATS.reduce_scatter_bytes == sum(reduce.values())
+        assert memfit.testing.collective_stats().all_gather_bytes == sum(gather.values()) + sum(
+            gather[u] for u in regathered
+        )
+        assert memfit.testing.collective_stats().reduce_scatter_bytes == sum(reduce.values())
         # The rule of thumb, 3 x P x 4 x (W-1)/W (2 x without resharding), bounds it
         # from below: padding and the small extras above only add.
         p_bytes = sum(p.numel() for p in make("mlp").parameters()) * 4 * ring
         root_bytes = sum(p.full.numel() for p in root.params) * 4 * ring
-        total = comm.STATS.all_gather_bytes + comm.STATS.reduce_scatter_bytes
+        total = (
+            memfit.testing.collective_stats().all_gather_bytes + memfit.testing.collective_stats().reduce_scatter_bytes
+        )
         assert total >= (3 if reshard else 2) * p_bytes - (root_bytes if reshard else 0)
 
 

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
-from memfit._shard._mixed import _NORMS
+from memfit.testing import NORM_LAYERS
 from tests._dist import run_subtests
 
 
@@ -34,7 +34,7 @@ def reference(master, mp):
     norm layers, fp32 norms with cast inputs and outputs."""
     compute = copy.deepcopy(master)
     for m in compute.modules():
-        if not isinstance(m, _NORMS):
+        if not isinstance(m, NORM_LAYERS):
             for name, p in m._parameters.items():
                 if p is not None:
                     m._parameters[name] = nn.Parameter(p.detach().to(mp.param_dtype))

@@ -1,0 +1,76 @@
+"""Hooks for tests of memfit and of code built on it: counters and views of internal state.
+
+Not part of the stable API (names may change between releases); nothing here is needed to
+train. memfit's own tests reach internals only through this module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+
+import torch
+from torch import nn
+
+from memfit._checkpoint import _offload
+from memfit._checkpoint._function import _Frame, _Holder
+from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
+from memfit._plan._solve import Sharding, forecast, solve, terms
+from memfit._shard._api import ShardedModule
+from memfit._shard._collectives import STATS, CommStats
+from memfit._shard._mixed import _NORMS
+
+__all__ = [
+    "DECISIONS",
+    "NORM_LAYERS",
+    "BlockProfile",
+    "ModelProfile",
+    "Sharding",
+    "collective_stats",
+    "forecast",
+    "held_recomputed_tensors",
+    "live_checkpoint_frames",
+    "offload_writer",
+    "sharded_units",
+    "solve",
+    "terms",
+]
+# The planner's pieces, for tests that build a profile by hand: DECISIONS (the decision kinds),
+# BlockProfile / ModelProfile (what plan() measures), Sharding (per-rank accounting),
+# terms / forecast / solve (the memory model and the solver on a profile).
+
+NORM_LAYERS: tuple[type[nn.Module], ...] = _NORMS
+"""The module classes whose parameters mixed precision keeps in full precision."""
+
+
+def collective_stats() -> CommStats:
+    """This process's counters of sharding's collectives (calls and ring bytes); ``.reset()`` them."""
+    return STATS
+
+
+def sharded_units(model: nn.Module) -> list:
+    """The sharding units of ``model`` in ``modules()`` order (the runtime objects, for inspection)."""
+    return [m._memfit_unit for m in model.modules() if isinstance(m, ShardedModule)]
+
+
+def live_checkpoint_frames() -> int:
+    """How many checkpointed calls' recompute frames are alive (0 once their backward is done)."""
+    gc.collect()
+    return sum(1 for o in gc.get_objects() if type(o) is _Frame)
+
+
+def held_recomputed_tensors() -> list[torch.Tensor]:
+    """Recomputed tensors that checkpointed calls still hold for a backward not yet run."""
+    return [t for o in gc.get_objects() if type(o) is _Holder for t in o.values.values()]
+
+
+@contextlib.contextmanager
+def offload_writer(write: Callable[[str, torch.Tensor, Callable[[str, torch.Tensor], None]], None]) -> Iterator[None]:
+    """Route ``offload="disk"`` writes through ``write(path, tensor, real_write)`` (fault injection)."""
+    real = _offload._write
+    _offload._write = lambda path, t: write(path, t, real)
+    try:
+        yield
+    finally:
+        _offload._write = real
