@@ -1,4 +1,14 @@
-"""`memfit.MemoryMeter`: the peak of live tensor storage bytes on one device.
+"""`memfit.MemoryMeter`: the peak of live tensor storage bytes on one device."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 # [Note: How MemoryMeter counts]
 # Inside the region a TorchDispatchMode sees every aten op. Each tensor an op reads or writes
@@ -12,17 +22,6 @@
 # Tensors that existed before the region count from the moment an op first touches them;
 # the parameters, buffers, gradients and optimizer state of a given model and optimizer
 # count from the start. At each new peak the live bytes are split into named categories.
-"""
-
-from __future__ import annotations
-
-from collections.abc import Iterable
-
-import torch
-from torch import nn
-from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryMeter"]
 
@@ -55,7 +54,10 @@ class _Mode(TorchDispatchMode):
 class MemoryMeter:
     """Measure the peak of live tensor storage bytes on ``device`` during a ``with`` block.
 
-    Each storage counts once (views add nothing); see [Note: How MemoryMeter counts].
+    Each storage counts once (views add nothing), from the first op that touches it until it
+    is freed; the parameters, buffers, gradients and optimizer state of ``model`` and
+    ``optimizer`` count from the start. Allocator rounding and kernel scratch space are not
+    seen, which makes the count deterministic on the CPU.
 
     Args:
         device: the device to measure (default: the device of ``model``'s first parameter,

@@ -1,19 +1,4 @@
-"""`memfit.checkpoint`: non-reentrant activation checkpointing on saved-tensor hooks.
-
-# [Note: How a checkpointed call works]
-# Forward: the block's inputs are saved once, through an autograd node (`_SaveInputs`), so
-# that an enclosing checkpoint or offload hook sees them like any other saved tensor (this is
-# what makes nested checkpoints and offloaded inputs work). The block then runs under
-# `saved_tensors_hooks` whose pack hook keeps no tensor: it returns an empty `_Holder` and
-# records the tensor's shape, dtype and device.
-# Backward: the first unpack of any holder of the frame, per backward pass (graph task),
-# re-runs the block on detached copies of its inputs under the forward's RNG and autocast
-# state (see [Note: What recompute replays]). Its pack hook hands the i-th saved tensor to
-# the i-th holder and stops the re-run (`_StopRecompute`) as soon as every holder is filled,
-# so the tail of the block that produced nothing saved is not recomputed. Each holder's
-# tensor is released as soon as autograd has unpacked it.
-# Nothing is saved when nothing needs a gradient, so such a block is never recomputed.
-"""
+"""`memfit.checkpoint`: non-reentrant activation checkpointing on saved-tensor hooks."""
 
 from __future__ import annotations
 
@@ -116,6 +101,19 @@ def _fmt(meta: tuple) -> str:
     return f"{str(dtype).removeprefix('torch.')}{list(shape)} on {device}"
 
 
+# [Note: How a checkpointed call works]
+# Forward: the block's inputs are saved once, through an autograd node (`_SaveInputs`), so
+# that an enclosing checkpoint or offload hook sees them like any other saved tensor (this is
+# what makes nested checkpoints and offloaded inputs work). The block then runs under
+# `saved_tensors_hooks` whose pack hook keeps no tensor: it returns an empty `_Holder` and
+# records the tensor's shape, dtype and device.
+# Backward: the first unpack of any holder of the frame, per backward pass (graph task),
+# re-runs the block on detached copies of its inputs under the forward's RNG and autocast
+# state (see [Note: What recompute replays]). Its pack hook hands the i-th saved tensor to
+# the i-th holder and stops the re-run (`_StopRecompute`) as soon as every holder is filled,
+# so the tail of the block that produced nothing saved is not recomputed. Each holder's
+# tensor is released as soon as autograd has unpacked it.
+# Nothing is saved when nothing needs a gradient, so such a block is never recomputed.
 class _Frame:
     """Everything one checkpointed call needs to recompute itself."""
 
@@ -309,12 +307,14 @@ def checkpoint(
     Args:
         fn: the block: a module, a function or any callable.
         preserve_rng_state: replay the CPU and input-device RNG state in recompute, so dropout
-            masks are bitwise identical (see [Note: What recompute replays]).
+            masks are bitwise identical (autocast is replayed too, and norm layers' running
+            statistics are updated once).
         offload: where the kept tensors wait for backward: None (in place), ``"cpu"``,
-            ``"disk"`` or a :class:`memfit.Offload`; see [Note: Offload of saved tensors].
+            ``"disk"`` or a :class:`memfit.Offload` (parameters are never offloaded).
         save: which op outputs to keep instead of recomputing: None (nothing: full
-            recompute), ``"linear"``, ``"matmul"``, ``"all"`` or a callable(op) -> bool; see
-            [Note: Selective recompute].
+            recompute), ``"linear"`` (the outputs of Linear layers), ``"matmul"`` (every
+            matmul, attention and convolution output), ``"all"`` or a callable(aten op) ->
+            bool. Random ops (dropout) are always recomputed, with the replayed RNG.
 
     Raises:
         CheckpointError: ``fn`` modifies a tensor input in place, or its recompute does not

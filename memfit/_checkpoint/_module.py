@@ -1,13 +1,4 @@
-"""Checkpointing whole modules in place: no wrapper, names unchanged, undoable.
-
-# [Note: In-place module checkpointing]
-# `checkpoint_module` sets an instance attribute `forward` on the module, a `_CheckpointedForward`
-# that calls the class's forward through `memfit.checkpoint`. `nn.Module.__call__` still runs
-# the module's own hooks around it, once per step (they are not part of the recompute), and
-# parameter names, `state_dict()` keys and `named_modules()` stay exactly as they were, so
-# optimizer param groups built before or after keep working. Deleting the attribute restores
-# the module (`remove_checkpointing`).
-"""
+"""Checkpointing whole modules in place: no wrapper, names unchanged, undoable."""
 
 from __future__ import annotations
 
@@ -19,6 +10,14 @@ from torch import nn
 from memfit._checkpoint._function import _checkpoint
 from memfit._checkpoint._offload import Offload, resolve_offload
 from memfit._checkpoint._selective import resolve_save
+
+# [Note: In-place module checkpointing]
+# `checkpoint_module` sets an instance attribute `forward` on the module, a `_CheckpointedForward`
+# that calls the class's forward through `memfit.checkpoint`. `nn.Module.__call__` still runs
+# the module's own hooks around it, once per step (they are not part of the recompute), and
+# parameter names, `state_dict()` keys and `named_modules()` stay exactly as they were, so
+# optimizer param groups built before or after keep working. Deleting the attribute restores
+# the module (`remove_checkpointing`).
 
 __all__ = [
     "apply_activation_checkpointing",
@@ -63,10 +62,10 @@ def checkpoint_module(
 
     Args:
         offload: where the kept tensors wait for backward: None, ``"cpu"``, ``"disk"`` or a
-            :class:`memfit.Offload`; see [Note: Offload of saved tensors].
+            :class:`memfit.Offload` (parameters are never offloaded).
         save: which op outputs to keep instead of recomputing (None: full recompute,
-            ``"linear"``, ``"matmul"``, ``"all"`` or a callable(op) -> bool); see
-            [Note: Selective recompute].
+            ``"linear"``, ``"matmul"``, ``"all"`` or a callable(aten op) -> bool), as in
+            :func:`memfit.checkpoint`.
         name: how errors name the module (default: its class; apply_activation_checkpointing
             passes the module's path in the model).
     """

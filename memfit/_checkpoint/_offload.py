@@ -1,20 +1,4 @@
-"""Where saved tensors wait for backward: in place, in host memory, or on disk.
-
-# [Note: Offload of saved tensors]
-# Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
-# a checkpointed block, or everything a block saves when it is not recomputed (save="all").
-# Parameters are never offloaded (they stay alive anyway, so moving them would save nothing).
-#   "cpu":  accelerator tensors are copied to pinned host memory on a side stream in forward
-#           and copied back on the compute stream in backward. Tensors already on the CPU are
-#           kept as they are: on a CPU-only machine "cpu" offload does no work. The copy path
-#           needs an accelerator and is not exercised by the CPU test suite; it does not
-#           prefetch the next block's tensors ahead of use (the copy back happens on unpack).
-#   "disk": every tensor is written to its own file in a private temporary directory (under
-#           `Offload.directory`, default the system temp dir) and read back, memory-mapped,
-#           on unpack. A file is deleted as soon as autograd drops the saved tensor; the
-#           directory is removed at exit. Works on the CPU: peak memory falls by the bytes
-#           offloaded, and values come back bitwise.
-"""
+"""Where saved tensors wait for backward: in place, in host memory, or on disk."""
 
 from __future__ import annotations
 
@@ -32,6 +16,21 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+
+# [Note: Offload of saved tensors]
+# Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
+# a checkpointed block, or everything a block saves when it is not recomputed (save="all").
+# Parameters are never offloaded (they stay alive anyway, so moving them would save nothing).
+#   "cpu":  accelerator tensors are copied to pinned host memory on a side stream in forward
+#           and copied back on the compute stream in backward. Tensors already on the CPU are
+#           kept as they are: on a CPU-only machine "cpu" offload does no work. The copy path
+#           needs an accelerator and is not exercised by the CPU test suite; it does not
+#           prefetch the next block's tensors ahead of use (the copy back happens on unpack).
+#   "disk": every tensor is written to its own file in a private temporary directory (under
+#           `Offload.directory`, default the system temp dir) and read back, memory-mapped,
+#           on unpack. A file is deleted as soon as autograd drops the saved tensor; the
+#           directory is removed at exit. Works on the CPU: peak memory falls by the bytes
+#           offloaded, and values come back bitwise.
 
 TARGETS = ("cpu", "disk")
 

@@ -1,4 +1,13 @@
-"""Global state a recompute must see exactly as the forward saw it.
+"""Global state a recompute must see exactly as the forward saw it."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
 
 # [Note: What recompute replays]
 # A checkpointed block runs twice: once in forward, once in backward. For the second run to
@@ -10,16 +19,6 @@
 # and it must not update module state a second time: norm layers with running statistics
 # (BatchNorm, InstanceNorm with track_running_stats) update their buffers in training mode,
 # so their buffers are snapshotted before each call during recompute and restored after.
-"""
-
-from __future__ import annotations
-
-import contextlib
-from collections.abc import Iterator, Sequence
-
-import torch
-from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
 
 
 def _device_module(device_type: str):

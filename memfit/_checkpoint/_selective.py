@@ -1,4 +1,11 @@
-"""Selective (op-level) recompute: which op outputs a checkpointed block keeps.
+"""Selective (op-level) recompute: which op outputs a checkpointed block keeps."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 # [Note: Selective recompute]
 # A checkpointed block normally keeps only its inputs and recomputes everything. With a
@@ -20,14 +27,6 @@
 #   "all"             keep everything: the block is not recomputed at all (with offload, this
 #                     moves everything the block saves for backward to the offload target).
 # A callable `save(op) -> bool` receives the aten OpOverload (e.g. torch.ops.aten.addmm.default).
-"""
-
-from __future__ import annotations
-
-from collections.abc import Callable
-
-import torch
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 aten = torch.ops.aten
 

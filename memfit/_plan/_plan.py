@@ -151,7 +151,9 @@ def plan(
 ) -> Plan:
     """Measure ``model``'s blocks on ``example_inputs`` and choose, per block, keep / selective
     / full checkpoint / offload so the step's predicted peak fits ``budget`` at the least
-    predicted extra time. See [Note: The planner's memory model] and [Note: The planner's solver].
+    predicted extra time. The forecast is a sum of named terms (parameters, buffers and
+    optimizer state; what exists before the blocks; kept activations; the head and loss; the
+    gradients; the optimizer step), each measured on the batch; ``Plan.table()`` shows them.
 
     Args:
         model: called as ``model(**example_inputs)``; its output's ``.loss`` (or the output

@@ -1,4 +1,18 @@
-"""Measure what the planner's memory model needs: per block and for the rest of the step.
+"""Measure what the planner's memory model needs: per block and for the rest of the step."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+import memfit
+from memfit._checkpoint._decision import KINDS as DECISIONS
 
 # [Note: The planner's memory model]
 # A training step's peak is the largest of three kinds of moment (named terms, all bytes):
@@ -15,21 +29,6 @@
 #       gradients of its parameters and of its input, its output and the output's gradient),
 # P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries).
 # Every term is measured with MemoryMeter on the example batch, per block and per decision.
-"""
-
-from __future__ import annotations
-
-import copy
-import statistics
-import time
-from dataclasses import dataclass, field
-
-import torch
-from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
-
-import memfit
-from memfit._checkpoint._decision import KINDS as DECISIONS
 
 
 @dataclass

@@ -1,16 +1,4 @@
-"""Choose keep / selective / full / offload per block: least extra time under a byte budget.
-
-# [Note: The planner's solver]
-# The peak terms of [Note: The planner's memory model] are sums over a chain: the backward
-# moment of block i depends on the bytes kept by blocks before it plus B_i of its own
-# decision, the end-of-forward moment on the bytes kept by all. A dynamic program over the
-# blocks in forward order carries, for every total of kept bytes so far (in bins of `grain`
-# bytes, each block's bytes rounded up, so a solution never exceeds the budget), the least
-# extra time reaching it. Each block's decisions are allowed only where its backward moment
-# fits; at the end the end-of-forward moment must fit. Exact for the binned sizes; with a grain
-# of budget/8192 the rounding costs at most n_blocks * grain bytes of headroom (0.15% of the
-# budget for 12 blocks). numpy arrays make 200 blocks a few milliseconds.
-"""
+"""Choose keep / selective / full / offload per block: least extra time under a byte budget."""
 
 from __future__ import annotations
 
@@ -104,6 +92,16 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
     }
 
 
+# [Note: The planner's solver]
+# The peak terms of [Note: The planner's memory model] are sums over a chain: the backward
+# moment of block i depends on the bytes kept by blocks before it plus B_i of its own
+# decision, the end-of-forward moment on the bytes kept by all. A dynamic program over the
+# blocks in forward order carries, for every total of kept bytes so far (in bins of `grain`
+# bytes, each block's bytes rounded up, so a solution never exceeds the budget), the least
+# extra time reaching it. Each block's decisions are allowed only where its backward moment
+# fits; at the end the end-of-forward moment must fit. Exact for the binned sizes; with a grain
+# of budget/8192 the rounding costs at most n_blocks * grain bytes of headroom (0.15% of the
+# budget for 12 blocks). numpy arrays make 200 blocks a few milliseconds.
 def solve(
     profile: ModelProfile, budget: int, sharding: Sharding | None = None, allowed: tuple[str, ...] = DECISIONS
 ) -> list[str] | None:
