@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit._checkpoint._offload import Offload, offload_hooks, resolve_offload
@@ -19,8 +20,9 @@ from memfit._checkpoint._selective import resolve_save, selective_contexts
 __all__ = ["CheckpointError", "checkpoint", "disable_checkpointing", "is_recomputing"]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpointed block cannot be recomputed faithfully."""
+class CheckpointError(torch.utils.checkpoint.CheckpointError):
+    """A checkpointed block cannot be recomputed faithfully (a subclass of torch's
+    ``torch.utils.checkpoint.CheckpointError``, so code that catches torch's catches it)."""
 
 
 class _StopRecompute(Exception):  # noqa: N818 (control flow, not an error)
@@ -117,14 +119,27 @@ def _fmt(meta: tuple) -> str:
 class _Frame:
     """Everything one checkpointed call needs to recompute itself."""
 
-    def __init__(self, fn: Callable, name: str, flat: list, spec, tensor_pos: list[int], replay: Replay, recompute_ctx):
+    def __init__(
+        self,
+        fn: Callable,
+        name: str,
+        flat: list,
+        spec,
+        tensor_pos: list[int],
+        replay: Replay,
+        recompute_ctx,
+        check: bool = True,
+    ):
         self.fn = fn
         self.recompute_ctx = recompute_ctx  # selective recompute: replays the kept op outputs
+        self.check = check  # compare each recomputed tensor's shape, dtype and device to forward's
         self.name = name
         self.flat = flat  # flattened (args, kwargs), tensors replaced by None
         self.spec = spec
         self.tensor_pos = tensor_pos  # where the tensors go back into `flat`
-        self.requires_grad: list[bool] = []
+        self.slots: list[int] = []  # per position in tensor_pos: index of its distinct tensor
+        self.requires_grad: list[bool] = []  # per distinct tensor
+        self.attrs: list[dict | None] = []  # per distinct tensor: its Python attributes, if any
         self.replay = replay
         self.saver: torch.Tensor | None = None
         self.holders: list[weakref.ref] = []
@@ -132,16 +147,33 @@ class _Frame:
         self.filled: dict[int, int] = {}  # graph task id -> holders filled by its recompute
 
     def save_inputs(self, tensors: list[torch.Tensor]) -> None:
-        self.requires_grad = [t.requires_grad for t in tensors]
+        # One saved tensor per distinct input: a tensor passed several times (self-attention's
+        # query, key and value) is one object again in recompute, so the block takes the same path.
+        index: dict[int, int] = {}
+        distinct: list[torch.Tensor] = []
+        for t in tensors:
+            if id(t) not in index:
+                index[id(t)] = len(distinct)
+                distinct.append(t)
+        self.slots = [index[id(t)] for t in tensors]
+        self.requires_grad = [t.requires_grad for t in distinct]
+        self.attrs = [dict(t.__dict__) or None for t in distinct]
         dummy = torch.empty(0, requires_grad=True)
-        self.saver = _SaveInputs.apply(dummy, *tensors)
+        self.saver = _SaveInputs.apply(dummy, *distinct)
 
     def inputs(self) -> tuple[tuple, dict]:
+        """The inputs for recompute: inputs that need no gradient as they were saved (the same
+        objects unless offloaded), the others detached; Python attributes set on them kept."""
         assert self.saver is not None and self.saver.grad_fn is not None
-        saved = self.saver.grad_fn.saved_tensors
+        distinct = []
+        for saved, rg, attrs in zip(self.saver.grad_fn.saved_tensors, self.requires_grad, self.attrs):
+            t = saved.detach().requires_grad_(True) if rg else saved
+            if attrs:
+                t.__dict__.update(attrs)
+            distinct.append(t)
         flat = list(self.flat)
-        for pos, t, rg in zip(self.tensor_pos, saved, self.requires_grad):
-            flat[pos] = t.detach().requires_grad_(rg)
+        for pos, slot in zip(self.tensor_pos, self.slots):
+            flat[pos] = distinct[slot]
         return tree_unflatten(flat, self.spec)
 
     def pack(self, t: torch.Tensor) -> _Holder:
@@ -205,7 +237,7 @@ class _Frame:
             raise CheckpointError(
                 f"memfit.checkpoint({self.name}): recompute saved more tensors than the forward ({len(self.holders)})."
             )
-        if _meta(t) != self.metas[i]:
+        if self.check and _meta(t) != self.metas[i]:
             raise CheckpointError(
                 f"memfit.checkpoint({self.name}): recompute diverged from forward at saved tensor "
                 f"#{i}: forward saved {_fmt(self.metas[i])}, recompute produced {_fmt(_meta(t))}. "
@@ -213,7 +245,7 @@ class _Frame:
                 "dependence on global state, and that inputs are not modified after the forward."
             )
         self.filled[gid] = i + 1
-        value = t.detach()
+        value = t.detach() if t.requires_grad else t  # a tensor needing no grad: the same object
         holder = self.holders[i]()
         if holder is not None:  # None: autograd already released that part of the graph
             holder.values[gid] = value
@@ -247,19 +279,26 @@ def _checkpoint(
     offload: str | Offload | None = None,
     save: str | Callable | None = None,
     name: str | None = None,
+    context_fn: Callable[[], tuple] | None = None,
+    check: bool = True,
 ):
     if not callable(fn):
         raise TypeError(f"memfit.checkpoint: expected a callable to checkpoint, got {type(fn).__name__}")
     offload = resolve_offload(offload)  # validated even when the call runs plainly
     save = resolve_save(save)
+    if context_fn is not None and save is not None:
+        raise ValueError("memfit.checkpoint: pass save= or context_fn=, not both (both choose what to keep)")
     if _local.disabled_depth > 0 or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     if save == "all":  # nothing recomputed: only offload applies, to everything saved
         with offload_hooks(offload):
             return fn(*args, **kwargs)
-    forward_ctx, recompute_ctx = (
-        selective_contexts(save) if save is not None else (contextlib.nullcontext(), contextlib.nullcontext())
-    )
+    if context_fn is not None:
+        forward_ctx, recompute_ctx = context_fn()
+    elif save is not None:
+        forward_ctx, recompute_ctx = selective_contexts(save)
+    else:
+        forward_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
     name = name or describe(fn)
     flat, spec = tree_flatten((args, kwargs))
     tensor_pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
@@ -272,6 +311,7 @@ def _checkpoint(
         tensor_pos,
         Replay(tensors, preserve_rng_state),
         recompute_ctx,
+        check,
     )
     with offload_hooks(offload):
         frame.save_inputs(tensors)
@@ -294,6 +334,10 @@ def checkpoint(
     preserve_rng_state: bool = True,
     offload: str | Offload | None = None,
     save: str | Callable | None = None,
+    use_reentrant: bool | None = None,
+    context_fn: Callable[[], tuple] | None = None,
+    determinism_check: str = "default",
+    debug: bool = False,
     **kwargs,
 ):
     """Run ``fn(*args, **kwargs)`` keeping only its inputs; recompute the rest in backward.
@@ -316,8 +360,45 @@ def checkpoint(
             matmul, attention and convolution output), ``"all"`` or a callable(aten op) ->
             bool. Random ops (dropout) are always recomputed, with the replayed RNG.
 
+    torch.utils.checkpoint's keywords are accepted, so memfit is a drop-in (they are never
+    passed on to ``fn``):
+
+    Args:
+        use_reentrant: ``None`` or ``False`` (memfit is always non-reentrant); ``True`` raises
+            ValueError.
+        context_fn: torch's selective-checkpoint hook, a callable returning (forward context,
+            recompute context), e.g. ``functools.partial(create_selective_checkpoint_contexts,
+            policy)``; not together with ``save``.
+        determinism_check: ``"default"`` (recompute must save tensors of the forward's shapes,
+            dtypes and devices, else CheckpointError) or ``"none"`` (no such check).
+        debug: accepted for compatibility; memfit's errors always name the block and the
+            saved tensor where recompute diverged.
+
     Raises:
         CheckpointError: ``fn`` modifies a tensor input in place, or its recompute does not
             save the same number, shapes and dtypes of tensors as its forward.
     """
-    return _checkpoint(fn, args, kwargs, preserve_rng_state=preserve_rng_state, offload=offload, save=save)
+    return _checkpoint(
+        fn,
+        args,
+        kwargs,
+        preserve_rng_state=preserve_rng_state,
+        offload=offload,
+        save=save,
+        context_fn=context_fn,
+        check=torch_compat(use_reentrant, determinism_check, debug, "memfit.checkpoint"),
+    )
+
+
+def torch_compat(use_reentrant: bool | None, determinism_check: str, debug: bool, where: str) -> bool:
+    """Validate torch.utils.checkpoint's keywords; returns whether recompute is checked."""
+    if use_reentrant:
+        raise ValueError(
+            f"{where}: use_reentrant=True is not supported: memfit is always non-reentrant (the "
+            "mode torch recommends); pass use_reentrant=False or leave it out."
+        )
+    if determinism_check not in ("default", "none"):
+        raise ValueError(f"{where}: determinism_check must be 'default' or 'none', got {determinism_check!r}")
+    if not isinstance(debug, bool):
+        raise TypeError(f"{where}: debug must be a bool, got {debug!r}")
+    return determinism_check == "default"

@@ -146,17 +146,25 @@ def _selector(policy) -> Callable[[nn.Module], list[tuple[str, nn.Module]]]:
 
 
 def apply_activation_checkpointing(
-    model: nn.Module, policy, *, offload: str | Offload | None = None, save: str | Callable | None = None
+    model: nn.Module,
+    policy=None,
+    *,
+    offload: str | Offload | None = None,
+    save: str | Callable | None = None,
+    check_fn: Callable[[nn.Module], bool] | None = None,
 ) -> list[str]:
     """Checkpoint, in place, the submodules of ``model`` that ``policy`` selects.
 
     ``policy``: a module class, a tuple of classes, ``every_nth(n, classes)`` or a
-    ``callable(module) -> bool``. When a selected module contains other selected modules only
-    the outermost is checkpointed (a nested checkpoint would recompute the same work twice).
-    ``offload`` and ``save`` are passed to :func:`checkpoint_module`. Returns the paths of the
-    modules checkpointed (``""`` is the model itself).
+    ``callable(module) -> bool``; or, in torch's spelling, ``check_fn=callable(module) ->
+    bool``. When a selected module contains other selected modules only the outermost is
+    checkpointed (a nested checkpoint would recompute the same work twice). ``offload`` and
+    ``save`` are passed to :func:`checkpoint_module`. Returns the paths of the modules
+    checkpointed (``""`` is the model itself).
     """
-    select = _selector(policy)
+    if (policy is None) == (check_fn is None):
+        raise TypeError("memfit.apply_activation_checkpointing: pass a policy or check_fn= (exactly one)")
+    select = _selector(policy if check_fn is None else check_fn)
     offload, save = resolve_offload(offload), resolve_save(save)
     chosen: list[str] = []
     for path, module in select(model):
