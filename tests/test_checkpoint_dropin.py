@@ -2,6 +2,7 @@
 torch's keywords. Each case compares with plain torch (bitwise: the arithmetic is the same)."""
 
 import functools
+import typing
 
 import pytest
 import torch
@@ -48,7 +49,7 @@ def test_python_attributes_on_inputs_survive_recompute():
 
 
 class _SavesMask(torch.autograd.Function):
-    seen: dict = {}
+    seen: typing.ClassVar[dict] = {}
 
     @staticmethod
     def forward(ctx, x, mask):
