@@ -15,7 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit._checkpoint._offload import Offload, offload_hooks, resolve_offload
 from memfit._checkpoint._replay import Replay
-from memfit._checkpoint._selective import resolve_save, selective_contexts
+from memfit._checkpoint._selective import resolve_save, selective_context_fn
 
 __all__ = ["CheckpointError", "checkpoint", "disable_checkpointing", "is_recomputing"]
 
@@ -282,6 +282,33 @@ def _checkpoint(
     context_fn: Callable[[], tuple] | None = None,
     check: bool = True,
 ):
+    options = {
+        "preserve_rng_state": preserve_rng_state,
+        "offload": offload,
+        "save": save,
+        "name": name,
+        "context_fn": context_fn,
+        "check": check,
+    }
+    if torch.compiler.is_compiling():
+        if offload is None:
+            return _compiled_checkpoint(fn, args, kwargs, **options)
+        return _eager_inside_compiled(fn, args, kwargs, **options)
+    return _eager_checkpoint(fn, args, kwargs, **options)
+
+
+def _eager_checkpoint(
+    fn: Callable,
+    args: tuple,
+    kwargs: dict[str, Any],
+    *,
+    preserve_rng_state: bool,
+    offload: str | Offload | None,
+    save: str | Callable | None,
+    name: str | None,
+    context_fn: Callable[[], tuple] | None,
+    check: bool,
+):
     if not callable(fn):
         raise TypeError(f"memfit.checkpoint: expected a callable to checkpoint, got {type(fn).__name__}")
     offload = resolve_offload(offload)  # validated even when the call runs plainly
@@ -296,7 +323,7 @@ def _checkpoint(
     if context_fn is not None:
         forward_ctx, recompute_ctx = context_fn()
     elif save is not None:
-        forward_ctx, recompute_ctx = selective_contexts(save)
+        forward_ctx, recompute_ctx = selective_context_fn(save)()
     else:
         forward_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
     name = name or describe(fn)
@@ -387,6 +414,35 @@ def checkpoint(
         save=save,
         context_fn=context_fn,
         check=torch_compat(use_reentrant, determinism_check, debug, "memfit.checkpoint"),
+    )
+
+
+# [Note: Checkpointing under torch.compile]
+# memfit's own mechanism (saved-tensor hooks that keep nothing, a recompute on first unpack)
+# runs in eager autograd; a compiled region has its backward traced ahead of time, where those
+# hooks cannot act. So while dynamo traces, a checkpointed call becomes torch's checkpoint
+# higher-order op (the same as torch.utils.checkpoint under compile): the compiler's
+# partitioner recomputes the region in backward, random ops included (their masks are
+# replayed by the compiler), and a save= rule becomes torch's selective-checkpoint policy
+# (the same rule function as in eager). Offload needs the eager hooks: an offloaded block is
+# left out of the graph (a graph break on each side) and runs memfit's eager checkpoint.
+_eager_inside_compiled = torch.compiler.disable(_eager_checkpoint)
+
+
+def _compiled_checkpoint(fn, args, kwargs, *, preserve_rng_state, offload, save, name, context_fn, check):
+    save = resolve_save(save)
+    if save == "all":
+        return fn(*args, **kwargs)
+    if context_fn is None and save is not None:
+        context_fn = selective_context_fn(save)
+    return torch.utils.checkpoint.checkpoint(
+        fn,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        determinism_check="default" if check else "none",
+        **({"context_fn": context_fn} if context_fn is not None else {}),
+        **kwargs,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -91,8 +92,9 @@ def _always_recompute(op) -> bool:
     return torch.Tag.nondeterministic_seeded in op.tags or op._schema.is_mutable or op.overloadpacket in _FACTORIES
 
 
-def selective_contexts(save: str | Callable):
-    """(forward context, recompute context) for a resolved rule other than None and "all"."""
+def selective_context_fn(save: str | Callable) -> Callable[[], tuple]:
+    """torch's ``context_fn`` for a resolved rule other than None and "all": a callable giving
+    (forward context, recompute context), as torch.utils.checkpoint and torch.compile take it."""
     keep = _READY[save] if isinstance(save, str) else save
 
     def policy(ctx, op, *args, **kwargs):
@@ -100,4 +102,4 @@ def selective_contexts(save: str | Callable):
             return CheckpointPolicy.MUST_SAVE
         return CheckpointPolicy.PREFER_RECOMPUTE
 
-    return create_selective_checkpoint_contexts(policy)
+    return functools.partial(create_selective_checkpoint_contexts, policy)
