@@ -11,8 +11,9 @@ from tests._dist import run_ranks
 
 
 def _losses(rank, world, base, ids, compiled: bool) -> list[float]:
-    import memfit
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    import memfit
 
     model = copy.deepcopy(base)
     memfit.apply_activation_checkpointing(model, GPT2Block)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _UNITS = {
@@ -15,30 +16,39 @@ _UNITS = {
     "MIB": 2**20,
     "GIB": 2**30,
     "TIB": 2**40,
+    # A bare letter is binary, as in `free -g`, Slurm's --mem and ulimit.
+    "K": 2**10,
+    "M": 2**20,
+    "G": 2**30,
+    "T": 2**40,
 }
-_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+_PATTERN = re.compile(r"^\s*([-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:e[-+]?[0-9]+)?|[-+]?inf|nan)\s*([A-Za-z]*)\s*$", re.I)
+_HOW = "write a whole number of bytes or a number with a unit, like '6GB', '6 GiB', '6G' or '800MB'"
 
 
 def parse_bytes(budget: int | float | str) -> int:
-    """Bytes from ``budget``: a number, or a string with a unit (KB/MB/GB: powers of 10;
-    KiB/MiB/GiB: powers of 2). ``parse_bytes("3.5GiB") == 3758096384``."""
+    """Bytes from ``budget``: a whole number of bytes, or a number with a unit (KB/MB/GB/TB:
+    powers of 10; KiB/MiB/GiB/TiB and the bare K/M/G/T: powers of 2), case and spaces ignored.
+    ``parse_bytes("3.5GiB") == 3758096384``. Raises ValueError for anything else, for a
+    number that is not finite or not positive, and for a fraction of a byte."""
     if isinstance(budget, bool):
-        raise TypeError("memfit: a memory budget must be a number of bytes or a string like '6GB'")
+        raise TypeError(f"memfit: a memory budget must be a number of bytes or a string; {_HOW}")
     if isinstance(budget, (int, float)):
-        value = budget
+        value, unit = float(budget), ""
     elif isinstance(budget, str):
         m = _PATTERN.match(budget)
         if not m or m.group(2).upper() not in _UNITS:
-            raise ValueError(
-                f"memfit: cannot read the memory budget {budget!r}; write bytes or a number with a unit, "
-                "like '6GB', '3.5GiB' or '800MB'"
-            )
-        value = float(m.group(1)) * _UNITS[m.group(2).upper()]
+            raise ValueError(f"memfit: cannot read the memory budget {budget!r}; {_HOW}")
+        value, unit = float(m.group(1)), m.group(2).upper()
     else:
         raise TypeError(f"memfit: a memory budget must be a number of bytes or a string, got {type(budget).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"memfit: a memory budget must be a finite number, got {budget!r}; {_HOW}")
     if value <= 0:
         raise ValueError(f"memfit: a memory budget must be positive, got {budget!r}")
-    return int(value)
+    if _UNITS[unit] == 1 and value != int(value):
+        raise ValueError(f"memfit: {budget!r} is a fraction of a byte; a budget without a unit is bytes: {_HOW}")
+    return int(value * _UNITS[unit])
 
 
 def format_bytes(n: float) -> str:

@@ -4,13 +4,22 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from torch import nn
 
 import memfit
 from memfit._plan._budget import format_bytes, parse_bytes
-from memfit._plan._profile import DECISIONS, ModelProfile, _loss_of, _make_optimizer, find_candidates, profile_model
+from memfit._plan._profile import (
+    DECISIONS,
+    Inputs,
+    ModelProfile,
+    _make_optimizer,
+    find_candidates,
+    profile_model,
+    step_loss,
+)
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve
 
 
@@ -102,7 +111,15 @@ class Plan:
             ],
         }
 
-    def measure(self, model: nn.Module, example_inputs: dict, *, optimizer: str = "adamw", steps: int = 2) -> int:
+    def measure(
+        self,
+        model: nn.Module,
+        example_inputs: Inputs,
+        *,
+        loss_fn: Callable | None = None,
+        optimizer: str = "adamw",
+        steps: int = 2,
+    ) -> int:
         """Train a copy of ``model`` under this plan and return the peak of its last step
         (MemoryMeter; after the first step the optimizer state exists, as in the forecast)."""
         model = self.apply(copy.deepcopy(model))
@@ -110,7 +127,7 @@ class Plan:
         opt = _make_optimizer(optimizer, model)
         for _ in range(steps):
             with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
-                _loss_of(model(**example_inputs)).backward()
+                step_loss(model, example_inputs, loss_fn).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         return meter.peak_bytes
@@ -139,9 +156,10 @@ class Plan:
 
 def plan(
     model: nn.Module,
-    example_inputs: dict,
+    example_inputs: Inputs,
     *,
     budget: int | float | str,
+    loss_fn: Callable | None = None,
     world_size: int = 1,
     sharding: bool | None = None,
     optimizer: str = "adamw",
@@ -156,8 +174,12 @@ def plan(
     gradients; the optimizer step), each measured on the batch; ``Plan.table()`` shows them.
 
     Args:
-        model: called as ``model(**example_inputs)``; its output's ``.loss`` (or the output
-            itself, averaged) is the loss. Not modified (profiling works on a copy).
+        model: not modified (profiling works on a copy).
+        example_inputs: one batch: a dict (keyword arguments), a tuple or list (positional
+            arguments) or a tensor (the one argument).
+        loss_fn: ``loss_fn(output) -> scalar loss``; by default the output's ``.loss`` (or
+            ``["loss"]``), or the output itself when it is a scalar. A model that returns
+            neither needs ``loss_fn`` (ValueError otherwise).
         budget: bytes, or a string such as ``"6GB"``, ``"3.5GiB"``, ``"800MB"``.
         world_size, sharding: forecast per rank for a model sharded over ``world_size`` ranks
             (sharding defaults to ``world_size > 1``). The sharded terms are arithmetic on the
@@ -180,7 +202,7 @@ def plan(
     shard = Sharding(world_size) if (sharding if sharding is not None else world_size > 1) else None
     if profile is None:
         blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else find_candidates(model)
-        profile = profile_model(model, example_inputs, blocks, optimizer=optimizer)
+        profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer)
     t0 = time.perf_counter()
     chosen = solve(profile, budget_bytes, shard, decisions)
     seconds = time.perf_counter() - t0

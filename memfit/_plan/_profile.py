@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -150,20 +151,51 @@ def _profile_block(path, block, args, kwargs, rule, offload, repeats) -> BlockPr
     return prof
 
 
-def _loss_of(out) -> torch.Tensor:
+Inputs = dict | tuple | list | torch.Tensor
+
+
+def call(model: nn.Module, inputs: Inputs):
+    """``model`` on an example batch: a dict as keyword arguments, a tuple or list as positional
+    arguments, a tensor as the one argument."""
+    if isinstance(inputs, dict):
+        return model(**inputs)
+    if isinstance(inputs, (tuple, list)):
+        return model(*inputs)
+    if isinstance(inputs, torch.Tensor):
+        return model(inputs)
+    raise TypeError(
+        f"memfit.plan: example inputs must be a dict (keyword arguments), a tuple or list (positional "
+        f"arguments) or a tensor, got {type(inputs).__name__}"
+    )
+
+
+def step_loss(model: nn.Module, inputs: Inputs, loss_fn: Callable | None = None) -> torch.Tensor:
+    """The loss of one forward: ``loss_fn(output)`` when given, else the output's ``.loss`` (or
+    ``["loss"]``), else the output itself when it is a scalar tensor."""
+    out = call(model, inputs)
+    if loss_fn is not None:
+        return loss_fn(out)
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")
+    if loss is None and isinstance(out, torch.Tensor) and out.dim() == 0:
+        loss = out
     if loss is None:
-        loss = out if isinstance(out, torch.Tensor) else tree_flatten(out)[0][0]
-    return loss if loss.dim() == 0 else loss.float().mean()
+        what = f"a tensor of shape {list(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(
+            f"memfit.plan: {type(model).__name__} returned {what} and no loss; pass loss_fn=callable(output) -> "
+            "scalar loss (e.g. cross-entropy of the logits against your labels), or inputs that make the model "
+            "return one (HF models: labels=...)"
+        )
+    return loss
 
 
 def profile_model(
     model: nn.Module,
-    example_inputs: dict,
+    example_inputs: Inputs,
     candidates: list[tuple[str, nn.Module]],
     *,
+    loss_fn: Callable | None = None,
     optimizer: str = "adamw",
     rule: str = "linear",
     offload: memfit.Offload | None = None,
@@ -178,7 +210,7 @@ def profile_model(
         config.use_cache = False  # an HF key/value cache is for generation, and would grow per run
     paths = [p for p, _ in candidates]
     blocks = [model.get_submodule(p) for p in paths]
-    whole = _measure_step(model, example_inputs, blocks, optimizer)
+    whole = _measure_step(model, example_inputs, loss_fn, blocks, optimizer)
     profiles = [
         _profile_block(path, blk, *whole.block_inputs[i], rule, offload, repeats)
         for i, (path, blk) in enumerate(zip(paths, blocks))
@@ -213,7 +245,9 @@ class _WholeStep:
     optimizer_peak: int  # P_opt
 
 
-def _measure_step(model: nn.Module, example_inputs: dict, blocks: list[nn.Module], optimizer: str) -> _WholeStep:
+def _measure_step(
+    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str
+) -> _WholeStep:
     """One step to create the optimizer state, then one under MemoryMeter with hooks that
     capture each block's inputs and mark the moments the memory model names."""
     captured: dict[int, tuple] = {}
@@ -247,14 +281,14 @@ def _measure_step(model: nn.Module, example_inputs: dict, blocks: list[nn.Module
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
     opt = _make_optimizer(optimizer, model)
     try:
-        _loss_of(model(**example_inputs)).backward()
+        step_loss(model, example_inputs, loss_fn).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         captured.clear()
         marks.clear()
         with memfit.MemoryMeter(model=model, optimizer=opt) as whole:
             meter_box.append(whole)
-            _loss_of(model(**example_inputs)).backward()
+            step_loss(model, example_inputs, loss_fn).backward()
     finally:
         for h in handles:
             h.remove()
