@@ -20,10 +20,10 @@ import torch
 from strategies import STRATEGIES, prepare
 
 from memfit.cli._measure import MIB, add_shape_args, emit, run, shape_from, table
-from memfit.models import BertShape, bert_mlm, mlm_batch
+from memfit.models import Shape, bert_mlm, mlm_batch
 
 
-def kept_minimum(shape: BertShape) -> list[tuple[str, int]]:
+def kept_minimum(shape: Shape) -> list[tuple[str, int]]:
     """Activation bytes that full per-layer checkpointing must keep after the forward.
 
     With every BertLayer checkpointed, what stays for backward is each layer's input, plus

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
 from memfit.cli._data import batch_at
-from memfit.models import BertShape, Preset
+from memfit.models import Preset, Shape
 
 STRATEGIES = ("DDP", "memfit", "torch FSDP2")
 
@@ -44,7 +44,7 @@ def _wrap(strategy: str, model: torch.nn.Module, layer: type) -> torch.nn.Module
 def _worker(rank, world, port, arch, shape, strategies, warmup, repeats, queue) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    preset = Preset(arch, BertShape(**shape))
+    preset = Preset(arch, Shape(**shape))
     base = preset.build()
     base.train()
     batch = batch_at(arch, preset.shape.batch, preset.shape.seq, step=rank)

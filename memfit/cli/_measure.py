@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 import memfit
-from memfit.models import BertShape
+from memfit.models import Shape
 
 MIB = 2**20
 
@@ -109,8 +109,8 @@ def add_shape_args(p: argparse.ArgumentParser, **defaults: int) -> None:
         p.add_argument(f"--{name}", type=int, default=value)
 
 
-def shape_from(args: argparse.Namespace) -> BertShape:
-    return BertShape(
+def shape_from(args: argparse.Namespace) -> Shape:
+    return Shape(
         layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab
     )
 
