@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import warnings
 
 from memfit.cli._bench import STRATEGIES, BenchConfig, bench
 from memfit.models import PRESETS
@@ -110,12 +108,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
-
-
-def _warn_world_size(world_size: int) -> None:
-    cores = os.cpu_count() or 1
-    if world_size > cores:
-        warnings.warn(
-            f"memfit: --world-size {world_size} is more than the {cores} CPU cores here; ranks will share cores",
-            stacklevel=2,
-        )

@@ -17,6 +17,7 @@ from torch import nn
 
 import memfit
 from memfit.cli._data import batch_at
+from memfit.cli._launch import warn_world_size
 from memfit.cli._measure import MIB, run
 from memfit.models import PRESETS, Preset
 
@@ -134,10 +135,9 @@ def bench(cfg: BenchConfig, console=None) -> list[dict]:
 
 
 def _bench_distributed(cfg: BenchConfig, out: _Output) -> list[dict]:
-    from memfit.cli import _warn_world_size
     from memfit.cli._bench_dist import run_distributed
 
-    _warn_world_size(cfg.world_size)
+    warn_world_size(cfg.world_size)
     strategies = ("DDP", "memfit", *(("torch FSDP2",) if cfg.compare else ()))
     out.say(f"{cfg.world_size} spawned gloo ranks: {', '.join(strategies)}")
     rows = run_distributed(cfg.preset, cfg.world_size, strategies, cfg.warmup, cfg.repeats)

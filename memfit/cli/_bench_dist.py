@@ -10,19 +10,17 @@ tensors); the maximum over ranks is reported.
 from __future__ import annotations
 
 import copy
-import os
-import socket
 import statistics
 import time
 from dataclasses import asdict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
 from memfit.cli._data import batch_at
+from memfit.cli._launch import spawn
 from memfit.models import Preset, Shape
 
 STRATEGIES = ("DDP", "memfit", "torch FSDP2")
@@ -41,9 +39,7 @@ def _wrap(strategy: str, model: torch.nn.Module, layer: type) -> torch.nn.Module
     return memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer})
 
 
-def _worker(rank, world, port, arch, shape, strategies, warmup, repeats, queue) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+def _worker(rank, world, arch, shape, strategies, warmup, repeats) -> dict:
     preset = Preset(arch, Shape(**shape))
     base = preset.build()
     base.train()
@@ -79,21 +75,13 @@ def _worker(rank, world, port, arch, shape, strategies, warmup, repeats, queue) 
         peaks[s] = (meter.peak_bytes, meter.breakdown())
     gathered = [None] * world
     dist.all_gather_object(gathered, peaks)
-    if rank == 0:
-        queue.put({"times": times, "peaks": gathered, "losses": losses})
-    dist.destroy_process_group()
+    return {"times": times, "peaks": gathered, "losses": losses}
 
 
 def run_distributed(preset: Preset, world: int, strategies: tuple[str, ...], warmup: int, repeats: int) -> list[dict]:
     """One row per strategy: per-rank peak (max over ranks), its breakdown on rank 0, median
     step time on rank 0, and the first loss on rank 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    args = (world, port, preset.arch, asdict(preset.shape), strategies, warmup, repeats, queue)
-    mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
-    res = queue.get()
+    res = spawn(_worker, world, preset.arch, asdict(preset.shape), strategies, warmup, repeats)
     return [
         {
             "strategy": s,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import memfit
 from memfit.cli._data import batch_at
+from memfit.cli._launch import warn_world_size
 from memfit.models import PRESETS, Preset
 
 
@@ -33,9 +34,7 @@ class PlanConfig:
 
 
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
-    from memfit.cli import _warn_world_size
-
-    _warn_world_size(cfg.world_size)
+    warn_world_size(cfg.world_size)
     preset = cfg.preset()
     model = preset.build()
     batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)

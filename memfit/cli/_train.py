@@ -12,13 +12,11 @@ rank). So a run resumed from a checkpoint computes exactly what the uninterrupte
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
 import json
 import math
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass
 
@@ -27,6 +25,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit.cli._data import batch_at
+from memfit.cli._launch import init_process_group, pg_timeout
 from memfit.models import PRESETS, Preset
 
 CHECKPOINTING = ("none", "full", "selective")
@@ -77,21 +76,6 @@ class TrainConfig:
         return self.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _init_distributed() -> None:
-    if dist.is_initialized():
-        return
-    # A collective (or the mesh set-up of a restarted group) that outlives this fails, so that
-    # torchrun can restart the job instead of waiting for ever.
-    timeout = datetime.timedelta(seconds=float(os.environ.get("MEMFIT_PG_TIMEOUT", "600")))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("gloo", timeout=timeout)
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-
-
 def _has_checkpoint(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "memfit.json"))
 
@@ -106,7 +90,9 @@ def _digest(model: torch.nn.Module) -> str:
 
 
 def train(cfg: TrainConfig) -> dict:
-    _init_distributed()
+    # A collective (or the mesh set-up of a restarted group) that outlives the timeout fails,
+    # so that torchrun can restart the job instead of waiting for ever.
+    init_process_group(timeout=pg_timeout())
     rank, world = dist.get_rank(), dist.get_world_size()
     preset = cfg.preset()
     shape = preset.shape
