@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import memfit
 from memfit.cli._data import batch_at
 from memfit.cli._launch import warn_world_size
+from memfit.cli._output import write_json
 from memfit.models import PRESETS, Preset
 
 
@@ -42,6 +42,5 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     print(f"{cfg.model}: {preset.arch} {preset.shape}, AdamW fp32, world size {cfg.world_size}\n")
     print(plan.table())
     if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(plan.to_dict(), f, indent=2)
+        write_json(cfg.json, plan.to_dict())
     return plan

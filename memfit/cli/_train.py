@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import signal
@@ -26,6 +25,7 @@ import torch.distributed as dist
 import memfit
 from memfit.cli._data import batch_at
 from memfit.cli._launch import init_process_group, pg_timeout
+from memfit.cli._output import write_json
 from memfit.models import PRESETS, Preset
 
 CHECKPOINTING = ("none", "full", "selective")
@@ -160,7 +160,6 @@ def train(cfg: TrainConfig) -> dict:
             memfit.save_checkpoint(cfg.checkpoint_dir, model, opt, step=step + 1)
     result = {"log": log, "world_size": world, "params_sha256": _digest(model)}
     if rank == 0 and cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(cfg.json, result)
     dist.barrier()
     return result
