@@ -73,7 +73,6 @@ def _parser() -> argparse.ArgumentParser:
         help="continue from --checkpoint-dir (auto: only if a checkpoint is there)",
     )
     t.add_argument("--json", help="write the log and a digest of the final parameters here")
-    t.add_argument("--fail-at-step", type=int, help=argparse.SUPPRESS)  # tests: the last rank dies there once
     return p
 
 
