@@ -12,18 +12,72 @@ its breakdown, and the activations kept after the forward.
 from __future__ import annotations
 
 import argparse
-import sys
+import copy
+import functools
 import tempfile
-import time
+import warnings
 
 import torch
-from strategies import STRATEGIES, prepare
+from _common import MIB, add_shape_args, command, emit, progress_log, run, shape_from, table, with_kept
 
-from memfit.cli._measure import MIB, add_shape_args, emit, run, shape_from, table
-from memfit.models import BertShape, bert_mlm, mlm_batch
+import memfit
+from memfit.models import Shape, bert_layer_class, bert_mlm, mlm_batch
+
+STRATEGIES = (
+    "none",
+    "memfit full",
+    "memfit selective (linear)",
+    "memfit selective (matmul)",
+    "memfit full + offload=disk",
+    "torch.utils.checkpoint",
+    "torch checkpoint_wrapper",
+    "fairscale checkpoint_wrapper",
+)
 
 
-def kept_minimum(shape: BertShape) -> list[tuple[str, int]]:
+def prepare(strategy: str, base: torch.nn.Module, offload_dir: str | None = None) -> torch.nn.Module:
+    """A deep copy of ``base`` with ``strategy`` applied to every BertLayer."""
+    model = copy.deepcopy(base)
+    layer = bert_layer_class()
+    memfit_decisions = {
+        "memfit full": memfit.Decision("full"),
+        "memfit selective (linear)": memfit.Decision("selective", save="linear"),
+        "memfit selective (matmul)": memfit.Decision("selective", save="matmul"),
+        "memfit full + offload=disk": memfit.Decision(
+            "offload", offload=memfit.Offload("disk", directory=offload_dir or tempfile.gettempdir())
+        ),
+    }
+    if strategy in memfit_decisions:
+        memfit_decisions[strategy].apply_to(model, layer)
+    elif strategy == "torch.utils.checkpoint":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    elif strategy == "torch checkpoint_wrapper":
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            apply_activation_checkpointing,
+            checkpoint_wrapper,
+        )
+
+        apply_activation_checkpointing(
+            model,
+            checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+            check_fn=lambda m: isinstance(m, layer),
+        )
+    elif strategy == "fairscale checkpoint_wrapper":
+        from fairscale.nn.checkpoint import checkpoint_wrapper
+
+        layers = model.bert.encoder.layer
+        for i, blk in enumerate(layers):
+            layers[i] = checkpoint_wrapper(blk)
+    elif strategy != "none":
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    model.train()
+    return model
+
+
+def kept_minimum(shape: Shape) -> list[tuple[str, int]]:
     """Activation bytes that full per-layer checkpointing must keep after the forward.
 
     With every BertLayer checkpointed, what stays for backward is each layer's input, plus
@@ -51,23 +105,17 @@ def main() -> None:
     args = p.parse_args()
     shape = shape_from(args)
     strategies = ["none", *[s for s in args.strategies if s != "none"]]
-    started = time.perf_counter()
+    batch = mlm_batch(shape)
     with tempfile.TemporaryDirectory(prefix="memfit-bench-") as offload_dir:
         base = bert_mlm(shape)
         models = {s: prepare(s, base, offload_dir) for s in strategies}
-        results = run(
-            models,
-            mlm_batch(shape),
-            args.warmup,
-            args.repeats,
-            progress=lambda msg: print(f"[{time.perf_counter() - started:6.0f}s] {msg}", file=sys.stderr),
-        )
+        results = with_kept(run(models, batch, args.warmup, args.repeats, progress=progress_log()), models, batch)
     by_name = {r.name: r for r in results}
 
     lines = [
         "# Activation checkpointing on the CPU: HF BERT-MLM",
         "",
-        "Command: `" + " ".join([".venv/bin/python benchmarks/checkpointing.py", *sys.argv[1:]]) + "`",
+        command("checkpointing.py"),
         "",
         f"Model: BertForMaskedLM, random init, {shape}; fp32, AdamW, dropout 0.1, sdpa attention.",
         f"Machine: {torch.get_num_threads()} CPU threads, torch {torch.__version__}. Step time: median of "

@@ -15,13 +15,12 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
-import sys
 import time
 
 import torch
+from _common import MIB, add_shape_args, command, emit, progress_log, run, shape_from
 
 import memfit
-from memfit.cli._measure import MIB, add_shape_args, emit, run, shape_from
 from memfit.models import bert_mlm, gpt2_lm, lm_batch, mlm_batch
 from memfit.testing import DECISIONS, BlockProfile, ModelProfile, forecast, solve
 
@@ -135,15 +134,12 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     shape = shape_from(args)
-    started = time.perf_counter()
-
-    def log(msg: str) -> None:
-        print(f"[{time.perf_counter() - started:6.0f}s] {msg}", file=sys.stderr)
+    log = progress_log()
 
     lines = [
         "# The planner on the CPU: forecasts and planned steps",
         "",
-        "Command: `" + " ".join([".venv/bin/python benchmarks/planner.py", *sys.argv[1:]]) + "`",
+        command("planner.py"),
         "",
         f"Shape {shape}; fp32, AdamW, torch {torch.__version__}, {torch.get_num_threads()} threads. Peak: "
         "MemoryMeter over a full training step (optimizer state included). Step time: median of "

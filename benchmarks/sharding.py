@@ -1,6 +1,6 @@
 """Data parallel on 2 gloo ranks (CPU): DDP vs torch FSDP2 vs memfit sharding, HF BERT-MLM.
 
-One run (memfit.cli._bench_dist, also behind `memfit bench --world-size N`): each rank builds
+One run (memfit.cli._bench_dist, the loop behind `memfit bench --world-size N`): each rank builds
 the three models from the same random init (fp32, AdamW), each on its own batch of standard
 library tokens. Step time: rank 0's median of interleaved repeats after warm-up, each step
 between barriers (so it includes waiting for the slower rank). Memory: the per-rank peak of
@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
+from _common import MIB, add_shape_args, command, emit, run_distributed, shape_from
 
-from memfit.cli._bench_dist import run_distributed
-from memfit.cli._measure import add_shape_args, emit, shape_from
 from memfit.models import Preset
 
 STRATEGIES = ("DDP", "torch FSDP2", "memfit")
-MIB = 2**20
 
 
 def main() -> None:
@@ -36,16 +33,16 @@ def main() -> None:
     p.add_argument("--out")
     args = p.parse_args()
     shape = shape_from(args)
-    rows = {
-        r["strategy"]: r
+    results = {
+        r.name: r
         for r in run_distributed(Preset("bert", shape), args.world_size, STRATEGIES, args.warmup, args.repeats)
     }
-    med = {s: rows[s]["step_seconds"] for s in STRATEGIES}
-    peak = {s: rows[s]["peak_bytes"] for s in STRATEGIES}
+    med = {s: results[s].time for s in STRATEGIES}
+    peak = {s: results[s].peak for s in STRATEGIES}
     lines = [
         f"# Data parallel on {args.world_size} gloo ranks (CPU): HF BERT-MLM",
         "",
-        "Command: `" + " ".join([".venv/bin/python benchmarks/sharding.py", *sys.argv[1:]]) + "`",
+        command("sharding.py"),
         "",
         f"Model: BertForMaskedLM, random init, {shape}, per rank; fp32, AdamW. torch {torch.__version__}, "
         f"{os.cpu_count()} CPU cores shared by the ranks. Step time: rank 0's median of {args.repeats} "
@@ -56,11 +53,11 @@ def main() -> None:
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for s in STRATEGIES:
-        b = rows[s]["breakdown_rank0"]
+        b = results[s].breakdown  # rank 0's
         state = b["parameters"] + b["gradients"] + b["optimizer_state"]
         lines.append(
             f"| {s} | {peak[s] / MIB:.1f} | {state / MIB:.1f} | {peak[s] / peak['DDP']:.3f}x | {med[s]:.3f} "
-            f"| {med[s] / med['DDP']:.3f}x | {rows[s]['loss']:.6f} |"
+            f"| {med[s] / med['DDP']:.3f}x | {results[s].first_loss:.6f} |"
         )
     lines += [
         "",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.models import BertShape, bert_mlm, gpt2_lm, lm_batch, mlm_batch
+from memfit.models import Shape, bert_mlm, gpt2_lm, lm_batch, mlm_batch
 from memfit.testing import DECISIONS, BlockProfile, ModelProfile, Sharding, forecast, solve, terms
 
 
@@ -90,7 +90,7 @@ def measured_peak(model, batch, plan):
 
 @pytest.mark.parametrize("arch", ["bert", "gpt2"])
 def test_plans_fit_and_forecasts_hold(arch):
-    shape = BertShape(layers=4, hidden=64, heads=4, seq=64, batch=4, vocab=1000)
+    shape = Shape(layers=4, hidden=64, heads=4, seq=64, batch=4, vocab=1000)
     if arch == "bert":
         model, batch = bert_mlm(shape), mlm_batch(shape)
     else:
@@ -123,7 +123,7 @@ def test_plans_fit_and_forecasts_hold(arch):
 
 
 def test_table_to_dict_and_apply_keep_names():
-    shape = BertShape(layers=2, hidden=32, heads=2, seq=16, batch=2, vocab=100)
+    shape = Shape(layers=2, hidden=32, heads=2, seq=16, batch=2, vocab=100)
     model, batch = bert_mlm(shape), mlm_batch(shape)
     names = [n for n, _ in model.named_parameters()]
     plan = memfit.plan(model, batch, budget="10GB")

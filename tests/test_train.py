@@ -2,22 +2,32 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import memfit
+
 TINY = ["--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4", "--steps", "6", "--lr", "1e-3"]
 
 
-def memfit_train(*args, torchrun=0, check=True):
+def memfit_train(*args, torchrun=0, fail_at_step=None, check=True):
     # Up to 3 restarts, and a 20 s process-group timeout so that a restarted group that stalls
-    # fails and is restarted rather than waiting.
+    # fails and is restarted rather than waiting. With fail_at_step, the last rank is killed at
+    # the start of the step after that many steps, on the first attempt (tests/_train_with_fault.py).
+    if fail_at_step is None:
+        entry = ["-m", "memfit", "train"]
+    else:
+        entry = [str(Path(__file__).with_name("_train_with_fault.py")), "--fail-at-step", str(fail_at_step)]
     if torchrun:
         exe = str(Path(sys.executable).parent / "torchrun")
-        cmd = [exe, "--standalone", f"--nproc-per-node={torchrun}", "--max-restarts=3", "-m", "memfit", "train"]
+        cmd = [exe, "--standalone", f"--nproc-per-node={torchrun}", "--max-restarts=3", *entry]
     else:
-        cmd = [sys.executable, "-m", "memfit", "train"]
-    env = {**os.environ, "MEMFIT_PG_TIMEOUT": "20"}  # a stuck restarted group fails fast, then restarts
+        cmd = [sys.executable, *entry]
+    # The children import the memfit under test (this checkout's), whatever the working directory.
+    path = os.pathsep.join(filter(None, [str(Path(memfit.__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "MEMFIT_PG_TIMEOUT": "20", "PYTHONPATH": path}  # a stuck restarted group fails fast
     proc = subprocess.run([*cmd, *TINY, *args], check=False, capture_output=True, text=True, timeout=400, env=env)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -30,10 +40,8 @@ def read(path):
 
 def test_resume_continues_exactly(tmp_path):
     memfit_train("--json", str(tmp_path / "whole.json"))
-    killed = memfit_train(
-        "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", "--fail-at-step", "4", check=False
-    )
-    assert killed.returncode != 0  # SIGKILL at the start of step 5, after the step-4 checkpoint
+    killed = memfit_train("--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", fail_at_step=4, check=False)
+    assert killed.returncode == -signal.SIGKILL  # at the start of step 5, after the step-4 checkpoint
     memfit_train("--checkpoint-dir", str(tmp_path / "ck"), "--resume", "--json", str(tmp_path / "rest.json"))
     whole, rest = read(tmp_path / "whole.json"), read(tmp_path / "rest.json")
     assert [e["step"] for e in rest["log"]] == [5, 6]
@@ -51,7 +59,7 @@ def test_torchrun_restarts_after_a_killed_rank(tmp_path):
         ck = tmp_path / f"ck{attempt}"
         proc = memfit_train(
             "--checkpoint-dir", str(ck), "--save-every", "2", "--resume", "auto",
-            "--fail-at-step", "3", "--json", str(tmp_path / "restarted.json"), torchrun=2, check=False,
+            "--json", str(tmp_path / "restarted.json"), torchrun=2, fail_at_step=3, check=False,
         )  # fmt: skip
         if proc.returncode == 0 or "connectFullMesh failed" not in proc.stdout + proc.stderr:
             break

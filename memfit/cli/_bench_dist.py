@@ -1,29 +1,25 @@
 """Data parallel strategies on N spawned gloo ranks: DDP, memfit sharding, torch FSDP2.
 
 Each rank builds every strategy's model from the same random init (the preset's
-architecture and shape, per-rank batches). Step time: rank 0's median of interleaved repeats
-after warm-up, each step between barriers (so it includes waiting for the slowest rank).
-Memory: each rank's peak of one step with MemoryMeter (DTensor shards by their local
-tensors); the maximum over ranks is reported.
+architecture and shape, per-rank batches) and runs the measurement loop of `memfit bench`
+across ranks (memfit.cli._measure.run): step time is rank 0's median of interleaved repeats
+after warm-up, each step between barriers (so it includes waiting for the slowest rank);
+memory is each rank's peak of one step with MemoryMeter (DTensor shards by their local
+tensors), the maximum over ranks.
 """
 
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import statistics
-import time
-from dataclasses import asdict
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
 from memfit.cli._data import batch_at
-from memfit.models import BertShape, Preset
+from memfit.cli._launch import spawn
+from memfit.cli._measure import Result, run
+from memfit.models import Preset
 
 STRATEGIES = ("DDP", "memfit", "torch FSDP2")
 
@@ -41,66 +37,16 @@ def _wrap(strategy: str, model: torch.nn.Module, layer: type) -> torch.nn.Module
     return memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer})
 
 
-def _worker(rank, world, port, arch, shape, strategies, warmup, repeats, queue) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    preset = Preset(arch, BertShape(**shape))
+def _worker(rank: int, world: int, preset: Preset, strategies: tuple[str, ...], warmup: int, repeats: int):
     base = preset.build()
     base.train()
-    batch = batch_at(arch, preset.shape.batch, preset.shape.seq, step=rank)
+    batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=rank)
     models = {s: _wrap(s, copy.deepcopy(base), preset.layer_class()) for s in strategies}
     del base
-    opts = {s: torch.optim.AdamW(m.parameters(), lr=1e-4) for s, m in models.items()}
-
-    def step(s: str, seed: int) -> float:
-        torch.manual_seed(seed)
-        loss = models[s](**batch).loss
-        loss.backward()
-        opts[s].step()
-        opts[s].zero_grad(set_to_none=True)
-        return loss.item()
-
-    losses = {s: step(s, 0) for s in strategies}
-    for i in range(1, warmup):
-        for s in strategies:
-            step(s, i)
-    times: dict[str, list[float]] = {s: [] for s in strategies}
-    for r in range(repeats):
-        for s in strategies:
-            dist.barrier()
-            t0 = time.perf_counter()
-            step(s, 100 + r)
-            dist.barrier()
-            times[s].append(time.perf_counter() - t0)
-    peaks = {}
-    for s in strategies:
-        with memfit.MemoryMeter(model=models[s], optimizer=opts[s]) as meter:
-            step(s, 1000)
-        peaks[s] = (meter.peak_bytes, meter.breakdown())
-    gathered = [None] * world
-    dist.all_gather_object(gathered, peaks)
-    if rank == 0:
-        queue.put({"times": times, "peaks": gathered, "losses": losses})
-    dist.destroy_process_group()
+    return run(models, batch, warmup, repeats, progress=lambda msg: None, across_ranks=True)
 
 
-def run_distributed(preset: Preset, world: int, strategies: tuple[str, ...], warmup: int, repeats: int) -> list[dict]:
-    """One row per strategy: per-rank peak (max over ranks), its breakdown on rank 0, median
-    step time on rank 0, and the first loss on rank 0."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    queue = mp.get_context("spawn").SimpleQueue()
-    args = (world, port, preset.arch, asdict(preset.shape), strategies, warmup, repeats, queue)
-    mp.start_processes(_worker, args=args, nprocs=world, start_method="spawn")
-    res = queue.get()
-    return [
-        {
-            "strategy": s,
-            "peak_bytes": max(r[s][0] for r in res["peaks"]),
-            "breakdown_rank0": res["peaks"][0][s][1],
-            "step_seconds": statistics.median(res["times"][s]),
-            "loss": res["losses"][s],
-        }
-        for s in strategies
-    ]
+def run_distributed(preset: Preset, world: int, strategies: tuple[str, ...], warmup: int, repeats: int) -> list[Result]:
+    """One result per strategy, as rank 0 saw it (its step times, breakdown and first loss),
+    with the peak the maximum over ranks."""
+    return spawn(_worker, world, preset, strategies, warmup, repeats)

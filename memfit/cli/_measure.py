@@ -1,43 +1,46 @@
-"""The measurement loop of `memfit bench` and the benchmark scripts: interleaved timing, then memory.
+"""The measurement loop of `memfit bench`, one process or many: interleaved timing, then memory.
 
 Each strategy gets its own model copy and AdamW. After warm-up, the timed repeats go
 round-robin over the strategies (so drift in machine load hits all of them alike) and the
 median is reported. Memory is measured afterwards with MemoryMeter, which slows every op, so
-it never runs during a timed step: one full step per strategy for the peak and its breakdown,
-and one forward for the activations kept for backward.
+it never runs during a timed step: one full step per strategy gives the peak and its
+breakdown. On many ranks every rank runs the same loop on its own batch; each timed step is
+between barriers (so it includes waiting for the slowest rank) and the peak is the maximum
+over ranks.
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 import memfit
-from memfit.models import BertShape
-
-MIB = 2**20
 
 
 @dataclass
 class Result:
+    """One strategy's measurements (on many ranks: this rank's, except ``peak``)."""
+
     name: str
-    times: list[float] = field(default_factory=list)
-    first_loss: float = float("nan")
-    peak: int = 0
-    breakdown: dict[str, int] = field(default_factory=dict)
-    kept: int = 0  # activation bytes alive after the forward (what backward will use)
+    times: list[float] = field(default_factory=list)  # seconds of each timed step
+    first_loss: float = float("nan")  # the loss of the first warm-up step
+    peak: int = 0  # peak bytes of one step (on many ranks: the maximum over ranks)
+    breakdown: dict[str, int] = field(default_factory=dict)  # MemoryMeter.breakdown() at that peak
 
     @property
     def time(self) -> float:
+        """The median step time."""
         return statistics.median(self.times)
 
 
 def make_step(model: torch.nn.Module, batch: dict, opt: torch.optim.Optimizer) -> Callable[[int], float]:
+    """One training step (forward, backward, optimizer) with the RNG seeded; returns the loss."""
+
     def step(seed: int) -> float:
         torch.manual_seed(seed)
         loss = model(**batch).loss
@@ -49,21 +52,25 @@ def make_step(model: torch.nn.Module, batch: dict, opt: torch.optim.Optimizer) -
     return step
 
 
-def kept_after_forward(model: torch.nn.Module, batch: dict) -> int:
-    """Bytes of tensors other than parameters and buffers alive after one forward."""
-    state = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
-    torch.manual_seed(0)
-    with memfit.MemoryMeter(model=model) as meter:
-        out = model(**batch)
-    kept = meter.current_bytes - state
-    del out
-    return kept
+def run(
+    models: dict[str, torch.nn.Module],
+    batch: dict,
+    warmup: int,
+    repeats: int,
+    progress: Callable[[str], object] = print,
+    *,
+    across_ranks: bool = False,
+) -> list[Result]:
+    """Warm up, time and measure the peak of each model, in the order of ``models``.
 
-
-def run(models: dict[str, torch.nn.Module], batch: dict, warmup: int, repeats: int, progress=print) -> list[Result]:
+    ``across_ranks``: every rank of the default process group calls this with the same
+    strategies (collectives inside the models meet); timed steps run between barriers and
+    each result's ``peak`` is the maximum over ranks.
+    """
     opts = {n: torch.optim.AdamW(m.parameters(), lr=1e-4) for n, m in models.items()}
     steps = {n: make_step(m, batch, opts[n]) for n, m in models.items()}
     results = {n: Result(n) for n in models}
+    barrier = dist.barrier if across_ranks else lambda: None
     for n, step in steps.items():
         progress(f"warm-up: {n}")
         results[n].first_loss = step(0)
@@ -72,8 +79,10 @@ def run(models: dict[str, torch.nn.Module], batch: dict, warmup: int, repeats: i
     for r in range(repeats):
         progress(f"timed round {r + 1}/{repeats}")
         for n, step in steps.items():
+            barrier()
             t0 = time.perf_counter()
             step(100 + r)
+            barrier()
             results[n].times.append(time.perf_counter() - t0)
     for n, step in steps.items():
         progress(f"memory: {n}")
@@ -81,44 +90,9 @@ def run(models: dict[str, torch.nn.Module], batch: dict, warmup: int, repeats: i
             step(1000)
         results[n].peak = meter.peak_bytes
         results[n].breakdown = meter.breakdown()
-        results[n].kept = kept_after_forward(models[n], batch)
+    if across_ranks:
+        peaks: list[dict[str, int]] = [{}] * dist.get_world_size()
+        dist.all_gather_object(peaks, {n: r.peak for n, r in results.items()})
+        for n, r in results.items():
+            r.peak = max(p[n] for p in peaks)
     return list(results.values())
-
-
-def table(results: list[Result]) -> str:
-    base = results[0]
-    lines = [
-        "| strategy | peak MiB | params+grads+AdamW MiB | activations+other at peak MiB | kept after forward MiB "
-        "| kept vs none | step s (median) | time vs none | first loss |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in results:
-        state = r.peak - r.breakdown["activations_and_other"]
-        lines.append(
-            f"| {r.name} | {r.peak / MIB:.1f} | {state / MIB:.1f} | {r.breakdown['activations_and_other'] / MIB:.1f} "
-            f"| {r.kept / MIB:.1f} | {r.kept / base.kept:.2f}x | {r.time:.3f} | {r.time / base.time:.2f}x "
-            f"| {r.first_loss:.6f} |"
-        )
-    return "\n".join(lines)
-
-
-def add_shape_args(p: argparse.ArgumentParser, **defaults: int) -> None:
-    """--layers --hidden --heads --seq --batch --vocab, with this script's defaults."""
-    base = {"layers": 6, "hidden": 768, "heads": 12, "seq": 128, "batch": 8, "vocab": 30522} | defaults
-    for name, value in base.items():
-        p.add_argument(f"--{name}", type=int, default=value)
-
-
-def shape_from(args: argparse.Namespace) -> BertShape:
-    return BertShape(
-        layers=args.layers, hidden=args.hidden, heads=args.heads, seq=args.seq, batch=args.batch, vocab=args.vocab
-    )
-
-
-def emit(lines: list[str], out: str | None) -> None:
-    """Print the report, and write it to ``out`` when given."""
-    report = "\n".join(lines)
-    print(report)
-    if out:
-        with open(out, "w") as f:
-            f.write(report)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import memfit
 from memfit.cli._data import batch_at
+from memfit.cli._launch import warn_world_size
+from memfit.cli._output import write_json
 from memfit.models import PRESETS, Preset
 
 
@@ -33,9 +34,7 @@ class PlanConfig:
 
 
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
-    from memfit.cli import _warn_world_size
-
-    _warn_world_size(cfg.world_size)
+    warn_world_size(cfg.world_size)
     preset = cfg.preset()
     model = preset.build()
     batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
@@ -43,6 +42,5 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     print(f"{cfg.model}: {preset.arch} {preset.shape}, AdamW fp32, world size {cfg.world_size}\n")
     print(plan.table())
     if cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(plan.to_dict(), f, indent=2)
+        write_json(cfg.json, plan.to_dict())
     return plan

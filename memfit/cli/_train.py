@@ -12,14 +12,11 @@ rank). So a run resumed from a checkpoint computes exactly what the uninterrupte
 from __future__ import annotations
 
 import contextlib
-import datetime
 import hashlib
-import json
 import math
 import os
-import signal
-import socket
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +24,8 @@ import torch.distributed as dist
 
 import memfit
 from memfit.cli._data import batch_at
+from memfit.cli._launch import init_process_group, pg_timeout
+from memfit.cli._output import write_json
 from memfit.models import PRESETS, Preset
 
 CHECKPOINTING = ("none", "full", "selective")
@@ -52,7 +51,6 @@ class TrainConfig:
     save_every: int = 0
     resume: str = "no"  # "no", "yes" (a checkpoint must exist) or "auto" (if one exists)
     json: str | None = None
-    fail_at_step: int | None = None  # testing: the last rank kills itself there on the first attempt
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
@@ -77,23 +75,21 @@ class TrainConfig:
         return self.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _init_distributed() -> None:
-    if dist.is_initialized():
-        return
-    # A collective (or the mesh set-up of a restarted group) that outlives this fails, so that
-    # torchrun can restart the job instead of waiting for ever.
-    timeout = datetime.timedelta(seconds=float(os.environ.get("MEMFIT_PG_TIMEOUT", "600")))
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        dist.init_process_group("gloo", timeout=timeout)
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-
-
-def _has_checkpoint(path: str) -> bool:
-    return os.path.isfile(os.path.join(path, "memfit.json"))
+def _resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Load the checkpoint that --resume asks for into ``model`` and ``opt``; the step to start at."""
+    if cfg.resume == "no":
+        return 0
+    if os.path.isfile(os.path.join(cfg.checkpoint_dir, "memfit.json")):
+        try:
+            return memfit.load_checkpoint(cfg.checkpoint_dir, model, opt)["step"]
+        except RuntimeError as e:  # another model's checkpoint, a damaged one: say which
+            raise ValueError(f"memfit train: cannot resume from {cfg.checkpoint_dir!r}: {e}") from e
+    if cfg.resume == "yes":
+        raise ValueError(
+            f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
+            "--resume (or with --resume auto) to start from scratch"
+        )
+    return 0
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -105,8 +101,15 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
-def train(cfg: TrainConfig) -> dict:
-    _init_distributed()
+def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -> dict:
+    """Train as ``cfg`` says; returns the log, the world size and a digest of the final parameters.
+
+    ``on_step(step)``, when given, is called on every rank at the start of each step, with the
+    number of steps done so far (a hook for progress reporting, profiling or fault injection).
+    """
+    # A collective (or the mesh set-up of a restarted group) that outlives the timeout fails,
+    # so that torchrun can restart the job instead of waiting for ever.
+    init_process_group(timeout=pg_timeout())
     rank, world = dist.get_rank(), dist.get_world_size()
     preset = cfg.preset()
     shape = preset.shape
@@ -115,23 +118,11 @@ def train(cfg: TrainConfig) -> dict:
     model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={preset.layer_class()})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    start = 0
-    if cfg.resume != "no":
-        if _has_checkpoint(cfg.checkpoint_dir):
-            try:
-                start = memfit.load_checkpoint(cfg.checkpoint_dir, model, opt)["step"]
-            except RuntimeError as e:  # another model's checkpoint, a damaged one: say which
-                raise ValueError(f"memfit train: cannot resume from {cfg.checkpoint_dir!r}: {e}") from e
-        elif cfg.resume == "yes":
-            raise ValueError(
-                f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
-                "--resume (or with --resume auto) to start from scratch"
-            )
+    start = _resume(cfg, model, opt)
     log: list[dict] = []
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for step in range(start, cfg.steps):
-        if cfg.fail_at_step == step and rank == world - 1 and first_attempt:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if on_step is not None:
+            on_step(step)
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
@@ -174,7 +165,6 @@ def train(cfg: TrainConfig) -> dict:
             memfit.save_checkpoint(cfg.checkpoint_dir, model, opt, step=step + 1)
     result = {"log": log, "world_size": world, "params_sha256": _digest(model)}
     if rank == 0 and cfg.json:
-        with open(cfg.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_json(cfg.json, result)
     dist.barrier()
     return result

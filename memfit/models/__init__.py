@@ -13,8 +13,9 @@ from torch import nn
 
 
 @dataclass(frozen=True)
-class BertShape:
-    """An HF BERT-MLM shape. The default is sized for a 2-core CPU."""
+class Shape:
+    """A transformer's sizes (BERT, GPT-2 and Llama read the same fields). The default is sized
+    for a 2-core CPU."""
 
     layers: int = 4
     hidden: int = 256
@@ -31,7 +32,7 @@ class BertShape:
             raise ValueError(f"every size must be >= 1: {self}")
 
 
-def bert_mlm(shape: BertShape, seed: int = 0) -> nn.Module:
+def bert_mlm(shape: Shape, seed: int = 0) -> nn.Module:
     """A randomly initialised ``transformers.BertForMaskedLM`` of ``shape``."""
     from transformers import BertConfig, BertForMaskedLM
 
@@ -55,7 +56,7 @@ def bert_layer_class() -> type[nn.Module]:
     return BertLayer
 
 
-def mlm_batch(shape: BertShape, seed: int = 0) -> dict[str, torch.Tensor]:
+def mlm_batch(shape: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random token ids and MLM labels (15% of positions predicted, the rest ignored)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
@@ -64,8 +65,8 @@ def mlm_batch(shape: BertShape, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
-def gpt2_lm(shape: BertShape, seed: int = 0) -> nn.Module:
-    """A randomly initialised ``transformers.GPT2LMHeadModel`` of ``shape`` (same fields as BERT's)."""
+def gpt2_lm(shape: Shape, seed: int = 0) -> nn.Module:
+    """A randomly initialised ``transformers.GPT2LMHeadModel`` of ``shape``."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(
@@ -85,14 +86,14 @@ def gpt2_lm(shape: BertShape, seed: int = 0) -> nn.Module:
     return GPT2LMHeadModel(cfg)
 
 
-def lm_batch(shape: BertShape, seed: int = 0) -> dict[str, torch.Tensor]:
+def lm_batch(shape: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
     """Random token ids; the labels are the ids (the model shifts them for next-token loss)."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, shape.vocab, (shape.batch, shape.seq), generator=g)
     return {"input_ids": ids, "labels": ids.clone()}
 
 
-def llama_lm(shape: BertShape, seed: int = 0) -> nn.Module:
+def llama_lm(shape: Shape, seed: int = 0) -> nn.Module:
     """A randomly initialised ``transformers.LlamaForCausalLM`` of ``shape`` (grouped KV heads: heads/2)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -118,7 +119,7 @@ class Preset:
     """A named architecture and shape for the CLI and benchmarks."""
 
     arch: str  # "bert" (masked LM), "gpt2" or "llama" (causal LM)
-    shape: BertShape
+    shape: Shape
 
     def build(self, seed: int = 0) -> nn.Module:
         return {"bert": bert_mlm, "gpt2": gpt2_lm, "llama": llama_lm}[self.arch](self.shape, seed)
@@ -142,14 +143,12 @@ class Preset:
 
 # Sized for a 2-core CPU by default; the real sizes for `--model bert-large` and friends.
 PRESETS = {
-    "bert": Preset("bert", BertShape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=30522)),
-    "gpt2": Preset("gpt2", BertShape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=50257)),
-    "llama": Preset("llama", BertShape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=32000, dropout=0.0)),
-    "bert-base": Preset("bert", BertShape(layers=12, hidden=768, heads=12, seq=512, batch=8, vocab=30522)),
-    "bert-large": Preset("bert", BertShape(layers=24, hidden=1024, heads=16, seq=512, batch=8, vocab=30522)),
-    "gpt2-small": Preset("gpt2", BertShape(layers=12, hidden=768, heads=12, seq=1024, batch=4, vocab=50257)),
-    "gpt2-medium": Preset("gpt2", BertShape(layers=24, hidden=1024, heads=16, seq=1024, batch=4, vocab=50257)),
-    "llama-1b": Preset(
-        "llama", BertShape(layers=16, hidden=2048, heads=32, seq=2048, batch=1, vocab=32000, dropout=0.0)
-    ),
+    "bert": Preset("bert", Shape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=30522)),
+    "gpt2": Preset("gpt2", Shape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=50257)),
+    "llama": Preset("llama", Shape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=32000, dropout=0.0)),
+    "bert-base": Preset("bert", Shape(layers=12, hidden=768, heads=12, seq=512, batch=8, vocab=30522)),
+    "bert-large": Preset("bert", Shape(layers=24, hidden=1024, heads=16, seq=512, batch=8, vocab=30522)),
+    "gpt2-small": Preset("gpt2", Shape(layers=12, hidden=768, heads=12, seq=1024, batch=4, vocab=50257)),
+    "gpt2-medium": Preset("gpt2", Shape(layers=24, hidden=1024, heads=16, seq=1024, batch=4, vocab=50257)),
+    "llama-1b": Preset("llama", Shape(layers=16, hidden=2048, heads=32, seq=2048, batch=1, vocab=32000, dropout=0.0)),
 }
