@@ -1,9 +1,12 @@
 """A sharded unit: the parameters of one module (minus its sharded submodules), gathered and
-freed together, with one flat buffer per collective.
+freed together, with one flat buffer per collective; and `ShardedModule`, the mixin through
+which a sharded module holds its unit.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from enum import Enum, auto
 
 import torch
@@ -216,3 +219,38 @@ class PendingReduce:
                 else:
                     p.sharded.grad.add_(g)
             offset += p.slot_numel
+
+
+class ShardedModule:
+    """Mixed into every sharded module's class: the controls of its unit and those below.
+
+    The module's unit is its ``_memfit_unit`` attribute."""
+
+    def _units_below(self) -> list[Unit]:
+        return [m._memfit_unit for m in self.modules() if isinstance(m, ShardedModule)]  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full gradients locally, without communication; the next synced backward
+        reduces the sum (same result as one large batch, more memory meanwhile)."""
+        units = self._units_below()
+        for u in units:
+            u.sync_grads = False
+        try:
+            yield
+        finally:
+            for u in units:
+                u.sync_grads = True
+
+
+def user_class(module: nn.Module) -> type:
+    """The module's own class, without memfit's mixins."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, ShardedModule))
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    """The units of a sharded model, in ``modules()`` order; refuses a model with none."""
+    units = [m._memfit_unit for m in model.modules() if isinstance(m, ShardedModule)]
+    if not units:
+        raise ValueError(f"memfit: {type(model).__name__} has no sharded modules (call memfit.shard first)")
+    return units

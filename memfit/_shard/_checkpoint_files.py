@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from memfit._shard._api import ShardedModule
 from memfit._shard._param import ShardedParam
+from memfit._shard._unit import ShardedModule
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
