@@ -8,20 +8,19 @@ from torch import nn
 
 from memfit._shard import _runtime
 from memfit._shard._init import (
-    _OWNER,
-    _RETIRED,
-    _adopt,
-    _all_sharded_below,
-    _ensure_optimizer_check,
-    _is_shard,
-    _managed_modules,
-    _post_order,
-    _pre_forward,
-    _units_directly_below,
-    _wrap_selector,
+    allocate_meta_buffers,
+    broadcast_from_rank0,
+    check_one_device_and_dtype,
+    claim_parameters,
+    ensure_optimizer_check,
+    managed_modules,
+    new_unit,
+    post_order,
+    pre_forward_with_lazy_init,
+    shard_parameters,
+    wrap_selector,
 )
 from memfit._shard._mixed import MixedPrecision
-from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule, Unit, user_class
 
 __all__ = ["FullyShardedDataParallel", "shard"]
@@ -44,8 +43,8 @@ class FullyShardedDataParallel(ShardedModule):
 
     def __new__(cls, module: nn.Module, **kwargs):
         policy = kwargs.pop("auto_wrap_policy", None)
-        select = _wrap_selector(policy)
-        for sub in _post_order(module):
+        select = wrap_selector(policy)
+        for sub in post_order(module):
             if sub is not module and select(sub):
                 shard(sub, **kwargs)
         shard(module, **kwargs)
@@ -119,6 +118,24 @@ def shard(
     they exchange differ (every collective carries the unit's index), else after the process
     group's timeout, with an error naming the rank and the unit.
     """
+    group = _checked_group(module, group)
+    managed = managed_modules(module)
+    owned = claim_parameters(module, managed)
+    compute, host = _devices(device, check_one_device_and_dtype(module, owned), offload)
+    allocate_meta_buffers(managed, compute)
+    if sync_module_states:
+        broadcast_from_rank0(owned, managed, group)
+    if mixed_precision is not None:
+        mixed_precision.prepare([m for _, m in managed])
+    params = shard_parameters(owned, group, compute, mixed_precision, host)
+    unit = new_unit(module, params, owned, managed, group, reshard_after_forward, mixed_precision)
+    ensure_optimizer_check()
+    _install(module, unit)
+    return module
+
+
+def _checked_group(module: nn.Module, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    """The process group to shard over; refuses a missing one, and a module sharded already."""
     if group is None and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "memfit.shard: no process group. Call torch.distributed.init_process_group(...) first "
@@ -129,106 +146,25 @@ def shard(
             f"memfit.shard: {user_class(module).__name__} is already sharded (its unit is "
             f"'{module._memfit_unit.name}'); shard each module once, bottom-up."
         )
-    group = group or dist.group.WORLD
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    below = _units_directly_below(module)
-    managed = _managed_modules(module)
+    return group or dist.group.WORLD
 
-    uses: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
-    paths: dict[nn.Parameter, str] = {}
-    for path, m in managed:
-        for name, p in m._parameters.items():
-            if p is None:
-                continue
-            uses.setdefault(p, []).append((m, name))
-            paths.setdefault(p, f"{path}.{name}" if path else name)
 
-    adopted: list[ShardedParam] = []  # tied parameters taken over from units below
-    pending: list[tuple[nn.Parameter, nn.Module, str]] = []  # tied to a unit outside this module
-    new: list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = []
-    below_units = [m._memfit_unit for m in _all_sharded_below(module)]
-    for p, p_uses in uses.items():
-        if p in _RETIRED:  # tied: an earlier unit sharded it, and it is also used here
-            sp = _RETIRED[p]
-            owner = _OWNER[sp]
-            if owner in below_units:
-                _adopt(sp, owner, p_uses)
-                adopted.append(sp)
-            else:  # owned outside this module: a common ancestor must take it (checked at first forward)
-                unit_ties = [(p, m, name) for m, name in p_uses]
-                pending.extend(unit_ties)
-        elif not _is_shard(p):
-            new.append((p, p_uses))
-    for u in below_units:  # ties between units below, left for a common ancestor: this one
-        for tie in list(u.pending_ties):
-            p, m, name = tie
-            sp = _RETIRED[p]
-            owner = _OWNER[sp]
-            if owner in below_units:
-                if sp not in adopted:
-                    _adopt(sp, owner, [])
-                    adopted.append(sp)
-                sp.uses.append((m, name))
-                sp.register(sp.sharded)
-                u.pending_ties.remove(tie)
-
-    devices = {p.device for p, _ in new if not p.is_meta} | {sp.sharded.device for sp in adopted}
-    if len(devices) > 1:  # needs two real devices: not exercised by the CPU test suite
-        by_device = {str(d): [paths[p] for p, _ in new if p.device == d][:3] for d in devices}
-        raise ValueError(
-            f"memfit.shard: the parameters of {type(module).__name__} live on several devices {by_device}; "
-            "move the module to one device first."
-        )
-    dtypes = {p.dtype for p, _ in new} | {sp.sharded.dtype for sp in adopted}
-    if len(dtypes) > 1:
-        by_dtype = {str(d): [paths[p] for p, _ in new if p.dtype == d][:3] for d in dtypes}
-        raise ValueError(
-            f"memfit.shard: the parameters of {type(module).__name__} have several dtypes {by_dtype}; one unit "
-            "gathers them in one buffer. Shard the submodules of each dtype separately first, or cast the module."
-        )
+def _devices(
+    device: torch.device | str | None, found: torch.device | None, offload: str | None
+) -> tuple[torch.device, torch.device | None]:
+    """The device the unit computes on, and the device its shards live on when offloaded."""
     if offload not in (None, "cpu"):
         raise ValueError(f"memfit.shard: offload must be None or 'cpu', got {offload!r}")
-    target = torch.device(device) if device is not None else next(iter(devices), torch.device("cpu"))
-    host = torch.device("cpu") if offload == "cpu" else None
-    for _, m in managed:  # buffers built on the meta device: allocated now, filled by materialize
-        for name, b in m._buffers.items():
-            if b is not None and b.is_meta:
-                m._buffers[name] = torch.zeros_like(b, device=target)
-    if sync_module_states and world > 1:
-        with torch.no_grad():
-            for p, _ in new:
-                if not p.is_meta:
-                    dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
-            for _, m in managed:
-                for b in m._buffers.values():
-                    if b is not None:
-                        dist.broadcast(b, src=dist.get_global_rank(group, 0), group=group)
+    if device is not None:
+        compute = torch.device(device)
+    else:
+        compute = found if found is not None else torch.device("cpu")
+    return compute, torch.device("cpu") if offload == "cpu" else None
 
-    if mixed_precision is not None:
-        mixed_precision.prepare([m for _, m in managed])
-    params = []
-    for p, p_uses in new:
-        dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
-        sp = ShardedParam(p, p_uses, paths[p], rank, world, target, dtype, host)
-        if host is not None:
-            sp.full.data = sp.full.data.to(target)  # computes on the device; storage freed below
-            sp.full.untyped_storage().resize_(0)
-        _RETIRED[p] = sp
-        params.append(sp)
-    reduce_dtype = mixed_precision.reduce_dtype if mixed_precision else None
-    unit = Unit(module, [*params, *adopted], group, reshard_after_forward, reduce_dtype)
-    unit.input_dtype = mixed_precision.param_dtype if mixed_precision else None
-    unit.pending_ties = pending
-    unit.managed = [m for _, m in managed]  # modules whose parameters this unit owns
-    unit.root_state = None
-    unit.parent = None
-    for sp in unit.params:
-        _OWNER[sp] = unit
-    for u in below:
-        u._memfit_unit.parent = unit
-    _ensure_optimizer_check()
+
+def _install(module: nn.Module, unit: Unit) -> None:
+    """Attach ``unit`` to ``module``: its class gains the sharded controls, its forward the hooks."""
     module._memfit_unit = unit
     module.__class__ = _extended_class(type(module), ShardedModule)
-    module.register_forward_pre_hook(_pre_forward, with_kwargs=True)
+    module.register_forward_pre_hook(pre_forward_with_lazy_init, with_kwargs=True)
     module.register_forward_hook(_runtime.post_forward, with_kwargs=True)
-    return module

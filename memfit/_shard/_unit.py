@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -15,6 +16,9 @@ from torch import nn
 
 from memfit._shard import _collectives as comm
 from memfit._shard._param import ShardedParam
+
+if TYPE_CHECKING:
+    from memfit._shard._runtime import RootState
 
 
 class ShardState(Enum):
@@ -59,6 +63,11 @@ class Unit:
         self.reduce_at_end = False  # a forward call had no input needing grad: reduce in finish_backward
         self._gathered_versions: list[int] = []  # the shards' versions the gather started from
         self._gather: tuple[dist.Work, torch.Tensor] | None = None
+        self.managed: list[nn.Module] = []  # the modules whose parameters this unit owns
+        # Tied uses of parameters a unit outside this module owns: a common ancestor takes them.
+        self.pending_ties: list[tuple[nn.Parameter, nn.Module, str]] = []
+        self.parent: Unit | None = None  # the unit directly above, once it is sharded
+        self.root_state: RootState | None = None  # shared under the root, set at its first forward
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {len(self.params)} params, {self.shard_state.name})"
