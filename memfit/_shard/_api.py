@@ -91,7 +91,8 @@ def shard(
     Each parameter becomes this rank's dim-0 chunk (torch.chunk semantics: uneven and empty
     chunks are fine) and stays a real ``nn.Parameter`` under its original name, so optimizers,
     param groups and frozen parameters work as usual; build the optimizer after sharding. The
-    unit's full parameters exist only while it computes (see [Note: One sharded training step]).
+    unit's full parameters exist only while it computes: gathered before its forward (and
+    again for its backward), freed after, gradients reduce-scattered into the shards.
     Apply bottom-up: blocks first, then the root, whose parameters are the rest. A parameter
     that requires grad but is never used keeps ``grad = None``, as without sharding.
 
@@ -105,8 +106,8 @@ def shard(
         device: where the chunks of parameters built on the meta device are allocated (default
             the CPU); fill them with :func:`materialize` or :func:`load_full_state_dict`, so
             the full model never exists on one rank (deferred initialisation).
-        mixed_precision: compute in a lower precision from fp32 shards; see
-            [Note: Mixed precision].
+        mixed_precision: a :class:`MixedPrecision`: gather and compute in a lower precision
+            from the fp32 shards, which the optimizer keeps updating in fp32.
         offload: ``"cpu"`` keeps the shards, their gradients and so the optimizer state in host
             memory (the optimizer steps on the CPU); a unit's full parameters are gathered on
             the compute device (``device``, default the module's) for its forward and backward,
@@ -130,7 +131,7 @@ def shard(
     params = shard_parameters(owned, group, compute, mixed_precision, host)
     unit = new_unit(module, params, owned, managed, group, reshard_after_forward, mixed_precision)
     ensure_optimizer_check()
-    _install(module, unit)
+    _install(module, unit)  # See [Note: One sharded training step]
     return module
 
 

@@ -1,15 +1,5 @@
 """How a module becomes a unit: the modules and parameters it manages, tied-parameter
 ownership, wrap policies, and the root's initialisation at its first forward.
-
-# [Note: Units, roots and tied parameters]
-# `shard(module)` makes `module` a unit: it owns the parameters registered in its subtree that
-# no unit sharded before it (apply it bottom-up: blocks, then the root). A parameter shared by
-# several modules (an input embedding tied to the LM head) belongs to the lowest unit that
-# contains all its uses: when a later `shard()` finds a parameter an earlier unit owns also
-# registered outside that unit, it takes it over. The outermost unit is the root; at its first
-# forward it names every unit by its path, fixes their order (checked in every all-gather,
-# so ranks that diverge fail instead of exchanging the wrong data) and refuses parameters still
-# shared across units with no common sharded ancestor.
 """
 
 from __future__ import annotations
@@ -28,6 +18,16 @@ from memfit._shard import _runtime
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule, Unit, user_class
+
+# [Note: Units, roots and tied parameters]
+# `shard(module)` makes `module` a unit: it owns the parameters registered in its subtree that
+# no unit sharded before it (apply it bottom-up: blocks, then the root). A parameter shared by
+# several modules (an input embedding tied to the LM head) belongs to the lowest unit that
+# contains all its uses: when a later `shard()` finds a parameter an earlier unit owns also
+# registered outside that unit, it takes it over. The outermost unit is the root; at its first
+# forward it names every unit by its path, fixes their order (checked in every all-gather,
+# so ranks that diverge fail instead of exchanging the wrong data) and refuses parameters still
+# shared across units with no common sharded ancestor.
 
 # Parameters replaced by their shards -> the ShardedParam that replaced them.
 _RETIRED: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -296,6 +296,7 @@ def pre_forward_with_lazy_init(module: nn.Module, args: tuple, kwargs: dict):
 
 def _init_root(unit: Unit) -> None:
     """Name and number every unit under the root above ``unit``, and give them one RootState."""
+    # See [Note: Units, roots and tied parameters]
     root = unit
     while root.parent is not None:
         root = root.parent

@@ -79,6 +79,7 @@ class Unit:
 
     def unshard(self) -> None:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
+        # See [Note: Sharded parameter layout] and [Note: Mixed precision]
         if self.shard_state is not ShardState.SHARDED or not self.params:
             return
         device = self.params[0].full.device  # the compute device (shards may be offloaded)
