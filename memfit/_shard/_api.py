@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -27,35 +29,73 @@ __all__ = ["FullyShardedDataParallel", "shard"]
 
 
 class FullyShardedDataParallel(ShardedModule):
-    """Drop-in for ``DistributedDataParallel``: ``FullyShardedDataParallel(model, ...)`` shards
-    the submodules ``auto_wrap_policy`` selects, then the root, and returns ``model`` itself
-    (its class extended with ``no_sync()``), so ``state_dict()`` keys and parameter names are
-    unchanged; ``.module`` is the model too, as with DDP.
+    """Drop-in for ``DistributedDataParallel`` that shards the model over the ranks (ZeRO-3).
+
+    ``FullyShardedDataParallel(model, ...)`` shards, in place, each submodule that
+    ``auto_wrap_policy`` selects (innermost first), then ``model`` itself with the parameters
+    left, and returns ``model`` itself, not a wrapper: its class is extended, so
+    ``isinstance(model, FullyShardedDataParallel)`` holds and ``model.no_sync()`` works, while
+    ``state_dict()`` keys and parameter names stay unchanged; ``model.module`` is the model
+    too, as with DDP. Build the optimizer afterwards, from ``model.parameters()``.
 
     Args:
+        module: the model to shard; it is returned.
         auto_wrap_policy: which submodules become their own unit: a module class, a set or
             tuple of classes, a ``callable(module) -> bool``, or an int: the minimum number of
             (not yet wrapped) parameters for a submodule to become a unit (FairScale's
             size-based policy). None: the whole model is one unit.
-        group, reshard_after_forward, sync_module_states, device, mixed_precision, offload: as
-            for :func:`shard`.
+        group: the data-parallel process group (default: the default group).
+        reshard_after_forward: free each unit's full parameters after its forward and gather
+            them again for backward (ZeRO-3); False keeps them from forward to backward
+            (ZeRO-2-like: less communication, more memory). The root always keeps them.
+        sync_module_states: broadcast parameters and buffers from rank 0 first, so ranks
+            start equal.
+        device: where the chunks of parameters built on the meta device are allocated
+            (default the CPU); fill them with :func:`materialize` or
+            :func:`load_full_state_dict`.
+        mixed_precision: a :class:`MixedPrecision`: gather and compute in a lower precision,
+            while the shards the optimizer updates keep their own dtype (fp32).
+        offload: ``"cpu"`` keeps the shards, their gradients and the optimizer state in host
+            memory; units gather their full parameters on the compute device.
+
+    Each unit is made by :func:`shard`, which describes these arguments in full.
     """
 
-    def __new__(cls, module: nn.Module, **kwargs):
-        policy = kwargs.pop("auto_wrap_policy", None)
-        select = wrap_selector(policy)
+    def __new__(
+        cls,
+        module: nn.Module,
+        *,
+        auto_wrap_policy: type | set[type] | tuple[type, ...] | Callable[[nn.Module], bool] | int | None = None,
+        group: dist.ProcessGroup | None = None,
+        reshard_after_forward: bool = True,
+        sync_module_states: bool = True,
+        device: torch.device | str | None = None,
+        mixed_precision: MixedPrecision | None = None,
+        offload: str | None = None,
+    ) -> FullyShardedDataParallel:
+        """Shard ``module`` as described in the class docstring and return it."""
+        kwargs = {
+            "group": group,
+            "reshard_after_forward": reshard_after_forward,
+            "sync_module_states": sync_module_states,
+            "device": device,
+            "mixed_precision": mixed_precision,
+            "offload": offload,
+        }
+        select = wrap_selector(auto_wrap_policy)
         for sub in post_order(module):
             if sub is not module and select(sub):
                 shard(sub, **kwargs)
         shard(module, **kwargs)
         module.__class__ = _extended_class(type(module), FullyShardedDataParallel)
-        return module
+        return module  # type: ignore[return-value]
 
     def __init__(self, *args, **kwargs) -> None:
-        pass  # __new__ returned the model itself, already initialised
+        """Nothing to do: ``__new__`` returned the model, already sharded."""
 
     @property
     def module(self) -> nn.Module:
+        """The model itself (``DistributedDataParallel``'s ``.module``)."""
         return self  # type: ignore[return-value]
 
 
@@ -63,6 +103,7 @@ _CLASSES: dict[tuple[type, type], type] = {}
 
 
 def _extended_class(base: type, mixin: type) -> type:
+    """``base`` with ``mixin`` mixed in (one class per pair, made once)."""
     if issubclass(base, mixin):
         return base
     key = (base, mixin)
@@ -106,8 +147,8 @@ def shard(
         device: where the chunks of parameters built on the meta device are allocated (default
             the CPU); fill them with :func:`materialize` or :func:`load_full_state_dict`, so
             the full model never exists on one rank (deferred initialisation).
-        mixed_precision: a :class:`MixedPrecision`: gather and compute in a lower precision
-            from the fp32 shards, which the optimizer keeps updating in fp32.
+        mixed_precision: a :class:`MixedPrecision`: gather and compute in a lower precision,
+            while the shards the optimizer updates keep their own dtype (fp32).
         offload: ``"cpu"`` keeps the shards, their gradients and so the optimizer state in host
             memory (the optimizer steps on the CPU); a unit's full parameters are gathered on
             the compute device (``device``, default the module's) for its forward and backward,
