@@ -57,23 +57,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     shards = {id(sp.sharded): sp for u in units for sp in u.params}
     rank = dist.get_rank(group)
     names = list(model.state_dict(keep_vars=True).items())
-
-    def full_shape(t):
-        sp = shards.get(id(t))
-        return tuple(sp.shape) if sp is not None else tuple(t.shape)
-
-    problem = None
-    if rank == 0:  # checked before any broadcast, and shared, so no rank waits in vain
-        missing = [n for n, _ in names if n not in state_dict]
-        unexpected = [n for n in state_dict if n not in dict(names)]
-        shapes = [
-            f"'{n}' is {list(state_dict[n].shape)}, the model has {list(full_shape(t))}"
-            for n, t in names
-            if n in state_dict and tuple(state_dict[n].shape) != full_shape(t)
-        ]
-        if missing or unexpected or shapes:
-            problem = f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; {'; '.join(shapes[:5])}"
-    box = [problem]
+    # Checked on rank 0 before any broadcast, and shared, so no rank waits in vain.
+    box = [_mismatch(names, state_dict, shards) if rank == 0 else None]
     dist.broadcast_object_list(box, src=src, group=group)
     if box[0]:
         raise RuntimeError(f"memfit.load_full_state_dict: the state dict does not match the model: {box[0]}")
@@ -96,3 +81,22 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
         else:
             t.copy_(buf)
     return model
+
+
+def _mismatch(names: list[tuple[str, torch.Tensor]], state_dict: dict[str, torch.Tensor], shards: dict) -> str | None:
+    """What keeps ``state_dict`` from loading into the model (missing, unexpected keys, shapes), or None."""
+
+    def full_shape(t):
+        sp = shards.get(id(t))
+        return tuple(sp.shape) if sp is not None else tuple(t.shape)
+
+    missing = [n for n, _ in names if n not in state_dict]
+    unexpected = [n for n in state_dict if n not in dict(names)]
+    shapes = [
+        f"'{n}' is {list(state_dict[n].shape)}, the model has {list(full_shape(t))}"
+        for n, t in names
+        if n in state_dict and tuple(state_dict[n].shape) != full_shape(t)
+    ]
+    if missing or unexpected or shapes:
+        return f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; {'; '.join(shapes[:5])}"
+    return None
