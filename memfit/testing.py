@@ -17,9 +17,9 @@ from memfit._checkpoint import _offload
 from memfit._checkpoint._function import _Frame, _Holder
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, solve, terms
-from memfit._shard._api import ShardedModule
 from memfit._shard._collectives import STATS, CommStats
 from memfit._shard._mixed import _NORMS
+from memfit._shard._unit import ShardedModule
 
 __all__ = [
     "DECISIONS",

@@ -1,16 +1,11 @@
 """Fully sharded data parallel (ZeRO-3) on torch.distributed collectives."""
 
-from memfit._shard._api import (
-    FullyShardedDataParallel,
-    clip_grad_norm_,
-    load_full_state_dict,
-    materialize,
-    shard,
-    summon_full_params,
-)
+from memfit._shard._api import FullyShardedDataParallel, shard
+from memfit._shard._checkpoint_files import load_checkpoint, save_checkpoint
+from memfit._shard._deferred import load_full_state_dict, materialize
 from memfit._shard._export import export_safetensors
 from memfit._shard._mixed import MixedPrecision
-from memfit._shard._state import load_checkpoint, save_checkpoint
+from memfit._shard._utils import clip_grad_norm_, summon_full_params
 
 __all__ = [
     "FullyShardedDataParallel",

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit._shard._api import ShardedModule
+from memfit._shard._unit import ShardedModule
 
 __all__ = ["export_safetensors"]
 

@@ -1,4 +1,14 @@
-"""Mixed precision for sharded units: compute in a low precision from fp32 master shards.
+"""Mixed precision for sharded units: compute in a low precision from fp32 master shards."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _NormBase
+
+_NORMS: tuple[type, ...] = (_NormBase, nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 # [Note: Mixed precision]
 # The shards (what the optimizer updates) stay in their own dtype, fp32. A unit gathers them
@@ -11,22 +21,15 @@
 # GroupNorm, InstanceNorm, RMSNorm) keep fp32 parameters and buffers by default: their inputs
 # are cast to fp32 and their outputs back to `param_dtype` (low-precision batch statistics are
 # what breaks BatchNorm). Buffers of other modules are cast to `buffer_dtype`.
-"""
-
-from __future__ import annotations
-
-from dataclasses import dataclass
-
-import torch
-from torch import nn
-from torch.nn.modules.batchnorm import _NormBase
-
-_NORMS: tuple[type, ...] = (_NormBase, nn.LayerNorm, nn.GroupNorm) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """Dtypes for a sharded model's compute (see [Note: Mixed precision]).
+    """Dtypes for a sharded model's compute; the shards, which the optimizer updates, keep theirs.
+
+    A unit gathers its parameters already cast to ``param_dtype`` and computes with them;
+    gradients are summed across ranks in ``reduce_dtype`` and reach the shards' ``.grad`` in
+    the shards' dtype. Floating inputs of every unit are cast to ``param_dtype``.
 
     Attributes:
         param_dtype: the dtype of the gathered parameters the forward and backward use.
@@ -52,6 +55,7 @@ class MixedPrecision:
 
     def prepare(self, modules: list[nn.Module]) -> None:
         """Cast buffers and hook norm layers, for the modules a unit manages."""
+        # See [Note: Mixed precision]
         for m in modules:
             keep = self.keep_norms_fp32 and isinstance(m, _NORMS)
             for name, b in m._buffers.items():

@@ -1,4 +1,11 @@
-"""One sharded parameter: its dim-0 chunk on this rank, and the full tensor while it computes.
+"""One sharded parameter: its dim-0 chunk on this rank, and the full tensor while it computes."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
 
 # [Note: Sharded parameter layout]
 # A parameter of shape (d0, ...) is split like torch.chunk(p, W, dim=0): every rank's chunk has
@@ -12,14 +19,6 @@
 # The full tensor is one nn.Parameter per sharded parameter, allocated once: its storage is
 # resized to zero when the unit reshards and refilled in place when it gathers again, so the
 # tensors autograd saved in forward (views of the weight) are valid again in backward.
-"""
-
-from __future__ import annotations
-
-import math
-
-import torch
-from torch import nn
 
 
 class ShardedParam:

@@ -1,4 +1,17 @@
-"""When units gather, free and reduce: the module and autograd hooks of sharding.
+"""When units gather, free and reduce: the module and autograd hooks of sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from memfit._checkpoint import is_recomputing
+from memfit._shard._unit import TrainingState, Unit
 
 # [Note: One sharded training step]
 # Forward, per unit: the pre-forward hook finishes the unit's all-gather (started early by
@@ -17,20 +30,6 @@
 # which runs when the whole backward ends, finishes the last reduce-scatter and resets every
 # unit for the next step.
 # Without grad (evaluation) units gather before and free right after their forward.
-"""
-
-from __future__ import annotations
-
-import dataclasses
-from collections.abc import Mapping
-
-import torch
-from torch import nn
-from torch.autograd import Variable
-from torch.utils._pytree import tree_flatten, tree_unflatten
-
-from memfit._checkpoint import is_recomputing
-from memfit._shard._unit import TrainingState, Unit
 
 
 class RootState:
@@ -135,6 +134,7 @@ def finish_backward(state: RootState) -> None:
 
 
 def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+    # See [Note: One sharded training step]
     unit: Unit = module._memfit_unit
     state: RootState = unit.root_state
     if is_recomputing():

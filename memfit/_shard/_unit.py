@@ -1,10 +1,14 @@
 """A sharded unit: the parameters of one module (minus its sharded submodules), gathered and
-freed together, with one flat buffer per collective.
+freed together, with one flat buffer per collective; and `ShardedModule`, the mixin through
+which a sharded module holds its unit.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from enum import Enum, auto
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -12,6 +16,9 @@ from torch import nn
 
 from memfit._shard import _collectives as comm
 from memfit._shard._param import ShardedParam
+
+if TYPE_CHECKING:
+    from memfit._shard._runtime import RootState
 
 
 class ShardState(Enum):
@@ -56,6 +63,11 @@ class Unit:
         self.reduce_at_end = False  # a forward call had no input needing grad: reduce in finish_backward
         self._gathered_versions: list[int] = []  # the shards' versions the gather started from
         self._gather: tuple[dist.Work, torch.Tensor] | None = None
+        self.managed: list[nn.Module] = []  # the modules whose parameters this unit owns
+        # Tied uses of parameters a unit outside this module owns: a common ancestor takes them.
+        self.pending_ties: list[tuple[nn.Parameter, nn.Module, str]] = []
+        self.parent: Unit | None = None  # the unit directly above, once it is sharded
+        self.root_state: RootState | None = None  # shared under the root, set at its first forward
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {len(self.params)} params, {self.shard_state.name})"
@@ -67,6 +79,7 @@ class Unit:
 
     def unshard(self) -> None:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
+        # See [Note: Sharded parameter layout] and [Note: Mixed precision]
         if self.shard_state is not ShardState.SHARDED or not self.params:
             return
         device = self.params[0].full.device  # the compute device (shards may be offloaded)
@@ -216,3 +229,38 @@ class PendingReduce:
                 else:
                     p.sharded.grad.add_(g)
             offset += p.slot_numel
+
+
+class ShardedModule:
+    """Mixed into every sharded module's class: the controls of its unit and those below.
+
+    The module's unit is its ``_memfit_unit`` attribute."""
+
+    def _units_below(self) -> list[Unit]:
+        return [m._memfit_unit for m in self.modules() if isinstance(m, ShardedModule)]  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate full gradients locally, without communication; the next synced backward
+        reduces the sum (same result as one large batch, more memory meanwhile)."""
+        units = self._units_below()
+        for u in units:
+            u.sync_grads = False
+        try:
+            yield
+        finally:
+            for u in units:
+                u.sync_grads = True
+
+
+def user_class(module: nn.Module) -> type:
+    """The module's own class, without memfit's mixins."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, ShardedModule))
+
+
+def units_of(model: nn.Module) -> list[Unit]:
+    """The units of a sharded model, in ``modules()`` order; refuses a model with none."""
+    units = [m._memfit_unit for m in model.modules() if isinstance(m, ShardedModule)]
+    if not units:
+        raise ValueError(f"memfit: {type(model).__name__} has no sharded modules (call memfit.shard first)")
+    return units

@@ -1,19 +1,4 @@
-"""Sharded checkpoints that load at any world size, and export of the full weights.
-
-# [Note: Sharded checkpoints]
-# `save_checkpoint` writes with torch.distributed.checkpoint (DCP): every sharded parameter,
-# and every optimizer state tensor shaped like it, goes in as a DTensor placed Shard(0) on
-# the ranks (torch.chunk layout, the same as memfit's), so each rank writes its own chunks
-# and nobody gathers the model. DCP records the full shape of each tensor, so
-# `load_checkpoint` at another world size reads back exactly the rows each new rank owns.
-# Replicated tensors (buffers, step counters, tensors in `extra`) are written once.
-# Saving is atomic: all ranks write into `<path>.tmp-<id>`; after a barrier rank 0 writes the
-# JSON part (optimizer hyperparameters, `extra`), syncs, and swaps the directory in with two
-# renames, so a crash at any point leaves the previous checkpoint intact.
-# Loading never unpickles arbitrary objects: DCP's `.metadata` file is a pickle, so it is read
-# first with an unpickler that admits only DCP's own metadata classes and torch sizes and
-# dtypes; tensors are read by DCP with weights_only loading; the rest is JSON.
-"""
+"""Sharded checkpoints that load at any world size: save_checkpoint and load_checkpoint."""
 
 from __future__ import annotations
 
@@ -32,10 +17,25 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from memfit._shard._api import ShardedModule
 from memfit._shard._param import ShardedParam
+from memfit._shard._unit import ShardedModule
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
+
+# [Note: Sharded checkpoints]
+# `save_checkpoint` writes with torch.distributed.checkpoint (DCP): every sharded parameter,
+# and every optimizer state tensor shaped like it, goes in as a DTensor placed Shard(0) on
+# the ranks (torch.chunk layout, the same as memfit's), so each rank writes its own chunks
+# and nobody gathers the model. DCP records the full shape of each tensor, so
+# `load_checkpoint` at another world size reads back exactly the rows each new rank owns.
+# Replicated tensors (buffers, step counters, tensors in `extra`) are written once.
+# Saving is atomic: all ranks write into `<path>.tmp-<id>`; after a barrier rank 0 writes the
+# JSON part (optimizer hyperparameters, `extra`), syncs, and swaps the directory in with two
+# renames, so a crash at any point leaves the previous checkpoint intact.
+# Loading never unpickles arbitrary objects: DCP's `.metadata` file is a pickle, so it is read
+# first with an unpickler that admits only DCP's own metadata classes and torch sizes and
+# dtypes; tensors are read by DCP with weights_only loading; the rest is JSON.
+
 
 _JSON = "memfit.json"
 
@@ -98,8 +98,10 @@ def _jsonable(v) -> bool:
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra) -> None:
     """Write a sharded checkpoint of ``model`` (and ``optimizer``) to directory ``path``,
     atomically; every rank must call it. ``extra`` holds what else resuming needs: JSON
-    values (step, data position) and tensors (saved once, from rank 0). See
-    [Note: Sharded checkpoints]."""
+    values (step, data position) and tensors (saved once, from rank 0). Each rank writes its
+    own chunks; :func:`load_checkpoint` reads them back at any world size. A crash while
+    saving leaves the checkpoint already at ``path`` intact."""
+    # See [Note: Sharded checkpoints]
     shards, group = _shard_params(model)
     rank = dist.get_rank(group)
     path = os.path.abspath(path)
@@ -184,6 +186,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _read_metadata(path: str):
+    """DCP's pickled metadata of the checkpoint at ``path``, unpickled safely."""
+    # See [Note: Sharded checkpoints]
     meta_path = os.path.join(path, ".metadata")
     if not os.path.isfile(meta_path) or not os.path.isfile(os.path.join(path, _JSON)):
         raise FileNotFoundError(f"memfit.load_checkpoint: {path!r} is not a complete memfit checkpoint")

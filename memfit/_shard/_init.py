@@ -1,0 +1,350 @@
+"""How a module becomes a unit: the modules and parameters it manages, tied-parameter
+ownership, wrap policies, and the root's initialisation at its first forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
+
+from memfit._shard import _runtime
+from memfit._shard._mixed import MixedPrecision
+from memfit._shard._param import ShardedParam
+from memfit._shard._unit import ShardedModule, Unit, user_class
+
+# [Note: Units, roots and tied parameters]
+# `shard(module)` makes `module` a unit: it owns the parameters registered in its subtree that
+# no unit sharded before it (apply it bottom-up: blocks, then the root). A parameter shared by
+# several modules (an input embedding tied to the LM head) belongs to the lowest unit that
+# contains all its uses: when a later `shard()` finds a parameter an earlier unit owns also
+# registered outside that unit, it takes it over. The outermost unit is the root; at its first
+# forward it names every unit by its path, fixes their order (checked in every all-gather,
+# so ranks that diverge fail instead of exchanging the wrong data) and refuses parameters still
+# shared across units with no common sharded ancestor.
+
+# Parameters replaced by their shards -> the ShardedParam that replaced them.
+_RETIRED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# ShardedParam -> the unit that owns it now (ties move a parameter to an ancestor unit).
+_OWNER: weakref.WeakKeyDictionary[ShardedParam, Unit] = weakref.WeakKeyDictionary()
+
+
+# -- wrap policies ---------------------------------------------------------------------------
+
+
+def post_order(module: nn.Module) -> list[nn.Module]:
+    """``module`` and its descendants, children before parents (the order to shard them in)."""
+    out = []
+    for child in module.children():
+        out.extend(post_order(child))
+    out.append(module)
+    return out
+
+
+def wrap_selector(policy) -> Callable[[nn.Module], bool]:
+    """The predicate an ``auto_wrap_policy`` stands for: does this submodule become a unit?"""
+    if policy is None:
+        return lambda m: False
+    if isinstance(policy, bool):
+        raise TypeError("memfit.FullyShardedDataParallel: auto_wrap_policy must not be a bool")
+    if isinstance(policy, int):
+        min_params = policy
+
+        def big_enough(m: nn.Module) -> bool:
+            return sum(p.numel() for p in m.parameters() if p not in _RETIRED and not _is_shard(p)) >= min_params
+
+        return big_enough
+    if isinstance(policy, type):
+        return lambda m: isinstance(m, policy)
+    if isinstance(policy, (set, frozenset, tuple, list)) and all(isinstance(c, type) for c in policy):
+        classes = tuple(policy)
+        return lambda m: isinstance(m, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(
+        "memfit.FullyShardedDataParallel: auto_wrap_policy must be a module class, a set of classes, "
+        f"a callable(module) -> bool or a minimum parameter count; got {policy!r}"
+    )
+
+
+def _is_shard(p: nn.Parameter) -> bool:
+    """Whether ``p`` is the local chunk of a sharded parameter."""
+    return any(sp.sharded is p for sp in _OWNER)
+
+
+# -- managed modules and tied parameters ----------------------------------------------------
+
+
+def managed_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(path, module) for ``module`` and its descendants outside sharded submodules."""
+    out = [("", module)]
+
+    def visit(prefix: str, m: nn.Module) -> None:
+        for name, child in m.named_children():
+            if isinstance(child, ShardedModule):
+                continue
+            path = f"{prefix}{name}"
+            out.append((path, child))
+            visit(path + ".", child)
+
+    visit("", module)
+    return out
+
+
+def _units_directly_below(module: nn.Module) -> list[nn.Module]:
+    """Sharded modules under ``module`` not inside another sharded module under it."""
+    found = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if isinstance(child, ShardedModule):
+                found.append(child)
+            else:
+                visit(child)
+
+    visit(module)
+    return found
+
+
+def _all_sharded_below(module: nn.Module) -> list[nn.Module]:
+    """Every sharded module under ``module``, at any depth."""
+    return [m for m in module.modules() if isinstance(m, ShardedModule) and m is not module]
+
+
+@dataclass
+class Ownership:
+    """The parameters a new unit takes, found in the modules it manages."""
+
+    paths: dict[nn.Parameter, str]  # each parameter's first registration, relative to the module
+    # Parameters no unit has sharded, each with every (module, name) that registers it.
+    new: list[tuple[nn.Parameter, list[tuple[nn.Module, str]]]] = field(default_factory=list)
+    adopted: list[ShardedParam] = field(default_factory=list)  # tied parameters taken over from units below
+    pending: list[tuple[nn.Parameter, nn.Module, str]] = field(default_factory=list)  # tied to a unit outside
+
+
+def claim_parameters(module: nn.Module, managed: list[tuple[str, nn.Module]]) -> Ownership:
+    """Sort the parameters of the managed modules into new ones, ties to adopt, and ties left pending."""
+    # See [Note: Units, roots and tied parameters]
+    uses, paths = _parameter_uses(managed)
+    owned = Ownership(paths)
+    below = [m._memfit_unit for m in _all_sharded_below(module)]
+    for p, p_uses in uses.items():
+        if p in _RETIRED:  # tied: an earlier unit sharded it, and it is also used here
+            sp = _RETIRED[p]
+            owner = _OWNER[sp]
+            if owner in below:
+                _adopt(sp, owner, p_uses)
+                owned.adopted.append(sp)
+            else:  # owned outside this module: a common ancestor must take it (checked at first forward)
+                owned.pending.extend((p, m, name) for m, name in p_uses)
+        elif not _is_shard(p):
+            owned.new.append((p, p_uses))
+    _adopt_ties_between(below, owned.adopted)
+    return owned
+
+
+def _parameter_uses(
+    managed: list[tuple[str, nn.Module]],
+) -> tuple[dict[nn.Parameter, list[tuple[nn.Module, str]]], dict[nn.Parameter, str]]:
+    """Every (module, name) that registers each parameter, and the path of its first registration."""
+    uses: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    paths: dict[nn.Parameter, str] = {}
+    for path, m in managed:
+        for name, p in m._parameters.items():
+            if p is None:
+                continue
+            uses.setdefault(p, []).append((m, name))
+            paths.setdefault(p, f"{path}.{name}" if path else name)
+    return uses, paths
+
+
+def _adopt(sp: ShardedParam, owner: Unit, uses: list[tuple[nn.Module, str]]) -> None:
+    """Take ``sp`` away from ``owner`` and register its chunk in ``uses`` too."""
+    owner.params.remove(sp)
+    sp.uses.extend(uses)
+    sp.register(sp.sharded)
+
+
+def _adopt_ties_between(below: list[Unit], adopted: list[ShardedParam]) -> None:
+    """Take over the ties between units below, which they left pending for a common ancestor."""
+    for u in below:
+        for tie in list(u.pending_ties):
+            p, m, name = tie
+            sp = _RETIRED[p]
+            owner = _OWNER[sp]
+            if owner in below:
+                if sp not in adopted:
+                    _adopt(sp, owner, [])
+                    adopted.append(sp)
+                sp.uses.append((m, name))
+                sp.register(sp.sharded)
+                u.pending_ties.remove(tie)
+
+
+# -- a new unit's parameters and buffers ------------------------------------------------------
+
+
+def check_one_device_and_dtype(module: nn.Module, owned: Ownership) -> torch.device | None:
+    """Refuse parameters on several devices or of several dtypes; return their device (None: all on meta)."""
+    new, paths = owned.new, owned.paths
+    devices = {p.device for p, _ in new if not p.is_meta} | {sp.sharded.device for sp in owned.adopted}
+    if len(devices) > 1:  # needs two real devices: not exercised by the CPU test suite
+        by_device = {str(d): [paths[p] for p, _ in new if p.device == d][:3] for d in devices}
+        raise ValueError(
+            f"memfit.shard: the parameters of {type(module).__name__} live on several devices {by_device}; "
+            "move the module to one device first."
+        )
+    dtypes = {p.dtype for p, _ in new} | {sp.sharded.dtype for sp in owned.adopted}
+    if len(dtypes) > 1:
+        by_dtype = {str(d): [paths[p] for p, _ in new if p.dtype == d][:3] for d in dtypes}
+        raise ValueError(
+            f"memfit.shard: the parameters of {type(module).__name__} have several dtypes {by_dtype}; one unit "
+            "gathers them in one buffer. Shard the submodules of each dtype separately first, or cast the module."
+        )
+    return next(iter(devices), None)
+
+
+def allocate_meta_buffers(managed: list[tuple[str, nn.Module]], device: torch.device) -> None:
+    """Allocate the buffers built on the meta device, zeroed, on ``device``; materialize fills them."""
+    for _, m in managed:
+        for name, b in m._buffers.items():
+            if b is not None and b.is_meta:
+                m._buffers[name] = torch.zeros_like(b, device=device)
+
+
+@torch.no_grad()
+def broadcast_from_rank0(owned: Ownership, managed: list[tuple[str, nn.Module]], group) -> None:
+    """Copy rank 0's new parameters and the managed buffers to every rank, so the ranks start equal."""
+    if dist.get_world_size(group) <= 1:
+        return
+    for p, _ in owned.new:
+        if not p.is_meta:
+            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
+    for _, m in managed:
+        for b in m._buffers.values():
+            if b is not None:
+                dist.broadcast(b, src=dist.get_global_rank(group, 0), group=group)
+
+
+def shard_parameters(
+    owned: Ownership,
+    group,
+    device: torch.device,
+    mixed_precision: MixedPrecision | None,
+    shard_device: torch.device | None,
+) -> list[ShardedParam]:
+    """Replace each new parameter, wherever it is registered, by this rank's chunk of it."""
+    # See [Note: Sharded parameter layout]
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    params = []
+    for p, p_uses in owned.new:
+        dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
+        sp = ShardedParam(p, p_uses, owned.paths[p], rank, world, device, dtype, shard_device)
+        if shard_device is not None:
+            sp.full.data = sp.full.data.to(device)  # computes on the device; storage freed below
+            sp.full.untyped_storage().resize_(0)
+        _RETIRED[p] = sp
+        params.append(sp)
+    return params
+
+
+def new_unit(
+    module: nn.Module,
+    params: list[ShardedParam],
+    owned: Ownership,
+    managed: list[tuple[str, nn.Module]],
+    group,
+    reshard_after_forward: bool,
+    mixed_precision: MixedPrecision | None,
+) -> Unit:
+    """The unit owning the new and adopted parameters, made the parent of the units directly below."""
+    reduce_dtype = mixed_precision.reduce_dtype if mixed_precision else None
+    unit = Unit(module, [*params, *owned.adopted], group, reshard_after_forward, reduce_dtype)
+    unit.input_dtype = mixed_precision.param_dtype if mixed_precision else None
+    unit.pending_ties = owned.pending
+    unit.managed = [m for _, m in managed]
+    for sp in unit.params:
+        _OWNER[sp] = unit
+    for below in _units_directly_below(module):
+        below._memfit_unit.parent = unit
+    return unit
+
+
+# -- lazy root initialisation ----------------------------------------------------------------
+
+
+def pre_forward_with_lazy_init(module: nn.Module, args: tuple, kwargs: dict):
+    """A unit's forward pre-hook: initialise its root on first use, then run the runtime's pre-forward."""
+    unit: Unit = module._memfit_unit
+    if unit.root_state is None:
+        _init_root(unit)
+        deferred = [sp.fqn for u in unit.root_state.units for sp in u.params if sp.deferred]
+        if deferred:
+            unit.root_state = None
+            raise RuntimeError(
+                f"memfit sharding: parameters {deferred[:5]} were built on the meta device and have no values; "
+                "call memfit.materialize(model) or memfit.load_full_state_dict(model, state_dict) first"
+            )
+    return _runtime.pre_forward(module, args, kwargs)
+
+
+def _init_root(unit: Unit) -> None:
+    """Name and number every unit under the root above ``unit``, and give them one RootState."""
+    # See [Note: Units, roots and tied parameters]
+    root = unit
+    while root.parent is not None:
+        root = root.parent
+    units = []
+    for path, m in root.module.named_modules():
+        if isinstance(m, ShardedModule):
+            u = m._memfit_unit
+            u.name = path or f"<root {user_class(m).__name__}>"
+            u.index = len(units)
+            units.append(u)
+            if u.pending_ties:
+                p, mod, name = u.pending_ties[0]
+                raise ValueError(
+                    f"memfit sharding: parameter registered as '{name}' in {type(mod).__name__} (unit '{u.name}') is "
+                    f"also owned by unit '{_OWNER[_RETIRED[p]].name}'; shard a module that contains both uses."
+                )
+    state = _runtime.RootState(root, units)
+    paths = {id(m): path for path, m in root.module.named_modules()}
+    for u in units:
+        u.root_state = state
+        for sp in u.params:
+            module, name = sp.uses[0]
+            sp.fqn = f"{paths[id(module)]}.{name}".lstrip(".")
+            # A gradient reaching any sharded parameter guarantees the end-of-backward callback,
+            # even when no unit output could be hooked.
+            if sp.requires_grad:
+                sp.full.register_post_accumulate_grad_hook(lambda _p, st=state: _runtime.ensure_finish_queued(st))
+
+
+# -- optimizer built before sharding ---------------------------------------------------------
+
+_optimizer_hook = None
+
+
+def ensure_optimizer_check() -> None:
+    """Install, once per process, the check that refuses optimizers built before sharding."""
+    global _optimizer_hook  # noqa: PLW0603 (installed once per process)
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """Optimizer step pre-hook: refuse a step on parameters that sharding replaced."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p in _RETIRED:
+                raise RuntimeError(
+                    f"memfit sharding: {type(optimizer).__name__} holds parameter '{_RETIRED[p].fqn}' as it was "
+                    "before sharding; it would update a tensor the model no longer uses. Build the optimizer "
+                    "after memfit.shard / FullyShardedDataParallel, from model.parameters()."
+                )

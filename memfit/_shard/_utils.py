@@ -1,0 +1,64 @@
+"""Whole-model utilities for a sharded model: gradient clipping and the full parameters."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from memfit._shard._unit import ShardState, units_of
+
+__all__ = ["clip_grad_norm_", "summon_full_params"]
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
+    """Clip the gradients of a sharded model by their global norm over all ranks and units.
+
+    Returns the total norm before clipping, the same float on every rank, equal to what
+    ``torch.nn.utils.clip_grad_norm_`` returns for the unsharded model.
+    """
+    units = units_of(model)
+    grads = [sp.sharded.grad for u in units for sp in u.params if sp.sharded.grad is not None]
+    group = units[0].group
+    norm_type = float(norm_type)
+    device = units[0].params[0].sharded.device if units[0].params else torch.device("cpu")
+    if norm_type == float("inf"):
+        local = max((g.abs().max() for g in grads if g.numel()), default=torch.tensor(0.0, device=device))
+        total = local.to(device=device, dtype=torch.float32).clone()
+        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+    else:
+        local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
+        total = local.to(device)
+        dist.all_reduce(total, group=group)
+        total = total.pow(1.0 / norm_type)
+    total_f = float(total)
+    coef = max_norm / (total_f + 1e-6)
+    if coef < 1.0:
+        for g in grads:
+            g.mul_(coef)
+    return total_f
+
+
+@contextlib.contextmanager
+def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[None]:
+    """All parameters of a sharded model, full, under their names, inside this context (all
+    ranks must enter it). With ``writeback`` changes made to them are written to the shards."""
+    units = units_of(model)
+    with torch.no_grad():
+        for u in units:
+            u.wait_unshard()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for u in units:
+                if writeback and u.shard_state is ShardState.UNSHARDED:
+                    for sp in u.params:
+                        full = sp.full.detach().reshape(sp.rows, sp.row_numel)
+                        start = min(u.rank * sp.chunk_rows, sp.rows)
+                        sp.sharded.detach().view(-1).copy_(full[start : start + sp.local_rows].reshape(-1))
+                u.reshard()
