@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
 import memfit.testing
-from tests.test_checkpoint import assert_same, grads
-from tests.test_checkpoint_module import bert
+from tests.integration.test_checkpoint import assert_same, grads
+from tests.integration.test_checkpoint_module import bert
 
 aten = torch.ops.aten
 

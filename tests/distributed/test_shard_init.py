@@ -9,7 +9,7 @@ from torch import nn
 
 import memfit
 from tests._dist import run_subtests
-from tests.test_shard import MLP, units_of
+from tests.distributed.test_shard import MLP, units_of
 
 
 def on_meta():

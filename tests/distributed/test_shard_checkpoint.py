@@ -10,7 +10,7 @@ from torch import nn
 
 import memfit
 from tests._dist import run_ranks
-from tests.test_shard import make, per_block
+from tests.distributed.test_shard import make, per_block
 
 ROWS = 12  # the global batch: divisible by 1, 2, 3 and 4 ranks
 
