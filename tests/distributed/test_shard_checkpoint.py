@@ -10,7 +10,7 @@ from torch import nn
 
 import memfit
 from tests._dist import run_ranks
-from tests.distributed.test_shard import make, per_block
+from tests._models import make_model
 
 ROWS = 12  # the global batch: divisible by 1, 2, 3 and 4 ranks
 
@@ -27,7 +27,7 @@ def local_batch(step, rank, world):
 
 
 def build():
-    model = per_block(nn.Sequential)(make("mlp"))
+    model = memfit.FullyShardedDataParallel(make_model("mlp"), auto_wrap_policy=nn.Sequential)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -114,15 +114,15 @@ def errors(rank, world, root):
     path = os.path.join(root, "ckpt")
     memfit.save_checkpoint(path, model, opt)
 
-    other = per_block(nn.Sequential)(make("lm"))
+    other = memfit.FullyShardedDataParallel(make_model("lm"), auto_wrap_policy=nn.Sequential)
     try:
         memfit.load_checkpoint(path, other)
     except RuntimeError as e:
         out["other model"] = str(e)
 
-    bf16 = make("mlp").to(torch.bfloat16)
+    bf16 = make_model("mlp").to(torch.bfloat16)
     try:
-        memfit.load_checkpoint(path, per_block(nn.Sequential)(bf16))
+        memfit.load_checkpoint(path, memfit.FullyShardedDataParallel(bf16, auto_wrap_policy=nn.Sequential))
     except RuntimeError as e:
         out["dtype"] = str(e)
 
@@ -187,7 +187,7 @@ def test_export_safetensors_loads_in_a_plain_model(tmp_path):
     state = {}
     for f in sorted(set(index["weight_map"].values())):
         state.update(load_file(os.path.join(path, f)))
-    plain = make("mlp")
+    plain = make_model("mlp")
     plain.load_state_dict(state)  # strict: every key, every shape
     for n, p in plain.named_parameters():
         assert p.detach().reshape(-1).tolist() == saved[n], n
@@ -196,7 +196,7 @@ def test_export_safetensors_loads_in_a_plain_model(tmp_path):
 def export_bert(rank, world, path):
     from transformers.models.bert.modeling_bert import BertLayer
 
-    model = per_block({BertLayer})(make("bert"))
+    model = memfit.FullyShardedDataParallel(make_model("bert"), auto_wrap_policy={BertLayer})
     memfit.export_safetensors(model, path)
     with memfit.summon_full_params(model, writeback=False):
         return {n: p.detach().reshape(-1)[:5].tolist() for n, p in model.named_parameters()}

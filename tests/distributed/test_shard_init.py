@@ -8,8 +8,9 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
+from memfit.testing import sharded_units as units_of
 from tests._dist import run_subtests
-from tests.distributed.test_shard import MLP, units_of
+from tests._models import MLP
 
 
 def on_meta():

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import memfit
+from tests._models import tiny_bert
 
 
 @pytest.mark.parametrize("ckpt", [False, True])
@@ -12,9 +13,7 @@ def test_matches_torch_memtracker_on_hf_bert(ckpt):
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers.models.bert.modeling_bert import BertLayer
 
-    from tests.integration.test_checkpoint_module import bert
-
-    model = bert(0.1)
+    model = tiny_bert(dropout=0.1)
     if ckpt:
         memfit.apply_activation_checkpointing(model, BertLayer)
     opt = torch.optim.AdamW(model.parameters())
