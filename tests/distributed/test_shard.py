@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
 import memfit.testing
-from tests._dist import run_ranks, run_subtests
+from tests._dist import Subtests, case_id, run_ranks
 from tests._models import AttnBlock, make_model
 from tests._parity import my_rows
 
@@ -534,20 +534,16 @@ CASES = [
     case_many_units_in_bf16,
     case_mixed_dtypes_in_one_unit_are_refused,
 ]
-
-_reports: dict[int, dict] = {}
+GROUP = Subtests(CASES, timeout=600)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("case_"))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_shard(world, case):
-    if world not in _reports:
-        _reports[world] = run_subtests(CASES, world, timeout=600)
-    if _reports[world][case.__name__]:
-        pytest.fail(_reports[world][case.__name__], pytrace=False)
+    GROUP.check(case, world)
 
 
-# -- ranks that diverge, and sharding without a process group --------------------------------
+# -- ranks that diverge (sharding without a process group: unit/test_shard.py) ----------------
 
 
 def diverge(rank, world):
@@ -591,9 +587,3 @@ def test_stalled_peer_times_out_naming_rank_and_unit():
     assert time.monotonic() - start < 60
     assert "rank 0 failed in the all-gather of sharded unit '<root MLP>'" in msgs[0], msgs[0]
     assert msgs[1] == "skipped the forward"
-
-
-def test_shard_without_process_group():
-    assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match=r"no process group.*init_process_group"):
-        memfit.shard(nn.Linear(2, 2))
