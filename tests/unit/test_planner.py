@@ -261,3 +261,31 @@ def test_solve_returns_none_below_the_smallest_budget():
     assert solve(profile, smallest) is not None
     # Bisection to 1/2000 of the budget, plus the solver's rounding (2 blocks x budget/8192).
     assert floor <= smallest <= floor * (1 + 1 / 2000 + 2 / 8192) + 1
+
+
+def test_plan_on_a_given_profile_solves_without_measuring():
+    profile = hand_built()
+    budget = S + BEFORE + G_REST + BLOCK_PARAMS["b1"] + B["b0"]["keep"]  # 14_100, as above
+    plan = memfit.plan(torch.nn.Linear(2, 2), {}, budget=budget, profile=profile)
+    assert plan.decisions == {"b0": "keep", "b1": "full"}
+    assert plan.predicted_peak == budget and plan.predicted_overhead == EXTRA["b1"]["full"]
+    d = plan.to_dict()
+    assert (d["budget"], d["world_size"], d["peak_at"]) == (budget, 1, "backward of b0")
+    assert d["kept_activations"] == KEPT["b0"]["keep"] + KEPT["b1"]["full"]
+    rows = plan.table().splitlines()
+    saved_b1 = KEPT["b1"]["keep"] - KEPT["b1"]["full"]  # what b1's decision saves against keeping: 2_900 B
+    extra_ms = EXTRA["b1"]["full"] * 1e3
+    want = ["b1", "full", f"{KEPT['b1']['full']}", "B", f"{saved_b1 / 2**10:.2f}", "KiB", f"{extra_ms:.1f}"]
+    assert rows[2].split() == want
+    with pytest.raises(ValueError, match=r"unknown decisions \['fast'\]"):
+        memfit.plan(torch.nn.Linear(2, 2), {}, budget=budget, profile=profile, decisions=("keep", "fast"))
+
+
+def test_fixed_plan_needs_a_decision_for_every_block():
+    profile = hand_built()
+    with pytest.raises(ValueError, match=r"no decision for blocks \['b1'\]"):
+        memfit.Plan.fixed({"b0": "keep"}, profile)
+    fixed = memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile)
+    assert fixed.budget is None and "fixed strategy (no budget)" in fixed.table()
+    assert fixed.predicted_peak == forecast(profile, ["keep", "keep"])["peak"]
+    assert "exceeds" not in fixed.compare(fixed.predicted_peak)  # no budget to fit
