@@ -16,29 +16,36 @@ from torch import nn
 from memfit._checkpoint import _offload
 from memfit._checkpoint._function import _Frame, _Holder
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
-from memfit._plan._solve import Sharding, forecast, solve, terms
+from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, terms
 from memfit._shard._collectives import STATS, CommStats
 from memfit._shard._mixed import _NORMS
+from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule
+from memfit.cli._launch import free_port
 
 __all__ = [
     "DECISIONS",
     "NORM_LAYERS",
     "BlockProfile",
     "ModelProfile",
+    "ShardedParam",
     "Sharding",
     "collective_stats",
     "forecast",
+    "free_port",
     "held_recomputed_tensors",
     "live_checkpoint_frames",
     "offload_writer",
     "sharded_units",
+    "smallest_budget",
     "solve",
     "terms",
 ]
 # The planner's pieces, for tests that build a profile by hand: DECISIONS (the decision kinds),
 # BlockProfile / ModelProfile (what plan() measures), Sharding (per-rank accounting),
 # terms / forecast / solve (the memory model and the solver on a profile).
+# ShardedParam: one parameter's chunk and slot layout, built without a process group (unit tests).
+# smallest_budget: the least budget the solver fits a profile into (what PlanError reports).
 
 NORM_LAYERS: tuple[type[nn.Module], ...] = _NORMS
 """The module classes whose parameters mixed precision keeps in full precision."""

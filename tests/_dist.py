@@ -6,9 +6,19 @@ A rank that raises makes the call fail with that rank's traceback; ranks still r
 ``timeout`` seconds are killed and named; ``pg_timeout`` is the process group's own timeout
 for one collective. ``fn`` must be importable (a module-level function).
 
-`run_subtests(cases, world_size)` runs many named sub-cases in one process group (process
-start-up is the cost on a small machine) and returns {name: traceback or None} per rank 0's
-view, after checking all ranks agree.
+`run_subtests(cases, world_size, *args)` runs many named sub-cases, ``case(rank, world_size,
+*args)``, in one process group (process start-up is the cost on a small machine) and returns
+{name: failure or None}, a failure naming every rank it happened on.
+
+`Subtests(cases)` is how a test module uses it: one spawned group per world size (and args)
+runs every case once, and each pytest test reports one case from that run:
+
+    GROUP = Subtests(CASES)
+
+    @pytest.mark.parametrize("world", [1, 2])
+    @pytest.mark.parametrize("case", CASES, ids=case_id)
+    def test_feature(world, case):
+        GROUP.check(case, world)
 """
 
 from __future__ import annotations
@@ -17,19 +27,15 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable
 
+import pytest
 import torch
 import torch.distributed as dist
 
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from memfit.testing import free_port
 
 
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results, pg_timeout: float) -> None:
@@ -55,7 +61,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, pg_timeout: float = 60.0) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [
         ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, pg_timeout), daemon=True)
         for r in range(world_size)
@@ -88,11 +94,11 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, pg_t
     return [outs[r] for r in range(world_size)]
 
 
-def _run_cases(rank: int, world_size: int, cases: list[Callable]) -> dict[str, str | None]:
+def _run_cases(rank: int, world_size: int, cases: list[Callable], args: tuple) -> dict[str, str | None]:
     report: dict[str, str | None] = {}
     for case in cases:
         try:
-            case(rank, world_size)
+            case(rank, world_size, *args)
             report[case.__name__] = None
         except (KeyboardInterrupt, SystemExit):
             raise
@@ -102,11 +108,43 @@ def _run_cases(rank: int, world_size: int, cases: list[Callable]) -> dict[str, s
     return report
 
 
-def run_subtests(cases: list[Callable], world_size: int, timeout: float = 300.0) -> dict[str, str | None]:
-    """Run ``case(rank, world_size)`` for each case in one group; {case name: failure or None}."""
-    reports = run_ranks(_run_cases, world_size, cases, timeout=timeout)
+def run_subtests(cases: list[Callable], world_size: int, *args, timeout: float = 300.0) -> dict[str, str | None]:
+    """Run ``case(rank, world_size, *args)`` for each case in one group; {case name: failure or None}."""
+    reports = run_ranks(_run_cases, world_size, cases, args, timeout=timeout)
     merged: dict[str, str | None] = {}
     for case in cases:
         errors = [f"rank {r}:\n{rep[case.__name__]}" for r, rep in enumerate(reports) if rep[case.__name__]]
         merged[case.__name__] = "\n".join(errors) or None
     return merged
+
+
+def case_id(case: Callable) -> str:
+    """A case's name without its ``case_`` prefix: the pytest id of its test."""
+    return case.__name__.removeprefix("case_")
+
+
+class Subtests:
+    """``cases`` run in one spawned group per (world size, args), the first time a test asks."""
+
+    def __init__(self, cases: list[Callable], timeout: float = 300.0) -> None:
+        self.cases = cases
+        self.timeout = timeout
+        self._reports: dict[tuple, dict[str, str | None] | str] = {}  # a str: the group failed as a whole
+
+    def report(self, world_size: int, *args) -> dict[str, str | None] | str:
+        """{case name: failure or None} of the group's run (run now if it has not run yet), or
+        what made the whole group fail (a rank died or hung)."""
+        key = (world_size, *args)
+        if key not in self._reports:
+            try:
+                self._reports[key] = run_subtests(self.cases, world_size, *args, timeout=self.timeout)
+            except AssertionError as e:
+                self._reports[key] = f"the group of {world_size} ranks failed as a whole: {e}"
+        return self._reports[key]
+
+    def check(self, case: Callable, world_size: int, *args) -> None:
+        """Fail the calling test if ``case`` failed on any rank of its group (or the group did)."""
+        report = self.report(world_size, *args)
+        failure = report if isinstance(report, str) else report[case.__name__]
+        if failure:
+            pytest.fail(failure, pytrace=False)

@@ -1,16 +1,23 @@
-"""Sharded checkpoints: saved at 2 ranks, loaded at 1, 3 and 4; export to safetensors; errors."""
+"""Sharded checkpoints: saved at 2 ranks, loaded at 1, 3 and 4; export to safetensors; errors.
+
+One spawned group per world size. The group of 2 runs first (a module fixture): it saves the
+checkpoint that the groups of 1, 3 and 4 load, and what it expects them to find, under one
+directory; every case works in its own subdirectory.
+"""
 
 import json
 import os
 import pickle
+import shutil
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
 import memfit
-from tests._dist import run_ranks
-from tests.test_shard import make, per_block
+from tests._dist import Subtests, case_id
+from tests._models import make_model
 
 ROWS = 12  # the global batch: divisible by 1, 2, 3 and 4 ranks
 
@@ -27,7 +34,7 @@ def local_batch(step, rank, world):
 
 
 def build():
-    model = per_block(nn.Sequential)(make("mlp"))
+    model = memfit.FullyShardedDataParallel(make_model("mlp"), auto_wrap_policy=nn.Sequential)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
 
@@ -63,17 +70,25 @@ def full_state(model, opt):
     return out
 
 
-def save_at_two(rank, world, path):
+def case_save_at_two(rank, world, root):
+    path = os.path.join(root, "saved", "ckpt")
     model, opt = build()
     train(model, opt, 2, rank, world)
     memfit.save_checkpoint(path, model, opt, step=2, data_position=24, seed=torch.tensor([7]))
     saved = full_state(model, opt)
-    return saved, train(model, opt, 2, rank, world, first=2)
+    losses = train(model, opt, 2, rank, world, first=2)
+    if rank == 0:
+        assert sorted(os.listdir(os.path.dirname(path))) == ["ckpt"]  # no temporary directory left
+        with open(os.path.join(root, "saved.json"), "w") as f:
+            json.dump({"state": saved, "losses": losses}, f)  # floats round-trip exactly
 
 
-def load_and_continue(rank, world, path, saved, losses):
+def case_load_and_continue(rank, world, root):
+    with open(os.path.join(root, "saved.json")) as f:
+        expected = json.load(f)
+    saved, losses = expected["state"], expected["losses"]
     model, opt = build()
-    extra = memfit.load_checkpoint(path, model, opt)
+    extra = memfit.load_checkpoint(os.path.join(root, "saved", "ckpt"), model, opt)
     assert extra["step"] == 2 and extra["data_position"] == 24 and extra["seed"].tolist() == [7]
     state = full_state(model, opt)
     assert state.keys() == saved.keys()
@@ -82,47 +97,42 @@ def load_and_continue(rank, world, path, saved, losses):
     again = train(model, opt, 2, rank, world, first=2)
     for a, b in zip(again, losses):
         assert abs(a - b) <= 1e-6 * abs(b), (again, losses)
-    return "ok"
 
 
-def test_save_at_two_ranks_load_at_one_three_and_four(tmp_path):
-    path = str(tmp_path / "ckpt")
-    (saved, losses), _ = run_ranks(save_at_two, 2, path)
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no temporary directory left
-    for world in (1, 3, 4):
-        assert run_ranks(load_and_continue, world, path, saved, losses) == ["ok"] * world
-
-
-def resave_over(rank, world, path):
+def case_saving_over_a_checkpoint_replaces_it(rank, world, root):
+    path = os.path.join(root, "resaved", "ckpt")
     model, opt = build()
     train(model, opt, 1, rank, world)
     memfit.save_checkpoint(path, model, opt, step=1)
     train(model, opt, 1, rank, world, first=1)
     memfit.save_checkpoint(path, model, opt, step=2)  # replaces the first, atomically
-    return memfit.load_checkpoint(path, *build())["step"]
+    assert memfit.load_checkpoint(path, *build())["step"] == 2
+    dist.barrier()
+    if rank == 0:
+        assert sorted(os.listdir(os.path.dirname(path))) == ["ckpt"]
 
 
-def test_saving_over_a_checkpoint_replaces_it(tmp_path):
-    path = str(tmp_path / "ckpt")
-    assert run_ranks(resave_over, 2, path) == [2, 2]
-    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-
-
-def errors(rank, world, root):
+def case_errors_name_what_differs(rank, world, root):
+    root = os.path.join(root, "errors")
+    if rank == 0:
+        os.makedirs(root)
+        with open(os.path.join(root, "a-file"), "w") as f:
+            f.write("not a directory")
+    dist.barrier()
     out = {}
     model, opt = build()
     path = os.path.join(root, "ckpt")
     memfit.save_checkpoint(path, model, opt)
 
-    other = per_block(nn.Sequential)(make("lm"))
+    other = memfit.FullyShardedDataParallel(make_model("lm"), auto_wrap_policy=nn.Sequential)
     try:
         memfit.load_checkpoint(path, other)
     except RuntimeError as e:
         out["other model"] = str(e)
 
-    bf16 = make("mlp").to(torch.bfloat16)
+    bf16 = make_model("mlp").to(torch.bfloat16)
     try:
-        memfit.load_checkpoint(path, per_block(nn.Sequential)(bf16))
+        memfit.load_checkpoint(path, memfit.FullyShardedDataParallel(bf16, auto_wrap_policy=nn.Sequential))
     except RuntimeError as e:
         out["dtype"] = str(e)
 
@@ -130,21 +140,18 @@ def errors(rank, world, root):
         memfit.save_checkpoint(os.path.join(root, "a-file", "ckpt"), model, opt)
     except OSError as e:
         out["unwritable"] = str(e)
-    return out
-
-
-def test_errors_name_what_differs(tmp_path):
-    (tmp_path / "a-file").write_text("not a directory")
-    out = run_ranks(errors, 2, str(tmp_path))[0]
+    dist.barrier()
+    if rank != 0:
+        return
     msg = out["other model"]  # keys sorted, the first ten named
     assert "missing keys ['blocks.0.ff.0.bias', 'blocks.0.ff.0.weight'" in msg, msg
     assert "unexpected keys ['blocks.0.0.bias', 'blocks.0.0.weight'" in msg, msg
     assert "'blocks.0.0.bias' is torch.float32[7] in the checkpoint but torch.bfloat16[7] here" in out["dtype"]
     assert "cannot write to" in out["unwritable"] and "a-file" in out["unwritable"]
-    assert sorted(os.listdir(tmp_path)) == ["a-file", "ckpt"]
+    assert sorted(os.listdir(root)) == ["a-file", "ckpt"]
 
 
-def load_only(rank, world, path):
+def load_only(path):
     try:
         memfit.load_checkpoint(path, build()[0])
     except (RuntimeError, FileNotFoundError) as e:
@@ -152,13 +159,13 @@ def load_only(rank, world, path):
     return "loaded"
 
 
-def test_truncated_file_and_planted_pickle_are_refused(tmp_path):
-    path = str(tmp_path / "ckpt")
-    run_ranks(save_at_two, 2, path)
+def case_truncated_file_and_planted_pickle_are_refused(rank, world, root):
+    path = os.path.join(root, "corrupted", "ckpt")
+    shutil.copytree(os.path.join(root, "saved", "ckpt"), path)  # what the group of 2 saved
     shard_file = sorted(f for f in os.listdir(path) if f.endswith(".distcp"))[0]
     with open(os.path.join(path, shard_file), "r+b") as f:
         f.truncate(10)
-    msg = run_ranks(load_only, 1, path)[0]
+    msg = load_only(path)
     assert f"{shard_file}' is truncated (10 of" in msg, msg
 
     class Evil:
@@ -167,46 +174,74 @@ def test_truncated_file_and_planted_pickle_are_refused(tmp_path):
 
     with open(os.path.join(path, ".metadata"), "wb") as f:
         pickle.dump(Evil(), f)
-    msg = run_ranks(load_only, 1, path)[0]
+    msg = load_only(path)
     assert "refusing" in msg and ("posix.system" in msg or "os.system" in msg), msg
 
 
-def export(rank, world, path):
+def case_export_safetensors_loads_in_a_plain_model(rank, world, root):
+    path = os.path.join(root, "export")
     model, opt = build()
     train(model, opt, 1, rank, world)
     memfit.export_safetensors(model, path)
-    return full_state(model, opt)
-
-
-def test_export_safetensors_loads_in_a_plain_model(tmp_path):
-    path = str(tmp_path / "export")
-    saved = run_ranks(export, 3, path)[0]
+    saved = full_state(model, opt)
+    dist.barrier()
+    if rank != 0:
+        return
     from safetensors.torch import load_file
 
-    index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        index = json.load(f)
     state = {}
-    for f in sorted(set(index["weight_map"].values())):
-        state.update(load_file(os.path.join(path, f)))
-    plain = make("mlp")
+    for name in sorted(set(index["weight_map"].values())):
+        state.update(load_file(os.path.join(path, name)))
+    plain = make_model("mlp")
     plain.load_state_dict(state)  # strict: every key, every shape
     for n, p in plain.named_parameters():
         assert p.detach().reshape(-1).tolist() == saved[n], n
 
 
-def export_bert(rank, world, path):
+def case_export_hf_bert_loads_with_from_pretrained(rank, world, root):
+    from transformers import BertForMaskedLM
     from transformers.models.bert.modeling_bert import BertLayer
 
-    model = per_block({BertLayer})(make("bert"))
+    path = os.path.join(root, "bert")
+    model = memfit.FullyShardedDataParallel(make_model("bert"), auto_wrap_policy={BertLayer})
     memfit.export_safetensors(model, path)
     with memfit.summon_full_params(model, writeback=False):
-        return {n: p.detach().reshape(-1)[:5].tolist() for n, p in model.named_parameters()}
-
-
-def test_export_hf_bert_loads_with_from_pretrained(tmp_path):
-    from transformers import BertForMaskedLM
-
-    path = str(tmp_path / "bert")
-    want = run_ranks(export_bert, 2, path)[0]
+        want = {n: p.detach().reshape(-1)[:5].tolist() for n, p in model.named_parameters()}
+    dist.barrier()
+    if rank != 0:
+        return
     loaded = BertForMaskedLM.from_pretrained(path)
     got = {n: p.detach().reshape(-1)[:5].tolist() for n, p in loaded.named_parameters()}
     assert got == want
+
+
+CASES = {  # world size -> its group's cases; the group of 2 saves what the others load
+    2: [
+        case_save_at_two,
+        case_saving_over_a_checkpoint_replaces_it,
+        case_errors_name_what_differs,
+        case_export_hf_bert_loads_with_from_pretrained,
+    ],
+    1: [case_load_and_continue, case_truncated_file_and_planted_pickle_are_refused],
+    3: [case_load_and_continue, case_export_safetensors_loads_in_a_plain_model],
+    4: [case_load_and_continue],
+}
+GROUPS = {world: Subtests(cases) for world, cases in CASES.items()}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("checkpoints"))
+    GROUPS[2].report(2, root)  # first: the other groups load what it saved
+    return root
+
+
+@pytest.mark.parametrize(
+    ("world", "case"),
+    [(w, c) for w, cases in CASES.items() for c in cases],
+    ids=[f"{case_id(c)}-{w}" for w, cases in CASES.items() for c in cases],
+)
+def test_checkpoint(root, world, case):
+    GROUPS[world].check(case, world, root)

@@ -12,8 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
 import memfit.testing
-from tests.test_checkpoint import assert_same, grads
-from tests.test_checkpoint_module import bert
+from tests._models import tanh_blocks, tiny_bert
+from tests._parity import assert_same, grads
 
 aten = torch.ops.aten
 
@@ -60,7 +60,7 @@ def test_selective_parity_bitwise_with_dropout(save):
 def test_selective_hf_bert_bitwise(save, attn):
     from transformers.models.bert.modeling_bert import BertLayer
 
-    ref = bert()
+    ref = tiny_bert()
     ref.config._attn_implementation = attn
     model = copy.deepcopy(ref)
     memfit.apply_activation_checkpointing(model, BertLayer, save=save)
@@ -124,7 +124,7 @@ def test_bytes_kept_after_forward(save, kept_acts):
 
 def test_disk_offload_peak_falls_by_offloaded_inputs(tmp_path):
     n, d, batch, h = 6, 2, 16, 32
-    blocks = [nn.Sequential(*[m for _ in range(d) for m in (nn.Linear(h, h, bias=False), nn.Tanh())]) for _ in range(n)]
+    blocks = tanh_blocks(n, d, h)
     refs = copy.deepcopy(blocks)
     x = torch.randn(batch, h, requires_grad=True)
     act = batch * h * 4
@@ -158,7 +158,7 @@ def test_disk_offload_peak_falls_by_offloaded_inputs(tmp_path):
 
 
 def test_save_all_with_disk_offload_moves_everything_saved(tmp_path):
-    ref = bert()
+    ref = tiny_bert()
     model = copy.deepcopy(ref)
     from transformers.models.bert.modeling_bert import BertLayer
 

@@ -8,8 +8,9 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
-from tests._dist import run_subtests
-from tests.test_shard import MLP, units_of
+from memfit.testing import sharded_units as units_of
+from tests._dist import Subtests, case_id
+from tests._models import MLP
 
 
 def on_meta():
@@ -111,10 +112,10 @@ CASES = [
     case_streamed_load_from_rank_0,
     case_cpu_offload_logic,
 ]
+GROUP = Subtests(CASES)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_deferred_init(world):
-    report = run_subtests(CASES, world)
-    failures = {k: v for k, v in report.items() if v}
-    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_deferred_init(world, case):
+    GROUP.check(case, world)

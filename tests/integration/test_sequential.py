@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memfit
-from tests.test_checkpoint import assert_same, grads
+from tests._parity import assert_same, grads
 
 
 class Split(nn.Module):

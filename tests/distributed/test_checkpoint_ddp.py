@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
-from tests._dist import run_subtests
+from tests._dist import Subtests, case_id
 
 H = 8
 
@@ -124,14 +124,9 @@ CASES = [
     case_matches_single_process_on_concatenated_batch,
     case_checkpoint_sequential_grads_synchronised,
 ]
+GROUP = Subtests(CASES)
 
 
-@pytest.fixture(scope="module")
-def report():
-    return run_subtests(CASES, world_size=2)
-
-
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__)
-def test_ddp(report, case):
-    if report[case.__name__]:
-        pytest.fail(report[case.__name__], pytrace=False)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_ddp(case):
+    GROUP.check(case, 2)

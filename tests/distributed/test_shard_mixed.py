@@ -9,7 +9,7 @@ from torch import nn
 
 import memfit
 from memfit.testing import NORM_LAYERS
-from tests._dist import run_subtests
+from tests._dist import Subtests, case_id
 
 
 class Net(nn.Module):
@@ -86,16 +86,11 @@ def case_bf16_matches_reference(rank, world):
     assert bn.weight.dtype == torch.float32 and bn.running_var.dtype == torch.float32
 
 
-def case_bad_dtype(rank, world):
-    with pytest.raises(ValueError, match=r"param_dtype must be a floating torch\.dtype"):
-        memfit.MixedPrecision(param_dtype=torch.int8)
-
-
-CASES = [case_bf16_matches_reference, case_bad_dtype]
+CASES = [case_bf16_matches_reference]  # MixedPrecision's validation: unit/test_mixed_precision.py
+GROUP = Subtests(CASES)
 
 
 @pytest.mark.parametrize("world", [1, 2])
-def test_mixed_precision(world):
-    report = run_subtests(CASES, world)
-    failures = {k: v for k, v in report.items() if v}
-    assert not failures, "\n".join(f"{k}:\n{v}" for k, v in failures.items())
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_mixed_precision(world, case):
+    GROUP.check(case, world)

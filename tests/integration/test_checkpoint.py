@@ -9,22 +9,12 @@ from torch import nn
 import memfit
 import memfit.testing
 from memfit import CheckpointError
+from tests._models import tanh_blocks
+from tests._parity import assert_same, grads
 
 
 def mlp(h=16, p=0.25):
     return nn.Sequential(nn.Linear(h, h), nn.GELU(), nn.Dropout(p), nn.Linear(h, h), nn.Tanh())
-
-
-def grads(module):
-    return [None if p.grad is None else p.grad.clone() for p in module.parameters()]
-
-
-def assert_same(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert (x is None) == (y is None)
-        if x is not None:
-            assert torch.equal(x, y), (x - y).abs().max()
 
 
 def run(block, x, use_ckpt, seed=1):
@@ -232,7 +222,7 @@ def test_disable_checkpointing_runs_plainly():
 def test_forward_peak_is_block_inputs_plus_one_block():
     # n blocks of depth d (Linear without bias, then Tanh); batch x h activations, fp32.
     n, d, batch, h = 3, 4, 16, 32
-    blocks = [nn.Sequential(*[m for _ in range(d) for m in (nn.Linear(h, h, bias=False), nn.Tanh())]) for _ in range(n)]
+    blocks = tanh_blocks(n, d, h)
     x = torch.randn(batch, h, requires_grad=True)
     act = batch * h * 4
     weights = n * d * h * h * 4

@@ -7,7 +7,8 @@ import torch
 from torch import nn
 
 import memfit
-from tests.test_checkpoint import assert_same, grads
+from tests._models import tiny_bert
+from tests._parity import assert_same, grads
 
 
 class Block(nn.Module):
@@ -163,28 +164,11 @@ def test_error_names_the_module_path():
         step(model, torch.randn(3, 8))
 
 
-def bert(dropout=0.1):
-    from transformers import BertConfig, BertForMaskedLM
-
-    cfg = BertConfig(
-        vocab_size=120,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=dropout,
-        attention_probs_dropout_prob=dropout,
-    )
-    torch.manual_seed(0)
-    return BertForMaskedLM(cfg)
-
-
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_hf_bert_bitwise_equal_with_dropout(attn):
     from transformers.models.bert.modeling_bert import BertLayer
 
-    ref = bert()
+    ref = tiny_bert()
     ref.config._attn_implementation = attn
     model = copy.deepcopy(ref)
     paths = memfit.apply_activation_checkpointing(model, BertLayer)
@@ -216,7 +200,7 @@ def test_hf_bert_peak_equals_torch_checkpoint():
 
     from transformers.models.bert.modeling_bert import BertLayer
 
-    base = bert()
+    base = tiny_bert()
     ids = torch.randint(0, 120, (4, 32))
     peaks = []
     for use_memfit in (True, False):

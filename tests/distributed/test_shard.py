@@ -20,84 +20,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
 import memfit.testing
-from tests._dist import run_ranks, run_subtests
+from tests._dist import Subtests, case_id, run_ranks
+from tests._models import AttnBlock, make_model
+from tests._parity import my_rows
 
 RTOL, ATOL = 1e-6, 1e-7
 WORLD_SIZES = [int(w) for w in __import__("os").environ.get("MEMFIT_TEST_WORLDS", "1,2,3,4").split(",")]
-
-
-# -- models ----------------------------------------------------------------------------------
-
-
-class MLP(nn.Module):
-    """Uneven first dimensions (5, 13, 7, 3), so shards are uneven and some are empty at W=4."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(6, 13)
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(13, 7), nn.Tanh(), nn.Linear(7, 13)) for _ in range(3))
-        self.out = nn.Linear(13, 3)
-        self.scale = nn.Parameter(torch.tensor(1.5))  # 0-dim
-        self.skip: set[int] = set()  # blocks to skip (to make ranks diverge on purpose)
-
-    def forward(self, x):
-        x = self.inp(x)
-        for i, b in enumerate(self.blocks):
-            if i not in self.skip:
-                x = x + b(x)
-        return self.out(x) * self.scale
-
-
-class Block(nn.Module):
-    def __init__(self, d=16, heads=2):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        # No qkv bias: the key bias has a zero gradient in exact arithmetic (softmax ignores a
-        # shift shared by all keys), and AdamW turns its round-off into lr-sized steps.
-        self.qkv, self.proj = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d)
-        self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-        self.heads = heads
-
-    def forward(self, x):
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.ff(self.ln2(x))
-
-
-class TinyLM(nn.Module):
-    """A decoder with the input embedding tied to the LM head."""
-
-    def __init__(self, vocab=37, d=16, layers=2):
-        super().__init__()
-        self.embed = nn.Embedding(vocab, d)
-        self.blocks = nn.ModuleList(Block(d) for _ in range(layers))
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids):
-        x = self.embed(ids)
-        for b in self.blocks:
-            x = b(x)
-        return self.head(self.norm(x))
-
-
-def bert():
-    from transformers import BertConfig, BertForMaskedLM
-
-    cfg = BertConfig(
-        vocab_size=97,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=32,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
-    return BertForMaskedLM(cfg)
 
 
 # -- data and losses -------------------------------------------------------------------------
@@ -125,11 +53,6 @@ def global_batch(kind, world, step):
     return torch.cat(xs), torch.cat(ys)
 
 
-def make(kind, seed=0):
-    torch.manual_seed(seed)
-    return {"mlp": MLP, "lm": TinyLM, "bert": bert}[kind]()
-
-
 def param_groups(model):
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and p.requires_grad]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 and p.requires_grad]
@@ -145,13 +68,6 @@ def mean_over_ranks(t):
 def full_params(model):
     with memfit.summon_full_params(model, writeback=False):
         return {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def my_rows(t, rank, world):
-    """This rank's dim-0 chunk of a full tensor (torch.chunk semantics; 0-dim = one row)."""
-    rows = t.reshape(1) if t.dim() == 0 else t
-    chunks = rows.chunk(world)
-    return chunks[rank] if rank < len(chunks) else rows[:0]
 
 
 def units_of(model):
@@ -171,7 +87,7 @@ def assert_params_close(model, ref, rtol=RTOL, skip=()):
 
 
 def train_parity(kind, rank, world, wrap, steps=5, freeze=None, lr=1e-3, rtol=RTOL, skip=()):
-    ref = make(kind)
+    ref = make_model(kind)
     model = copy.deepcopy(ref)
     for m in (ref, model):
         if freeze:
@@ -218,11 +134,11 @@ def case_mlp_parity_with_uneven_and_empty_shards(rank, world):
 
 
 def case_tied_lm_head_per_block_units(rank, world):
-    train_parity("lm", rank, world, per_block({Block}))
+    train_parity("lm", rank, world, per_block({AttnBlock}))
 
 
 def case_tied_weight_across_units_moves_to_common_ancestor(rank, world):
-    model, _ = train_parity("lm", rank, world, per_block({Block, nn.Embedding}))
+    model, _ = train_parity("lm", rank, world, per_block({AttnBlock, nn.Embedding}))
     assert model.embed.weight is model.head.weight  # still one Parameter, now the root's shard
     assert any(sp.sharded is model.embed.weight for sp in model._memfit_unit.params)
     assert not model.embed._memfit_unit.params
@@ -237,7 +153,7 @@ def case_hf_bert_parity(rank, world):
     # shift shared by all keys), so both runs hold only AdamW-magnified round-off there.
     from transformers.models.bert.modeling_bert import BertLayer
 
-    ref = make("bert")
+    ref = make_model("bert")
     ddp = DDP(copy.deepcopy(ref))
     model = per_block({BertLayer})(copy.deepcopy(ref))
     opts = [torch.optim.AdamW(param_groups(m), lr=1e-3) for m in (ref, ddp.module, model)]
@@ -266,7 +182,7 @@ def case_frozen_embedding_and_param_groups(rank, world):
     def freeze(m):
         m.embed.weight.requires_grad_(False)
 
-    model, _ = train_parity("lm", rank, world, per_block({Block}), freeze=freeze)
+    model, _ = train_parity("lm", rank, world, per_block({AttnBlock}), freeze=freeze)
     assert model.embed.weight.grad is None and not model.embed.weight.requires_grad
 
 
@@ -275,7 +191,7 @@ def case_reshard_after_forward_false_matches(rank, world):
 
 
 def case_matches_ddp(rank, world):
-    ref = make("mlp")
+    ref = make_model("mlp")
     ddp = DDP(copy.deepcopy(ref))
     model = per_block(nn.Sequential)(copy.deepcopy(ref))
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ddp, model)]
@@ -289,7 +205,7 @@ def case_matches_ddp(rank, world):
 
 
 def case_no_sync_accumulation_equals_large_batch(rank, world):
-    ref = make("mlp")
+    ref = make_model("mlp")
     model = per_block(nn.Sequential)(copy.deepcopy(ref))
     micro = [batch("mlp", rank, s) for s in range(3)]
     with model.no_sync():
@@ -307,8 +223,8 @@ def case_no_sync_accumulation_equals_large_batch(rank, world):
 
 def case_clip_grad_norm_equals_single_process(rank, world):
     for norm_type in (2.0, 1.0, float("inf")):
-        ref = make("lm")
-        model = per_block({Block})(copy.deepcopy(ref))
+        ref = make_model("lm")
+        model = per_block({AttnBlock})(copy.deepcopy(ref))
         x, y = batch("lm", rank, 0)
         loss_of("lm", model, x, y).backward()
         loss_of("lm", ref, *global_batch("lm", world, 0)).backward()
@@ -324,7 +240,7 @@ def case_clip_grad_norm_equals_single_process(rank, world):
 
 
 def case_summon_full_params_writeback(rank, world):
-    model = per_block({Block})(make("lm"))
+    model = per_block({AttnBlock})(make_model("lm"))
     with memfit.summon_full_params(model), torch.no_grad():
         assert model.head.weight.shape == (37, 16)
         model.head.weight.fill_(0.5)
@@ -337,15 +253,15 @@ def case_summon_full_params_writeback(rank, world):
 
 
 def case_sync_module_states_from_rank_0(rank, world):
-    model = memfit.FullyShardedDataParallel(make("mlp", seed=rank), auto_wrap_policy=nn.Sequential)
+    model = memfit.FullyShardedDataParallel(make_model("mlp", seed=rank), auto_wrap_policy=nn.Sequential)
     full = full_params(model)
-    ref = dict(make("mlp", seed=0).named_parameters())
+    ref = dict(make_model("mlp", seed=0).named_parameters())
     for n, p in full.items():
         assert torch.equal(p, ref[n]), n
 
 
 def case_unused_parameter_keeps_no_grad(rank, world):
-    model = make("mlp")
+    model = make_model("mlp")
     model.spare = nn.Linear(3, 3)  # requires grad, never used
     model = memfit.FullyShardedDataParallel(model, auto_wrap_policy=nn.Sequential)
     x, y = batch("mlp", rank, 0)
@@ -357,10 +273,10 @@ def case_unused_parameter_keeps_no_grad(rank, world):
 def case_checkpointing_inside_units_gathers_once(rank, world):
     counts = {}
     for ckpt in (False, True):
-        model = make("lm")
+        model = make_model("lm")
         if ckpt:
-            memfit.apply_activation_checkpointing(model, Block)
-        model = per_block({Block})(model)
+            memfit.apply_activation_checkpointing(model, AttnBlock)
+        model = per_block({AttnBlock})(model)
         x, y = batch("lm", rank, 0)
         loss_of("lm", model, x, y).backward()  # first step: records the order
         memfit.testing.collective_stats().reset()
@@ -373,7 +289,7 @@ def case_checkpointing_inside_units_gathers_once(rank, world):
 def case_communication_volume(rank, world):
     for reshard in (True, False):
         model = memfit.FullyShardedDataParallel(
-            make("mlp"), auto_wrap_policy=nn.Sequential, reshard_after_forward=reshard
+            make_model("mlp"), auto_wrap_policy=nn.Sequential, reshard_after_forward=reshard
         )
         units = units_of(model)
         x, y = batch("mlp", rank, 0)
@@ -393,7 +309,7 @@ def case_communication_volume(rank, world):
         assert memfit.testing.collective_stats().reduce_scatter_bytes == sum(reduce.values())
         # The issue's rule of thumb, 3 x P x 4 x (W-1)/W (2 x without resharding), bounds it
         # from below: padding and the small extras above only add.
-        p_bytes = sum(p.numel() for p in make("mlp").parameters()) * 4 * ring
+        p_bytes = sum(p.numel() for p in make_model("mlp").parameters()) * 4 * ring
         root_bytes = sum(p.full.numel() for p in root.params) * 4 * ring
         total = (
             memfit.testing.collective_stats().all_gather_bytes + memfit.testing.collective_stats().reduce_scatter_bytes
@@ -402,7 +318,7 @@ def case_communication_volume(rank, world):
 
 
 def case_memory_bound(rank, world):
-    model = per_block({Block})(make("lm"))
+    model = per_block({AttnBlock})(make_model("lm"))
     opt = torch.optim.AdamW(model.parameters())
     x, y = batch("lm", rank, 0)
     for _ in range(2):
@@ -413,7 +329,7 @@ def case_memory_bound(rank, world):
         loss_of("lm", model, x, y).backward()
         opt.step()
         opt.zero_grad()
-    plain = make("lm")
+    plain = make_model("lm")
     plain_opt = torch.optim.AdamW(plain.parameters())
     loss_of("lm", plain, x, y).backward()
     plain_opt.step()
@@ -435,7 +351,7 @@ def case_memory_bound(rank, world):
 
 
 def case_eval_under_no_grad_frees(rank, world):
-    model = per_block({Block})(make("lm"))
+    model = per_block({AttnBlock})(make_model("lm"))
     with torch.no_grad():
         out = model(batch("lm", rank, 0)[0])
     assert out.shape[-1] == 37
@@ -445,7 +361,7 @@ def case_eval_under_no_grad_frees(rank, world):
 
 
 def case_optimizer_built_before_sharding_is_refused(rank, world):
-    model = make("mlp")
+    model = make_model("mlp")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     model = memfit.FullyShardedDataParallel(model)
     x, y = batch("mlp", rank, 0)
@@ -455,7 +371,7 @@ def case_optimizer_built_before_sharding_is_refused(rank, world):
 
 
 def case_sharding_twice_is_refused(rank, world):
-    model = memfit.shard(make("mlp"))
+    model = memfit.shard(make_model("mlp"))
     with pytest.raises(ValueError, match="already sharded"):
         memfit.shard(model)
 
@@ -522,19 +438,19 @@ def case_two_forwards_then_two_backwards(rank, world):
         l1.backward()
         l2.backward()
 
-    for _ in sgd_parity(rank, world, make("mlp"), per_block(nn.Sequential), step):
+    for _ in sgd_parity(rank, world, make_model("mlp"), per_block(nn.Sequential), step):
         pass
 
 
 def case_evaluation_between_backward_and_step(rank, world):
-    for model, _ in sgd_parity(rank, world, make("mlp"), per_block(nn.Sequential), mse_step):
+    for model, _ in sgd_parity(rank, world, make_model("mlp"), per_block(nn.Sequential), mse_step):
         with torch.no_grad():
             model(batch("mlp", rank, 50)[0])  # prefetches; the optimizer step must not reuse them
     assert all(u.shard_state.name == "SHARDED" for u in units_of(model))
 
 
 def case_freezing_after_sharding(rank, world):
-    ref = make("mlp")
+    ref = make_model("mlp")
     model = per_block(nn.Sequential)(copy.deepcopy(ref))
     for m in (model, ref):
         m.blocks[1][0].weight.requires_grad_(False)
@@ -545,7 +461,7 @@ def case_freezing_after_sharding(rank, world):
 
 
 def case_no_sync_unit_unused_in_synced_micro_batch(rank, world):
-    ref = make("mlp")
+    ref = make_model("mlp")
     model = per_block(nn.Sequential)(copy.deepcopy(ref))
     x, y = batch("mlp", rank, 0)
     with model.no_sync():
@@ -565,7 +481,7 @@ def case_no_sync_unit_unused_in_synced_micro_batch(rank, world):
 
 
 def case_checkpointed_region_around_units(rank, world):
-    ref = make("mlp")
+    ref = make_model("mlp")
     model = copy.deepcopy(ref)
     memfit.checkpoint_module(model.blocks[0])  # a checkpointed region containing two units
     model = per_block(nn.Linear)(model)
@@ -584,7 +500,7 @@ def case_many_units_in_bf16(rank, world):
 
 
 def case_mixed_dtypes_in_one_unit_are_refused(rank, world):
-    model = make("mlp")
+    model = make_model("mlp")
     model.out.to(torch.bfloat16)
     with pytest.raises(ValueError, match=r"several dtypes .*bfloat16.*out\.weight"):
         memfit.shard(model)
@@ -618,24 +534,20 @@ CASES = [
     case_many_units_in_bf16,
     case_mixed_dtypes_in_one_unit_are_refused,
 ]
-
-_reports: dict[int, dict] = {}
+GROUP = Subtests(CASES, timeout=600)
 
 
 @pytest.mark.parametrize("world", WORLD_SIZES)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.__name__.removeprefix("case_"))
+@pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_shard(world, case):
-    if world not in _reports:
-        _reports[world] = run_subtests(CASES, world, timeout=600)
-    if _reports[world][case.__name__]:
-        pytest.fail(_reports[world][case.__name__], pytrace=False)
+    GROUP.check(case, world)
 
 
-# -- ranks that diverge, and sharding without a process group --------------------------------
+# -- ranks that diverge (sharding without a process group: unit/test_shard.py) ----------------
 
 
 def diverge(rank, world):
-    model = memfit.FullyShardedDataParallel(make("mlp"), auto_wrap_policy=nn.Sequential)
+    model = memfit.FullyShardedDataParallel(make_model("mlp"), auto_wrap_policy=nn.Sequential)
     x, y = batch("mlp", rank, 0)
     loss_of("mlp", model, x, y).backward()
     if rank == 1:
@@ -648,7 +560,7 @@ def diverge(rank, world):
 
 
 def stall(rank, world):
-    model = memfit.FullyShardedDataParallel(make("mlp"), auto_wrap_policy=nn.Sequential)
+    model = memfit.FullyShardedDataParallel(make_model("mlp"), auto_wrap_policy=nn.Sequential)
     if rank == 1:
         return "skipped the forward"
     try:
@@ -675,9 +587,3 @@ def test_stalled_peer_times_out_naming_rank_and_unit():
     assert time.monotonic() - start < 60
     assert "rank 0 failed in the all-gather of sharded unit '<root MLP>'" in msgs[0], msgs[0]
     assert msgs[1] == "skipped the forward"
-
-
-def test_shard_without_process_group():
-    assert not dist.is_initialized()
-    with pytest.raises(RuntimeError, match=r"no process group.*init_process_group"):
-        memfit.shard(nn.Linear(2, 2))

@@ -1,0 +1,291 @@
+"""The planner without a model: budgets, forecasts and the exact solver on hand-built profiles."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+import memfit
+from memfit.testing import DECISIONS, BlockProfile, ModelProfile, Sharding, forecast, smallest_budget, solve, terms
+
+
+def test_parse_bytes():
+    assert memfit.parse_bytes("6GB") == 6 * 10**9
+    assert memfit.parse_bytes("3.5GiB") == int(3.5 * 2**30)
+    assert memfit.parse_bytes("800MB") == 800 * 10**6
+    assert memfit.parse_bytes(" 512 kib ") == 512 * 1024
+    assert memfit.parse_bytes(12345) == 12345
+    for bad in ("6 parsecs", "GB", "-1GB", "", "1.2.3MB"):
+        with pytest.raises(ValueError, match="memory budget"):
+            memfit.parse_bytes(bad)
+    with pytest.raises(TypeError):
+        memfit.parse_bytes(True)
+
+
+def test_parse_bytes_units_and_errors():
+    assert memfit.parse_bytes("1") == 1  # no unit: bytes
+    assert memfit.parse_bytes("7B") == 7
+    assert memfit.parse_bytes("0.5KB") == 10**3 // 2  # KB is a power of 10
+    assert memfit.parse_bytes("2tb") == 2 * 10**12  # units in any case
+    assert memfit.parse_bytes("1TiB") == 2**40  # KiB/MiB/GiB/TiB are powers of 2
+    assert memfit.parse_bytes(".25MiB") == 2**20 // 4
+    assert memfit.parse_bytes(1.5e3) == 1500  # numbers are bytes
+    assert memfit.parse_bytes(2.9) == 2  # whole bytes, rounded down
+    with pytest.raises(ValueError, match=r"cannot read the memory budget '6 parsecs'.*'6GB', '3\.5GiB'"):
+        memfit.parse_bytes("6 parsecs")
+    for zero in (0, "0GB", 0.0):
+        with pytest.raises(ValueError, match="must be positive"):
+            memfit.parse_bytes(zero)
+    with pytest.raises(TypeError, match="got list"):
+        memfit.parse_bytes([6])
+
+
+def synthetic(n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    blocks = []
+    for i in range(n):
+        r = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+        keep = r(800, 1200)
+        kept = {"keep": keep, "selective": keep // 2 + r(0, 50), "full": r(50, 120), "offload": r(0, 20)}
+        peak = {d: kept[d] + r(1500, 2500) for d in DECISIONS}
+        t = r(5, 15) / 1000
+        extra = {"keep": 0.0, "selective": t * 0.3, "full": t, "offload": t * 1.5}
+        blocks.append(BlockProfile(f"b{i}", 400, 400, 100, 100, kept, peak, t, extra))
+    return ModelProfile(blocks, 10_000, 4_000, 6_000, 500, 300, 100, 3_000, 13_000)
+
+
+def brute_force(profile, budget):
+    best = None
+    for ds in itertools.product(DECISIONS, repeat=len(profile.blocks)):
+        f = forecast(profile, list(ds))
+        if f["peak"] <= budget and (best is None or f["extra_time"] < best[0] - 1e-12):
+            best = (f["extra_time"], list(ds))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_solver_is_optimal_on_small_chains(seed):
+    profile = synthetic(5, seed)
+    keep_peak = forecast(profile, ["keep"] * 5)["peak"]
+    full_peak = forecast(profile, ["offload"] * 5)["peak"]
+    for frac in (0.1, 0.4, 0.7, 1.0):
+        budget = int(full_peak + frac * (keep_peak - full_peak))
+        got = solve(profile, budget)
+        want = brute_force(profile, budget)
+        if want is None:
+            assert got is None
+            continue
+        f = forecast(profile, got)
+        assert f["peak"] <= budget
+        # Binning rounds kept bytes up (grain = budget / 8192), so the solver may give up a
+        # plan whose peak is within n * grain of the budget: it is never worse by more.
+        near = brute_force(profile, budget - 5 * budget / 8192)
+        assert f["extra_time"] <= (near[0] if near else float("inf")) + 1e-12
+        assert f["extra_time"] >= want[0] - 1e-12
+
+
+def test_infeasible_budget_names_the_smallest():
+    profile = synthetic(6)
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(memfit.PlanError, match=r"no plan fits .*smallest budget that fits is ([0-9.]+) KiB") as e:
+        memfit.plan(model, {}, budget=5_000, profile=profile)
+    smallest = float(e.value.args[0].split("smallest budget that fits is ")[1].split(" KiB")[0]) * 1024
+    memfit.plan(model, {}, budget=int(smallest) + 64, profile=profile)  # fits (to the solver's grain)
+
+
+def test_sharded_terms_divide_state_by_world_size():
+    profile = synthetic(4)
+    one, four = terms(profile, None), terms(profile, Sharding(4))
+    assert four["state"] == one["state"] / 4 and four["grad_rest"] == one["grad_rest"] / 4  # no buffers here
+    rest = profile.param_bytes - sum(b.param_bytes for b in profile.blocks)
+    assert four["gather_buffers"] == 2 * 400 + rest * 3 / 4
+
+
+# -- the memory model on a hand-built profile -------------------------------------------------
+# Two blocks, b0 then b1; bytes. See [Note: The planner's memory model] for the moments.
+BLOCK_PARAMS = {"b0": 400, "b1": 800}  # each block's parameters; its gradients are as large
+REST_PARAMS = 1_800  # parameters outside the blocks (embeddings, head)
+PARAMS = sum(BLOCK_PARAMS.values()) + REST_PARAMS  # 3_000, no buffers
+OPTIMIZER = 2 * PARAMS  # AdamW's two states
+S = PARAMS + OPTIMIZER  # parameters and optimizer state: 9_000
+G_REST = REST_PARAMS  # gradients of the parameters outside the blocks
+BEFORE = 500  # O: the batch and the embeddings' output when b0 starts
+Y_LAST = 100  # b1's output
+T_HEAD = 700  # head, loss and their backward above the end-of-forward state
+P_OPT = 2 * PARAMS + OPTIMIZER + 1_000  # the optimizer step: parameters, gradients, state, temporaries
+KEPT = {  # what each block keeps for backward, per decision (its input included unless offloaded)
+    "b0": {"keep": 1_000, "selective": 600, "full": 100, "offload": 0},
+    "b1": {"keep": 3_000, "selective": 1_500, "full": 100, "offload": 0},
+}
+B = {  # B_i: the block's own forward and backward peak, per decision
+    "b0": {"keep": 2_000, "selective": 1_900, "full": 1_800, "offload": 1_800},
+    "b1": {"keep": 5_000, "selective": 3_500, "full": 1_500, "offload": 1_500},
+}
+EXTRA = {  # seconds a decision adds to a step
+    "b0": {"keep": 0.0, "selective": 0.001, "full": 0.003, "offload": 0.004},
+    "b1": {"keep": 0.0, "selective": 0.002, "full": 0.006, "offload": 0.008},
+}
+
+
+def hand_built(**changes):
+    blocks = [
+        BlockProfile(name, BLOCK_PARAMS[name], BLOCK_PARAMS[name], 100, 100, KEPT[name], B[name], 0.01, EXTRA[name])
+        for name in ("b0", "b1")
+    ]
+    profile = ModelProfile(blocks, S, PARAMS, OPTIMIZER, G_REST, BEFORE, Y_LAST, T_HEAD, P_OPT)
+    return dataclasses.replace(profile, **changes)
+
+
+def test_terms_are_the_profile_unsharded():
+    f = forecast(hand_built(), ["keep", "keep"])
+    assert f["term:state"] == S
+    assert f["term:grad_rest"] == G_REST
+    assert f["term:before_blocks"] == BEFORE
+    assert f["term:last_output"] == Y_LAST
+    assert f["term:head_transient"] == T_HEAD
+    assert f["term:optimizer_peak"] == P_OPT
+    assert f["term:gather_buffers"] == 0  # nothing is gathered in one process
+    assert f["kept_activations"] == KEPT["b0"]["keep"] + KEPT["b1"]["keep"]
+    assert f["extra_time"] == 0.0
+
+
+def test_keeping_everything_peaks_in_the_backward_of_the_last_block():
+    f = forecast(hand_built(), ["keep", "keep"])
+    end_of_forward = S + BEFORE + KEPT["b0"]["keep"] + KEPT["b1"]["keep"] + Y_LAST + T_HEAD  # 14_300
+    backward_b0 = S + BEFORE + G_REST + BLOCK_PARAMS["b1"] + B["b0"]["keep"]  # b1's gradients exist: 14_100
+    backward_b1 = S + BEFORE + G_REST + KEPT["b0"]["keep"] + B["b1"]["keep"]  # b0 still keeps its tensors: 17_300
+    assert backward_b1 > max(end_of_forward, backward_b0, P_OPT)
+    assert (f["at"], f["peak"]) == ("backward of b1", backward_b1)
+    # The same sum read off the forecast's named terms.
+    assert (
+        f["peak"]
+        == f["term:state"] + f["term:before_blocks"] + f["term:grad_rest"] + KEPT["b0"]["keep"] + B["b1"]["keep"]
+    )
+
+
+def test_checkpointing_the_last_block_moves_the_peak_to_the_first():
+    f = forecast(hand_built(), ["keep", "full"])
+    end_of_forward = S + BEFORE + KEPT["b0"]["keep"] + KEPT["b1"]["full"] + Y_LAST + T_HEAD  # 11_400
+    backward_b1 = S + BEFORE + G_REST + KEPT["b0"]["keep"] + B["b1"]["full"]  # 13_800
+    backward_b0 = S + BEFORE + G_REST + BLOCK_PARAMS["b1"] + B["b0"]["keep"]  # 14_100
+    assert backward_b0 > max(end_of_forward, backward_b1, P_OPT)
+    assert (f["at"], f["peak"]) == ("backward of b0", backward_b0)
+    assert f["kept_activations"] == KEPT["b0"]["keep"] + KEPT["b1"]["full"]
+    assert f["extra_time"] == EXTRA["b0"]["keep"] + EXTRA["b1"]["full"]
+
+
+def test_a_large_head_peaks_at_the_end_of_forward():
+    head = 10_000  # e.g. full logits over a large vocabulary
+    f = forecast(hand_built(head_transient=head), ["keep", "keep"])
+    end_of_forward = S + BEFORE + KEPT["b0"]["keep"] + KEPT["b1"]["keep"] + Y_LAST + head  # 23_600
+    backward_b1 = S + BEFORE + G_REST + KEPT["b0"]["keep"] + B["b1"]["keep"]  # 17_300
+    assert end_of_forward > backward_b1
+    assert (f["at"], f["peak"]) == ("end of forward", end_of_forward)
+    assert f["peak"] == (
+        f["term:state"]
+        + f["term:gather_buffers"]
+        + f["term:before_blocks"]
+        + f["kept_activations"]
+        + f["term:last_output"]
+        + f["term:head_transient"]
+    )
+
+
+def test_a_large_optimizer_step_peaks_there_whatever_is_decided():
+    step = 30_000  # e.g. a foreach optimizer's temporaries
+    for decisions in itertools.product(DECISIONS, repeat=2):
+        f = forecast(hand_built(optimizer_peak=step), list(decisions))
+        assert (f["at"], f["peak"]) == ("optimizer step", step)
+
+
+def test_sharded_terms_at_two_ranks():
+    profile = hand_built()
+    one, two = terms(profile, None), terms(profile, Sharding(2))
+    assert terms(profile, Sharding(1)) == one  # one rank: nothing sharded, nothing gathered
+    assert two["state"] == S / 2  # parameters and AdamW state, half per rank (no buffers)
+    assert two["grad_rest"] == G_REST / 2
+    assert two["optimizer_peak"] == P_OPT / 2
+    assert two["gather_buffers"] == (
+        2 * BLOCK_PARAMS["b1"]  # the largest unit computing and the next one prefetched, in full
+        + REST_PARAMS * (1 - 1 / 2)  # the root keeps its full parameters: the other rank's half
+    )
+    for unchanged in ("before_blocks", "last_output", "head_transient"):  # activations: per rank as before
+        assert two[unchanged] == one[unchanged]
+    f = forecast(profile, ["keep", "keep"], Sharding(2))
+    base = S / 2 + two["gather_buffers"] + BEFORE
+    backward_b1 = (
+        base
+        + G_REST / 2
+        + BLOCK_PARAMS["b1"]  # b1's own gradients, unsharded until reduce-scattered
+        + KEPT["b0"]["keep"]
+        + B["b1"]["keep"]
+    )  # 15_200
+    backward_b0 = base + G_REST / 2 + BLOCK_PARAMS["b1"] / 2 + BLOCK_PARAMS["b0"] + B["b0"]["keep"]  # 11_200
+    end_of_forward = base + KEPT["b0"]["keep"] + KEPT["b1"]["keep"] + Y_LAST + T_HEAD  # 12_300
+    optimizer = P_OPT / 2 + two["gather_buffers"]  # 9_000
+    assert backward_b1 > max(backward_b0, end_of_forward, optimizer)
+    assert (f["at"], f["peak"]) == ("backward of b1", backward_b1)
+    assert f["peak"] < forecast(profile, ["keep", "keep"])["peak"]
+
+
+def test_buffers_are_replicated_when_sharded():
+    buffers = 1_000
+    profile = hand_built(state_bytes=S + buffers, param_bytes=PARAMS + buffers, buffer_bytes=buffers)
+    assert terms(profile, Sharding(4))["state"] == S / 4 + buffers  # every rank holds every buffer
+    with pytest.raises(ValueError, match="world_size must be >= 1, got 0"):
+        Sharding(0)
+
+
+def test_solve_respects_the_budget():
+    profile = hand_built()
+    assert solve(profile, 10**9) == ["keep", "keep"]  # everything fits: no extra time
+    # Exactly the backward moment of b0 under keep: b0 may keep, b1 must drop to full or
+    # offload (its backward needs S + BEFORE + G_REST + kept_0 + B_1 <= budget), and full is cheaper.
+    budget = S + BEFORE + G_REST + BLOCK_PARAMS["b1"] + B["b0"]["keep"]  # 14_100
+    assert solve(profile, budget) == ["keep", "full"]
+    for budget in range(13_900, 18_000, 50):
+        decisions = solve(profile, budget)
+        assert decisions is not None and forecast(profile, decisions)["peak"] <= budget, budget
+
+
+def test_solve_returns_none_below_the_smallest_budget():
+    profile = hand_built()
+    # b0's backward moment has no kept activations before it to drop: its floor is b0's
+    # smallest B_0 on top of what is alive anyway. Every other moment can go lower.
+    floor = S + BEFORE + G_REST + BLOCK_PARAMS["b1"] + min(B["b0"].values())  # 13_900
+    assert floor == min(forecast(profile, list(ds))["peak"] for ds in itertools.product(DECISIONS, repeat=2))
+    assert solve(profile, floor - 1) is None
+    assert solve(profile, P_OPT - 1) is None  # below the optimizer step: nothing helps
+    smallest = smallest_budget(profile)
+    assert solve(profile, smallest) is not None
+    # Bisection to 1/2000 of the budget, plus the solver's rounding (2 blocks x budget/8192).
+    assert floor <= smallest <= floor * (1 + 1 / 2000 + 2 / 8192) + 1
+
+
+def test_plan_on_a_given_profile_solves_without_measuring():
+    profile = hand_built()
+    budget = S + BEFORE + G_REST + BLOCK_PARAMS["b1"] + B["b0"]["keep"]  # 14_100, as above
+    plan = memfit.plan(torch.nn.Linear(2, 2), {}, budget=budget, profile=profile)
+    assert plan.decisions == {"b0": "keep", "b1": "full"}
+    assert plan.predicted_peak == budget and plan.predicted_overhead == EXTRA["b1"]["full"]
+    d = plan.to_dict()
+    assert (d["budget"], d["world_size"], d["peak_at"]) == (budget, 1, "backward of b0")
+    assert d["kept_activations"] == KEPT["b0"]["keep"] + KEPT["b1"]["full"]
+    rows = plan.table().splitlines()
+    saved_b1 = KEPT["b1"]["keep"] - KEPT["b1"]["full"]  # what b1's decision saves against keeping: 2_900 B
+    extra_ms = EXTRA["b1"]["full"] * 1e3
+    want = ["b1", "full", f"{KEPT['b1']['full']}", "B", f"{saved_b1 / 2**10:.2f}", "KiB", f"{extra_ms:.1f}"]
+    assert rows[2].split() == want
+    with pytest.raises(ValueError, match=r"unknown decisions \['fast'\]"):
+        memfit.plan(torch.nn.Linear(2, 2), {}, budget=budget, profile=profile, decisions=("keep", "fast"))
+
+
+def test_fixed_plan_needs_a_decision_for_every_block():
+    profile = hand_built()
+    with pytest.raises(ValueError, match=r"no decision for blocks \['b1'\]"):
+        memfit.Plan.fixed({"b0": "keep"}, profile)
+    fixed = memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile)
+    assert fixed.budget is None and "fixed strategy (no budget)" in fixed.table()
+    assert fixed.predicted_peak == forecast(profile, ["keep", "keep"])["peak"]
+    assert "exceeds" not in fixed.compare(fixed.predicted_peak)  # no budget to fit
