@@ -81,3 +81,9 @@ def offload_writer(write: Callable[[str, torch.Tensor, Callable[[str, torch.Tens
         yield
     finally:
         _offload._write = real
+
+
+# Counting the host's cost of a sharded step (tests and benchmarks/sharding_overhead.py).
+from memfit._shard._counters import HostSyncCounter, OpCounter  # noqa: E402
+
+__all__ += ["HostSyncCounter", "OpCounter"]
