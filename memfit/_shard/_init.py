@@ -166,7 +166,7 @@ def _parameter_uses(
 
 def _adopt(sp: ShardedParam, owner: Unit, uses: list[tuple[nn.Module, str]]) -> None:
     """Take ``sp`` away from ``owner`` and register its chunk in ``uses`` too."""
-    owner.params.remove(sp)
+    owner.forget_param(sp)
     sp.uses.extend(uses)
     sp.register(sp.sharded)
 
@@ -247,8 +247,7 @@ def shard_parameters(
         dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
         sp = ShardedParam(p, p_uses, owned.paths[p], rank, world, device, dtype, shard_device)
         if shard_device is not None:
-            sp.full.data = sp.full.data.to(device)  # computes on the device; storage freed below
-            sp.full.untyped_storage().resize_(0)
+            sp.move_full(device)  # computes on the device
         _RETIRED[p] = sp
         params.append(sp)
     return params

@@ -340,7 +340,7 @@ def case_memory_bound(rank, world):
         plain_opt.zero_grad()
     local = sum(p.numel() for p in model.parameters())  # this rank's shards (<= P/W rounded up)
     units = units_of(model)
-    largest_unit = max(sum(p.full.numel() for p in u.params) for u in units) * 4
+    largest_unit = max(sum(p.padded_numel for p in u.params) for u in units) * 4  # padding rows included
     bound = (
         16 * local  # fp32 shards of parameters, gradients and AdamW's two states
         + 2 * largest_unit  # the unit computing and the one prefetched
