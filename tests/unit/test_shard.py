@@ -103,7 +103,7 @@ def test_full_tensor_is_allocated_only_while_gathered():
     mixed = ShardedParam(nn.Parameter(torch.randn(rows, cols)), [], "p", 0, 2, compute_dtype=torch.bfloat16)
     mixed.alloc_full()
     assert mixed.full.dtype == torch.bfloat16 and mixed.sharded.dtype == torch.float32  # fp32 master shard
-    assert mixed.full.untyped_storage().nbytes() == rows * cols * 2  # bf16
+    assert mixed.full.untyped_storage().nbytes() == 2 * 3 * cols * 2  # bf16, padded
 
 
 def test_meta_parameter_gets_an_unfilled_local_chunk():
