@@ -87,3 +87,9 @@ def offload_writer(write: Callable[[str, torch.Tensor, Callable[[str, torch.Tens
 from memfit._shard._counters import HostSyncCounter, OpCounter  # noqa: E402
 
 __all__ += ["HostSyncCounter", "OpCounter"]
+
+# The streams' trace: every wait, record, allocation, use and free, and the ordering check.
+from memfit._shard._streams import StreamTrace  # noqa: E402
+from memfit._shard._streams import tracing as trace_streams  # noqa: E402
+
+__all__ += ["StreamTrace", "trace_streams"]

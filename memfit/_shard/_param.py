@@ -64,7 +64,9 @@ class ShardedParam:
             local = local.to(shard_device)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
         # Mixed precision: the full parameter computes in `compute_dtype`.
-        self.full = nn.Parameter(self._padded_full(compute_dtype or param.dtype, device), requires_grad=param.requires_grad)
+        self.full = nn.Parameter(
+            self._padded_full(compute_dtype or param.dtype, device), requires_grad=param.requires_grad
+        )
         self.full.untyped_storage().resize_(0)
         self.register(self.sharded)
 

@@ -55,9 +55,7 @@ class StreamTrace:
 
         def ordered(src: str, after: int, dst: str, before: int) -> bool:
             """Whether ``dst`` waited, before position ``before``, an event ``src`` recorded after ``after``."""
-            return any(
-                recorded[e][0] == src and recorded[e][1] > after and pos < before for e, pos in waited[dst]
-            )
+            return any(recorded[e][0] == src and recorded[e][1] > after and pos < before for e, pos in waited[dst])
 
         for i, entry in enumerate(self.log):
             kind = entry[0]

@@ -127,7 +127,9 @@ class Unit:
         for p in self.params:
             p.full.requires_grad_(p.sharded.requires_grad)  # follows freezing after sharding
             p.alloc_full()
-        outs = [p.gather_view() if layout.wire is p.full.dtype else p.gather_view().view(layout.wire) for p in layout.order]
+        outs = [
+            p.gather_view() if layout.wire is p.full.dtype else p.gather_view().view(layout.wire) for p in layout.order
+        ]
         torch.split_with_sizes_copy(out.view(self.world, -1), layout.sizes, dim=1, out=[*outs, ids])
         streams.note("use", f"{self.name}:gather-out", "compute")
         if streams.holds:  # freed by the next gather, once it waited for this event
@@ -298,14 +300,14 @@ class ReduceLayout:
                 continue
             c = p.chunk_rows
             block = send[:, off : off + p.slot_numel].unflatten(1, (c, p.row_numel))
-            g = g.reshape(p.rows, p.row_numel)
+            rows = g.reshape(p.rows, p.row_numel)
             q, r = divmod(p.rows, c)
             if q:
                 dsts.append(block[:q])
-                srcs.append(g[: q * c].view(q, c, p.row_numel))
+                srcs.append(rows[: q * c].view(q, c, p.row_numel))
             if r:
                 dsts.append(block[q, :r])
-                srcs.append(g[q * c :])
+                srcs.append(rows[q * c :])
         return dsts, srcs
 
 
