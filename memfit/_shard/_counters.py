@@ -82,16 +82,13 @@ class _ScalarMode(TorchDispatchMode):
 _NOT_KERNELS = ("empty", "_record_function")
 
 
-# Custom ops whose inner aten ops the mode sees too (counting both would count twice).
-_WRAPPERS = ("fsdp::all_gather_copy_in",)
-
-
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops that reach the dispatcher while active, by name.
 
     ``launches`` counts the ops that launch kernels on an accelerator: it leaves out views
-    (metadata only), allocations, profiler markers and custom ops whose inner aten ops are
-    counted themselves (FSDP2's ``fsdp::all_gather_copy_in``); ``total`` counts all.
+    (metadata only), allocations and profiler markers, and counts a custom op (FSDP2's
+    ``fsdp::all_gather_copy_in``) as one, not the aten ops it runs inside (which the mode may
+    or may not see, depending on how it is registered); ``total`` counts all that it sees.
     """
 
     def __init__(self) -> None:
@@ -99,6 +96,7 @@ class OpCounter(TorchDispatchMode):
         self.ops: collections.Counter[str] = collections.Counter()
         self.kernels: collections.Counter[str] = collections.Counter()
         self.wire_bytes = 0.0  # ring bytes this rank sends: all-gather output, reduce-scatter input
+        self._inside_custom = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
@@ -107,9 +105,15 @@ class OpCounter(TorchDispatchMode):
             t = args[_WIRE[name]]
             world = dist.get_world_size()
             self.wire_bytes += t.numel() * t.element_size() * (world - 1) / world
-        if not func.is_view and not name.startswith(_NOT_KERNELS) and f"{func.namespace}::{name}" not in _WRAPPERS:
+        if not func.is_view and not name.startswith(_NOT_KERNELS) and not self._inside_custom:
             self.kernels[name] += 1
-        return func(*args, **(kwargs or {}))
+        if func.namespace in ("aten", "c10d", "prims"):
+            return func(*args, **(kwargs or {}))
+        self._inside_custom += 1
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self._inside_custom -= 1
 
     @property
     def total(self) -> int:

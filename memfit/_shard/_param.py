@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -25,7 +26,12 @@ from torch import nn
 
 
 class ShardedParam:
-    """A parameter owned by one sharded unit."""
+    """A parameter owned by one sharded unit.
+
+    Ownership lives on the objects: ``owner`` is the unit that gathers it (a tie can move it
+    to an ancestor unit), the parameter it replaced points here through ``sharded_as``, and
+    its local chunk through ``shard_of`` (see [Note: Units, roots and tied parameters]).
+    """
 
     def __init__(
         self,
@@ -63,6 +69,9 @@ class ShardedParam:
         if shard_device is not None:  # CPU offload: the chunk lives in host memory
             local = local.to(shard_device)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
+        self.owner = None  # the Unit that gathers this parameter; set when a unit takes it
+        param._memfit_sharded_as = self  # the replaced parameter knows what replaced it
+        self.sharded._memfit_shard_of = weakref.ref(self)
         # Mixed precision: the full parameter computes in `compute_dtype`.
         self.full = nn.Parameter(
             self._padded_full(compute_dtype or param.dtype, device), requires_grad=param.requires_grad
@@ -125,3 +134,14 @@ class ShardedParam:
     @property
     def local_numel(self) -> int:
         return self.local_rows * self.row_numel
+
+
+def sharded_as(p: nn.Parameter) -> ShardedParam | None:
+    """The sharded parameter that replaced ``p`` (None: ``p`` was never sharded)."""
+    return getattr(p, "_memfit_sharded_as", None)
+
+
+def shard_of(p: nn.Parameter) -> ShardedParam | None:
+    """The sharded parameter whose local chunk ``p`` is (None: ``p`` is no chunk)."""
+    ref = getattr(p, "_memfit_shard_of", None)
+    return ref() if ref is not None else None

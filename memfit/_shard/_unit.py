@@ -46,11 +46,17 @@ class Unit:
         group,
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None = None,
+        *,
+        input_dtype: torch.dtype | None = None,
+        managed: list[nn.Module] | None = None,
+        pending_ties: list[tuple[nn.Parameter, nn.Module, str]] | None = None,
     ) -> None:
         self.module = module
         self.reduce_dtype = reduce_dtype  # mixed precision: gradients summed in this dtype
-        self.input_dtype: torch.dtype | None = None  # mixed precision: floating inputs cast to this
+        self.input_dtype = input_dtype  # mixed precision: floating inputs cast to this
         self.params = params
+        for sp in params:
+            sp.owner = self
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -69,9 +75,9 @@ class Unit:
         self._reduce_plans: dict[tuple[int, ...], ReduceLayout] = {}  # per set of trainable parameters
         device = params[0].full.device if params else torch.device("cpu")
         self._own_streams, self._own_checks = Streams(device), StepChecks(self.rank, eager=True)  # no root yet
-        self.managed: list[nn.Module] = []  # the modules whose parameters this unit owns
+        self.managed = managed or []  # the modules whose parameters this unit owns
         # Tied uses of parameters a unit outside this module owns: a common ancestor takes them.
-        self.pending_ties: list[tuple[nn.Parameter, nn.Module, str]] = []
+        self.pending_ties = pending_ties or []
         self.parent: Unit | None = None  # the unit directly above, once it is sharded
         self.root_state: RootState | None = None  # shared under the root, set at its first forward
 
