@@ -29,8 +29,9 @@ from memfit._shard._unit import TrainingState, Unit
 # parameters and starts reduce-scattering the gradients into the shards; that finishes while
 # the next unit computes (one reduce-scatter in flight at a time). A unit whose inputs need no
 # gradient (the embeddings) is reduced by the callback queued at the root's pre-backward,
-# which runs when the whole backward ends, finishes the last reduce-scatter and resets every
-# unit for the next step.
+# which runs when the whole backward ends, finishes the last reduce-scatter, resets every
+# unit for the next step and reads the step's checks in one transfer, the step's only host
+# sync (see [Note: Divergence detection]).
 # Without grad (evaluation) units gather before and free right after their forward.
 
 
