@@ -14,6 +14,7 @@ from memfit._shard._compat import (
     strategy_to_reshard,
     wrap_policy_of,
 )
+from memfit._shard._export import SavePretrained
 from memfit._shard._init import (
     allocate_meta_buffers,
     broadcast_from_rank0,
@@ -28,6 +29,7 @@ from memfit._shard._init import (
     wrap_selector,
 )
 from memfit._shard._mixed import MixedPrecision
+from memfit._shard._state_dict import install_state_dict_hooks
 from memfit._shard._unit import ShardedModule, Unit, user_class
 
 __all__ = ["FullyShardedDataParallel", "shard"]
@@ -143,6 +145,10 @@ def _device_for(module: nn.Module, target: torch.device, device: torch.device | 
     return target
 
 
+def _is_pretrained_model(cls: type) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in cls.__mro__)
+
+
 def _extended_class(base: type, mixin: type) -> type:
     """``base`` with ``mixin`` mixed in (one class per pair, made once)."""
     if issubclass(base, mixin):
@@ -151,7 +157,10 @@ def _extended_class(base: type, mixin: type) -> type:
     if key not in _CLASSES:
         if issubclass(base, ShardedModule):  # FSDP over a module shard() already extended
             base = next(c for c in base.__mro__ if not issubclass(c, ShardedModule))
-        _CLASSES[key] = type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
+        # HF models: save_pretrained writes the full weights (See [Note: Exported weights])
+        extra = (SavePretrained,) if _is_pretrained_model(base) else ()
+        mixins = tuple(c for c in (mixin, *extra) if not any(o is not c and issubclass(o, c) for o in extra))
+        _CLASSES[key] = type(f"{mixin.__name__}{base.__name__}", (*mixins, base), {})
     return _CLASSES[key]
 
 
@@ -249,5 +258,6 @@ def _install(module: nn.Module, unit: Unit) -> None:
     """Attach ``unit`` to ``module``: its class gains the sharded controls, its forward the hooks."""
     module._memfit_unit = unit
     module.__class__ = _extended_class(type(module), ShardedModule)
+    install_state_dict_hooks(module)  # See [Note: state_dict of a sharded model]
     module.register_forward_pre_hook(pre_forward_with_lazy_init, with_kwargs=True)
     module.register_forward_hook(_runtime.post_forward, with_kwargs=True)
