@@ -40,13 +40,7 @@ def full_params(model):
         return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
-def shared_dir(name):
-    path = [os.path.join(os.environ.get("TMPDIR", "/tmp"), f"memfit-hf-{os.getpid()}-{name}")]
-    dist.broadcast_object_list(path)  # rank 0's choice
-    return path[0]
-
-
-def case_unwrap_model_terminates(rank, world):
+def case_unwrap_model_terminates(rank, world, root):
     from accelerate.utils import extract_model_from_parallel
     from transformers.modeling_utils import unwrap_model
 
@@ -73,12 +67,12 @@ def check_saved_dir(path):
     return dtypes
 
 
-def _save_and_load(rank, use_shard):
+def _save_and_load(rank, root, use_shard):
     from transformers import AutoModelForCausalLM
 
     model = sharded_gpt2(use_shard=use_shard)
     train_step(model)
-    path = shared_dir(f"save-{use_shard}")
+    path = os.path.join(root, f"save-{use_shard}")
     model.save_pretrained(path)
     want = full_params(model)
     if rank == 0:
@@ -91,15 +85,15 @@ def _save_and_load(rank, use_shard):
             torch.testing.assert_close(p.detach(), want[n], rtol=0, atol=0, msg=n)
 
 
-def case_save_pretrained_fsdp(rank, world):
-    _save_and_load(rank, use_shard=False)
+def case_save_pretrained_fsdp(rank, world, root):
+    _save_and_load(rank, root, use_shard=False)
 
 
-def case_save_pretrained_shard(rank, world):
-    _save_and_load(rank, use_shard=True)
+def case_save_pretrained_shard(rank, world, root):
+    _save_and_load(rank, root, use_shard=True)
 
 
-def case_export_one_dtype(rank, world):
+def case_export_one_dtype(rank, world, root):
     from transformers import GPT2LMHeadModel
 
     model = sharded_gpt2(mixed_precision=memfit.MixedPrecision(torch.bfloat16))
@@ -107,9 +101,9 @@ def case_export_one_dtype(rank, world):
     # The fp32 master weights (the shards), not the bf16 copies the units compute with.
     master = {k: v.full_tensor() for k, v in model.state_dict().items() if isinstance(v, DTensor)}
     assert {v.dtype for v in master.values()} == {torch.float32}
-    path = shared_dir("export")
+    path = os.path.join(root, "export")
     memfit.export_safetensors(model, path)  # default: the parameters' dtype, fp32
-    bf16 = shared_dir("export-bf16")
+    bf16 = os.path.join(root, "export-bf16")
     model.save_pretrained(bf16, dtype=torch.bfloat16)
     if rank == 0:
         assert check_saved_dir(path) == {"F32"}
@@ -122,7 +116,7 @@ def case_export_one_dtype(rank, world):
         assert all(torch.equal(p, master[n]) for n, p in loaded.named_parameters())
 
 
-def case_state_dict_is_dtensors(rank, world):
+def case_state_dict_is_dtensors(rank, world, root):
     model = sharded_gpt2()
     train_step(model)
     sd = model.state_dict()
@@ -165,6 +159,11 @@ CASES = [
 GROUP = Subtests(CASES)
 
 
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hf"))
+
+
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_hf(case):
-    GROUP.check(case, 2)
+def test_hf(root, case):
+    GROUP.check(case, 2, root)
