@@ -15,7 +15,7 @@ TINY = ["--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4", "--ste
 def memfit_train(*args, torchrun=0, fail_at_step=None, check=True):
     # Up to 3 restarts, and a 20 s process-group timeout so that a restarted group that stalls
     # fails and is restarted rather than waiting. With fail_at_step, the last rank is killed at
-    # the start of the step after that many steps, on the first attempt (tests/_train_with_fault.py).
+    # the start of the step after that many steps, on the first attempt (tests/distributed/_train_with_fault.py).
     if fail_at_step is None:
         entry = ["-m", "memfit", "train"]
     else:
