@@ -149,6 +149,15 @@ class MemfitStrategy(DDPStrategy):
         else:
             yield None
 
+    def teardown(self) -> None:
+        """Lightning's teardown without moving the model to the CPU: a sharded unit's gathered
+        tensors live on the compute device, so the model stays where it was sharded."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
     # -- checkpoints ----------------------------------------------------------------------------
 
     @property
