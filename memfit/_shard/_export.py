@@ -52,7 +52,7 @@ def export_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype | None
     owned = [u for u in units if u.params]
     dtype = dtype or (owned[0].params[0].sharded.dtype if owned else torch.float32)
     names, tied = _names(model, units)
-    sharded_ids = {id(sp.sharded) for u in units for sp in u.params}
+    sharded_ids = {id(t) for u in units for sp in u.params for t in (sp.sharded, sp.full)}
     rest = [n for n, t in model.state_dict(keep_vars=True).items() if id(t) not in sharded_ids and n not in tied]
     files = [names[id(u)] for u in owned if names[id(u)]] + ([rest] if rest else [])
     n_files = len(files)
@@ -80,7 +80,8 @@ def export_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype | None
 
 def _names(model: nn.Module, units: list[Unit]) -> tuple[dict[int, list], dict[str, str]]:
     """Each unit's (first name, parameter) pairs, in state_dict order; and the tied names left out."""
-    by_param = {id(sp.sharded): (u, sp) for u in units for sp in u.params}
+    # A unit that computes now registers its full tensors: either one stands for the parameter.
+    by_param = {id(t): (u, sp) for u in units for sp in u.params for t in (sp.sharded, sp.full)}
     names: dict[int, list] = {id(u): [] for u in units}
     first: dict[int, str] = {}
     tied: dict[str, str] = {}

@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Shard
 
 from memfit._shard._param import ShardedParam
-from memfit._shard._unit import ShardState, Unit
+from memfit._shard._unit import Unit
 
 __all__ = ["install_state_dict_hooks"]
 
@@ -35,13 +35,15 @@ def install_state_dict_hooks(module: nn.Module) -> None:
     module.register_load_state_dict_pre_hook(_from_dtensors_or_full)
 
 
-def _keys(module: nn.Module, unit: Unit, prefix: str) -> list[tuple[str, ShardedParam]]:
-    """(state_dict key, parameter) for every registration of the unit's parameters under ``module``."""
+def _keys(module: nn.Module, unit: Unit, prefix: str, full: bool = False) -> list[tuple[str, ShardedParam]]:
+    """(state_dict key, parameter) for every registration of the unit's parameters under
+    ``module`` where the chunk is registered now (``full``: where the full tensor is, as inside
+    summon_full_params or while the unit computes; ``state_dict()`` then holds full tensors)."""
     paths = {id(m): p for p, m in module.named_modules(remove_duplicate=False)}
     out = []
     for sp in unit.params:
         for m, name in sp.uses:
-            if id(m) in paths:
+            if id(m) in paths and m._parameters.get(name) is (sp.full if full else sp.sharded):
                 path = paths[id(m)]
                 out.append((f"{prefix}{path}.{name}" if path else f"{prefix}{name}", sp))
     return out
@@ -64,8 +66,6 @@ def as_dtensor(sp: ShardedParam, unit: Unit, local: torch.Tensor) -> DTensor:
 
 def _to_dtensors(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
     unit: Unit = module._memfit_unit
-    if unit.shard_state is not ShardState.SHARDED:  # the full parameters are registered: full tensors
-        return
     for key, sp in _keys(module, unit, prefix):
         value = state_dict.get(key)
         if value is None or value is sp.sharded or isinstance(value, DTensor):  # keep_vars=True, or done
@@ -77,14 +77,16 @@ def _from_dtensors_or_full(
     module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict, missing, unexpected, errors
 ) -> None:
     unit: Unit = module._memfit_unit
-    sharded = unit.shard_state is ShardState.SHARDED
+    for key, _ in _keys(module, unit, prefix, full=True):
+        if isinstance(state_dict.get(key), DTensor):
+            state_dict[key] = state_dict[key].full_tensor()
     for key, sp in _keys(module, unit, prefix):
         value = state_dict.get(key)
         if value is None:
             continue
         if isinstance(value, DTensor):
             same = value.placements == (Shard(0),) and value.device_mesh.size() == unit.world
-            if sharded and same and tuple(value.to_local().shape) == tuple(sp.sharded.shape):
+            if same and tuple(value.to_local().shape) == tuple(sp.sharded.shape):
                 state_dict[key] = value.to_local()
                 continue
             value = value.full_tensor()
@@ -100,8 +102,6 @@ def _from_dtensors_or_full(
             )
             state_dict.pop(key)
             continue
-        if sharded:
-            start = min(unit.rank * sp.chunk_rows, sp.rows)
-            rows = value.detach().reshape(sp.rows, sp.row_numel)[start : start + sp.local_rows]
-            value = rows.reshape(sp.sharded.shape)
-        state_dict[key] = value
+        start = min(unit.rank * sp.chunk_rows, sp.rows)
+        rows = value.detach().reshape(sp.rows, sp.row_numel)[start : start + sp.local_rows]
+        state_dict[key] = rows.reshape(sp.sharded.shape)

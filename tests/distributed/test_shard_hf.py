@@ -147,6 +147,16 @@ def case_state_dict_is_dtensors(rank, world, root):
         inside = {k: v.clone() for k, v in model.state_dict().items()}  # views of storage freed on exit
     assert not any(isinstance(v, DTensor) for v in inside.values())
     assert all(torch.equal(inside[n], full[n]) for n in full)
+    with memfit.summon_full_params(other):  # loads into the full tensors, written back to the shards
+        other.load_state_dict(sd)
+    assert all(torch.equal(p, full[n]) for n, p in full_params(other).items())
+    # While the root unit computes (its full parameters registered), state_dict() is exact too.
+    seen = {}
+    model.register_forward_hook(lambda m, a, out: seen.update(m.state_dict()))
+    model(input_ids=torch.zeros(1, 4, dtype=torch.long))
+    for n in full:
+        v = seen[n].full_tensor() if isinstance(seen[n], DTensor) else seen[n]
+        assert torch.equal(v, full[n]), n
 
 
 CASES = [
