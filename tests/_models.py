@@ -90,3 +90,24 @@ def make_model(kind, seed=0):
 def tanh_blocks(n, d, h):
     """``n`` blocks of depth ``d``: (Linear h -> h without bias, then Tanh) ``d`` times each."""
     return [nn.Sequential(*[m for _ in range(d) for m in (nn.Linear(h, h, bias=False), nn.Tanh())]) for _ in range(n)]
+
+
+def tiny_gpt2(vocab=97, layers=2, seed=0):
+    """A randomly initialised HF ``GPT2LMHeadModel`` (LM head tied to the input embedding):
+    hidden 32, 2 heads, sequences up to 32, no dropout."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(
+        vocab_size=vocab,
+        n_positions=32,
+        n_embd=32,
+        n_layer=layers,
+        n_head=2,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(seed)
+    return GPT2LMHeadModel(cfg)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from memfit._shard import _runtime
+from memfit._shard._compat import (
+    device_of,
+    mixed_precision_of,
+    offload_of,
+    strategy_to_reshard,
+    wrap_policy_of,
+)
+from memfit._shard._export import SavePretrained
 from memfit._shard._init import (
     allocate_meta_buffers,
     broadcast_from_rank0,
@@ -23,6 +29,7 @@ from memfit._shard._init import (
     wrap_selector,
 )
 from memfit._shard._mixed import MixedPrecision
+from memfit._shard._state_dict import install_state_dict_hooks
 from memfit._shard._unit import ShardedModule, Unit, user_class
 
 __all__ = ["FullyShardedDataParallel", "shard"]
@@ -35,8 +42,9 @@ class FullyShardedDataParallel(ShardedModule):
     ``auto_wrap_policy`` selects (innermost first), then ``model`` itself with the parameters
     left, and returns ``model`` itself, not a wrapper: its class is extended, so
     ``isinstance(model, FullyShardedDataParallel)`` holds and ``model.no_sync()`` works, while
-    ``state_dict()`` keys and parameter names stay unchanged; ``model.module`` is the model
-    too, as with DDP. Build the optimizer afterwards, from ``model.parameters()``.
+    ``state_dict()`` keys and parameter names stay unchanged. ``model.module`` (DDP's wrapper)
+    is not there: there is no wrapper to unwrap (HF's ``unwrap_model`` and Accelerate stop at the
+    model). Build the optimizer afterwards, from ``model.parameters()``.
 
     Args:
         module: the model to shard; it is returned.
@@ -58,6 +66,24 @@ class FullyShardedDataParallel(ShardedModule):
         offload: ``"cpu"`` keeps the shards, their gradients and the optimizer state in host
             memory; units gather their full parameters on the compute device.
 
+    torch FSDP's and FairScale's spellings are accepted too, so that only the import changes
+    (see [Note: Spellings from torch FSDP and FairScale] in ``_compat.py``):
+
+        auto_wrap_policy: also torch's ``ModuleWrapPolicy`` / ``CustomPolicy`` objects and
+            ``functools.partial(transformer_auto_wrap_policy, ...)`` (or any
+            ``fn(module, recurse, nonwrapped_numel)``).
+        sharding_strategy: ``FULL_SHARD`` (reshard_after_forward=True), ``SHARD_GRAD_OP``
+            (False); ``NO_SHARD`` runs as ``SHARD_GRAD_OP``: DDP's numbers with the state
+            sharded at rest; ``HYBRID_SHARD`` raises NotImplementedError.
+        mixed_precision: also torch's ``MixedPrecision`` / ``MixedPrecisionPolicy``, or
+            FairScale's ``True`` (fp16 compute).
+        device_id: move the module to this device (an int: that accelerator) before sharding.
+        process_group: torch's name for ``group``.
+        cpu_offload: torch's ``CPUOffload(offload_params=True)``, FairScale's
+            ``move_params_to_cpu=True``: ``offload="cpu"``.
+        use_orig_params, flatten_parameters: accepted; memfit always keeps the original
+            parameters and always communicates one flat buffer per unit.
+
     Each unit is made by :func:`shard`, which describes these arguments in full.
     """
 
@@ -65,24 +91,37 @@ class FullyShardedDataParallel(ShardedModule):
         cls,
         module: nn.Module,
         *,
-        auto_wrap_policy: type | set[type] | tuple[type, ...] | Callable[[nn.Module], bool] | int | None = None,
+        auto_wrap_policy=None,
         group: dist.ProcessGroup | None = None,
-        reshard_after_forward: bool = True,
+        reshard_after_forward: bool | None = None,
         sync_module_states: bool = True,
         device: torch.device | str | None = None,
-        mixed_precision: MixedPrecision | None = None,
+        mixed_precision=None,
         offload: str | None = None,
+        sharding_strategy=None,
+        device_id: int | torch.device | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        cpu_offload=None,
+        use_orig_params: bool = True,
+        flatten_parameters: bool = True,
+        move_params_to_cpu: bool = False,
     ) -> FullyShardedDataParallel:
         """Shard ``module`` as described in the class docstring and return it."""
+        # See [Note: Spellings from torch FSDP and FairScale]
+        del use_orig_params, flatten_parameters  # memfit always keeps the original parameters
+        if process_group is not None and group is not None and process_group is not group:
+            raise ValueError("memfit.FullyShardedDataParallel: pass group= or process_group=, not both")
+        if device_id is not None:
+            device = _device_for(module, device_of(device_id), device)
         kwargs = {
-            "group": group,
-            "reshard_after_forward": reshard_after_forward,
+            "group": group or process_group,
+            "reshard_after_forward": strategy_to_reshard(sharding_strategy, reshard_after_forward),
             "sync_module_states": sync_module_states,
             "device": device,
-            "mixed_precision": mixed_precision,
-            "offload": offload,
+            "mixed_precision": mixed_precision_of(mixed_precision),
+            "offload": offload_of(offload, cpu_offload, move_params_to_cpu),
         }
-        select = wrap_selector(auto_wrap_policy)
+        select = wrap_selector(wrap_policy_of(auto_wrap_policy, module))
         for sub in post_order(module):
             if sub is not module and select(sub):
                 shard(sub, **kwargs)
@@ -93,13 +132,21 @@ class FullyShardedDataParallel(ShardedModule):
     def __init__(self, *args, **kwargs) -> None:
         """Nothing to do: ``__new__`` returned the model, already sharded."""
 
-    @property
-    def module(self) -> nn.Module:
-        """The model itself (``DistributedDataParallel``'s ``.module``)."""
-        return self  # type: ignore[return-value]
-
 
 _CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _device_for(module: nn.Module, target: torch.device, device: torch.device | str | None) -> torch.device:
+    """torch FSDP's ``device_id``: move the module there (chunks of meta parameters are allocated there)."""
+    if device is not None and torch.device(device) != target:
+        raise ValueError(f"memfit.FullyShardedDataParallel: device={device} and device_id={target} differ; pass one")
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        module.to(target)
+    return target
+
+
+def _is_pretrained_model(cls: type) -> bool:
+    return any(c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers") for c in cls.__mro__)
 
 
 def _extended_class(base: type, mixin: type) -> type:
@@ -110,7 +157,10 @@ def _extended_class(base: type, mixin: type) -> type:
     if key not in _CLASSES:
         if issubclass(base, ShardedModule):  # FSDP over a module shard() already extended
             base = next(c for c in base.__mro__ if not issubclass(c, ShardedModule))
-        _CLASSES[key] = type(f"{mixin.__name__}{base.__name__}", (mixin, base), {})
+        # HF models: save_pretrained writes the full weights (See [Note: Exported weights])
+        extra = (SavePretrained,) if _is_pretrained_model(base) else ()
+        mixins = tuple(c for c in (mixin, *extra) if not any(o is not c and issubclass(o, c) for o in extra))
+        _CLASSES[key] = type(f"{mixin.__name__}{base.__name__}", (*mixins, base), {})
     return _CLASSES[key]
 
 
@@ -208,5 +258,6 @@ def _install(module: nn.Module, unit: Unit) -> None:
     """Attach ``unit`` to ``module``: its class gains the sharded controls, its forward the hooks."""
     module._memfit_unit = unit
     module.__class__ = _extended_class(type(module), ShardedModule)
+    install_state_dict_hooks(module)  # See [Note: state_dict of a sharded model]
     module.register_forward_pre_hook(pre_forward_with_lazy_init, with_kwargs=True)
     module.register_forward_hook(_runtime.post_forward, with_kwargs=True)

@@ -1,8 +1,10 @@
 """`memfit.export_safetensors`: the full, unsharded weights of a sharded model, in the format
-the rest of the ecosystem loads (HF transformers' sharded safetensors layout)."""
+the rest of the ecosystem loads (HF transformers' sharded safetensors layout), and
+``save_pretrained`` on a sharded HF model, which writes through it."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 
@@ -10,60 +12,167 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit._shard._unit import ShardedModule
+from memfit._shard._unit import ShardedModule, Unit, units_of, user_class
 
-__all__ = ["export_safetensors"]
+__all__ = ["SavePretrained", "export_safetensors"]
+
+# [Note: Exported weights]
+# Rank 0 writes one safetensors file per unit holding parameters, then one for the tensors no
+# unit owns (buffers, parameters left unsharded), skipping any that would be empty, plus
+# `model.safetensors.index.json` whose weight_map names each tensor's file. A unit's shards
+# are gathered to rank 0 only, in the shards' own dtype (fp32 master weights under mixed
+# precision, never the compute copy), so rank 0 holds one unit in full at a time and the other
+# ranks none. A parameter registered under several names (a tied LM head) is written once,
+# under its first name in `state_dict()` order (the input embedding for HF models, which is
+# what `from_pretrained` expects: it ties the head again); the index's metadata lists the
+# names left out ("tied": {name: written name}). Every floating tensor is written in one dtype,
+# `dtype=` (default: the parameters' own dtype). HF models also get `config.json` (with
+# `architectures` and `dtype` set, as `save_pretrained` writes them) and, when they generate,
+# `generation_config.json`: `from_pretrained(path)` needs nothing else.
 
 
 @torch.no_grad()
-def export_safetensors(model: nn.Module, path: str) -> None:
-    """Write ``model``'s full weights under their original names to directory ``path``: one
-    ``model-0000i-of-0000n.safetensors`` file per sharded unit plus
-    ``model.safetensors.index.json`` (and ``config.json`` for HF models), so
-    ``model.load_state_dict`` on a plain model and ``from_pretrained(path)`` both load it.
-    Every rank must call it; rank 0 writes, holding one unit in full at a time."""
+def export_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype | None = None) -> None:
+    """Write ``model``'s full weights under their original names to directory ``path``.
+
+    Files: ``model-0000i-of-0000n.safetensors`` (one per sharded unit, and one for buffers and
+    unsharded parameters, none empty) and ``model.safetensors.index.json``; for HF models also
+    ``config.json`` (and ``generation_config.json``), so ``AutoModel...from_pretrained(path)``
+    loads it as it is, and ``load_state_dict(..., strict=False)`` or ``from_pretrained`` on a
+    plain model. A parameter tied under several names is written once, under its first name.
+    Every floating tensor is written in ``dtype`` (default: the parameters' own dtype, fp32
+    under mixed precision). Every rank must call it; rank 0 writes, holding one unit in full
+    at a time. See [Note: Exported weights].
+    """
     from safetensors.torch import save_file
 
-    units = [m._memfit_unit for m in model.modules() if isinstance(m, ShardedModule)]
-    if not units:
-        raise ValueError(f"memfit.export_safetensors: {type(model).__name__} is not sharded")
+    units = units_of(model)
     group = units[0].group
     rank = dist.get_rank(group)
-    if rank == 0:
-        os.makedirs(path, exist_ok=True)
-    n_files = len(units) + 1
+    owned = [u for u in units if u.params]
+    dtype = dtype or (owned[0].params[0].sharded.dtype if owned else torch.float32)
+    names, tied = _names(model, units)
+    sharded_ids = {id(t) for u in units for sp in u.params for t in (sp.sharded, sp.full)}
+    rest = [n for n, t in model.state_dict(keep_vars=True).items() if id(t) not in sharded_ids and n not in tied]
+    files = [names[id(u)] for u in owned if names[id(u)]] + ([rest] if rest else [])
+    n_files = len(files)
     weight_map: dict[str, str] = {}
     total = 0
-    sharded_ids: set[int] = set()
-    for i, unit in enumerate(units):
-        unit.wait_unshard()
-        ids = {id(sp.full) for sp in unit.params}
-        sharded_ids |= {id(sp.sharded) for sp in unit.params}
-        if rank == 0:
-            tensors = {
-                name: t.detach().clone().contiguous()
-                for name, t in model.state_dict(keep_vars=True).items()
-                if id(t) in ids
-            }
-            total += _write(save_file, tensors, path, f"model-{i + 1:05d}-of-{n_files:05d}.safetensors", weight_map)
-        unit.reshard()
+    index = 0
+    for u in owned:
+        full = _gather_to_rank0(u)
+        if rank == 0 and names[id(u)]:
+            index += 1
+            by_id = {id(sp): t for sp, t in full}
+            tensors = {key: _cast(by_id[id(sp)], dtype) for key, sp in names[id(u)]}
+            total += _write(save_file, tensors, path, index, n_files, weight_map)
     if rank == 0:
-        rest = {  # buffers and parameters no unit owns
-            name: t.detach().clone().contiguous()
-            for name, t in model.state_dict(keep_vars=True).items()
-            if id(t) not in sharded_ids and name not in weight_map
-        }
-        total += _write(save_file, rest, path, f"model-{n_files:05d}-of-{n_files:05d}.safetensors", weight_map)
+        if rest:
+            state = model.state_dict(keep_vars=True)
+            tensors = {n: _cast(state[n].detach().cpu(), dtype) for n in rest}
+            total += _write(save_file, tensors, path, index + 1, n_files, weight_map)
+        metadata = {"total_size": total, **({"tied": tied} if tied else {})}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "to_json_file"):
-            config.to_json_file(os.path.join(path, "config.json"))
+            json.dump({"metadata": metadata, "weight_map": weight_map}, f, indent=2)
+        _write_hf_configs(model, path, dtype)
     dist.barrier(group=group)
 
 
-def _write(save_file, tensors: dict[str, torch.Tensor], path: str, name: str, weight_map: dict[str, str]) -> int:
+def _names(model: nn.Module, units: list[Unit]) -> tuple[dict[int, list], dict[str, str]]:
+    """Each unit's (first name, parameter) pairs, in state_dict order; and the tied names left out."""
+    # A unit that computes now registers its full tensors: either one stands for the parameter.
+    by_param = {id(t): (u, sp) for u in units for sp in u.params for t in (sp.sharded, sp.full)}
+    names: dict[int, list] = {id(u): [] for u in units}
+    first: dict[int, str] = {}
+    tied: dict[str, str] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in by_param:
+            continue
+        if id(t) in first:
+            tied[name] = first[id(t)]
+            continue
+        first[id(t)] = name
+        u, sp = by_param[id(t)]
+        names[id(u)].append((name, sp))
+    return names, tied
+
+
+def _gather_to_rank0(unit: Unit) -> list:
+    """[(ShardedParam, full tensor on the CPU)] on rank 0 (empty elsewhere), from the shards."""
+    device = unit.params[0].full.device  # the compute device: what the group's backend talks to
+    dtype = unit.params[0].sharded.dtype
+    send = torch.zeros(sum(sp.slot_numel for sp in unit.params), dtype=dtype, device=device)
+    offset = 0
+    for sp in unit.params:
+        send[offset : offset + sp.local_numel].copy_(sp.sharded.detach().reshape(-1))
+        offset += sp.slot_numel
+    root = dist.get_global_rank(unit.group, 0)
+    slots = [torch.empty_like(send) for _ in range(unit.world)] if unit.rank == 0 else None
+    dist.gather(send, slots, dst=root, group=unit.group)
+    if unit.rank != 0:
+        return []
+    out, offset = [], 0
+    for sp in unit.params:
+        rows = [slots[r][offset : offset + sp.rows_of(r) * sp.row_numel] for r in range(unit.world)]
+        out.append((sp, torch.cat(rows).reshape(sp.shape).cpu()))
+        offset += sp.slot_numel
+    return out
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (t.to(dtype) if t.is_floating_point() else t).contiguous()
+
+
+def _write(save_file, tensors: dict[str, torch.Tensor], path: str, i: int, n: int, weight_map: dict[str, str]) -> int:
+    name = f"model-{i:05d}-of-{n:05d}.safetensors"
+    os.makedirs(path, exist_ok=True)
     save_file(tensors, os.path.join(path, name), metadata={"format": "pt"})
     for key in tensors:
         weight_map[key] = name
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _write_hf_configs(model: nn.Module, path: str, dtype: torch.dtype) -> None:
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "save_pretrained"):
+        return
+    config = copy.deepcopy(config)
+    config.architectures = [user_class(model).__name__]
+    config.dtype = dtype
+    config.save_pretrained(path)
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", lambda: False)
+    if generation is not None and can_generate():
+        generation.save_pretrained(path)
+
+
+class SavePretrained(ShardedModule):
+    """Mixed into sharded HF ``PreTrainedModel`` classes: ``save_pretrained`` writes full weights."""
+
+    def save_pretrained(
+        self,
+        save_directory: str | os.PathLike,
+        is_main_process: bool = True,
+        state_dict: dict | None = None,
+        *,
+        dtype: torch.dtype | None = None,
+        push_to_hub: bool = False,
+        **kwargs,
+    ) -> None:
+        """Write the full model to ``save_directory`` so ``from_pretrained`` loads it (every
+        rank must call this; rank 0 writes, one unit at a time: see :func:`export_safetensors`).
+
+        ``dtype``: the dtype of the written weights (default: the parameters' own).
+        ``is_main_process`` is ignored (rank 0 of the model's group writes); a ``state_dict``
+        and ``push_to_hub`` are refused; HF's other arguments (``max_shard_size``,
+        ``safe_serialization``) are ignored: one safetensors file per sharded unit.
+        """
+        del is_main_process, kwargs
+        if state_dict is not None:
+            raise ValueError(
+                f"memfit: save_pretrained(state_dict=...) on a sharded {user_class(self).__name__}: leave it out; "
+                "the full weights are gathered one unit at a time (see memfit.export_safetensors)"
+            )
+        if push_to_hub:
+            raise NotImplementedError("memfit: save_pretrained(push_to_hub=True) on a sharded model: save, then push")
+        export_safetensors(self, os.fspath(save_directory), dtype=dtype)

@@ -1,0 +1,155 @@
+"""torch FSDP's and FairScale's spellings of FullyShardedDataParallel's arguments, in memfit's terms."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from memfit._shard._mixed import MixedPrecision
+
+# [Note: Spellings from torch FSDP and FairScale]
+# `FullyShardedDataParallel(module, ...)` is meant to replace `torch.distributed.fsdp.
+# FullyShardedDataParallel(module, ...)` or FairScale's in a training script with only the
+# import changed. Each spelling maps onto memfit's own arguments here:
+#   auto_wrap_policy: torch's policy objects (ModuleWrapPolicy, CustomPolicy, any _Policy) are
+#     run once on the model for the set of modules they wrap; the old-style callables and
+#     their partials (transformer_auto_wrap_policy, size_based_auto_wrap_policy,
+#     lambda_auto_wrap_policy, `fn(module, recurse, nonwrapped_numel)`) are walked top-down
+#     as torch's own recursive wrap walks them.
+#   sharding_strategy: FULL_SHARD -> reshard_after_forward=True; SHARD_GRAD_OP ->
+#     reshard_after_forward=False; NO_SHARD -> reshard_after_forward=False too: the same
+#     numbers as DDP (gradients averaged over the ranks) with the state sharded at rest, since
+#     memfit has no replicated mode (use DistributedDataParallel for that); the hybrid
+#     strategies are refused until memfit shards over a 2-D mesh.
+#   mixed_precision: torch's MixedPrecision and FSDP2's MixedPrecisionPolicy become memfit's
+#     (param_dtype None: fp32); FairScale's `mixed_precision=True` is fp16 compute.
+#   process_group (torch) is group; cpu_offload=CPUOffload(offload_params=True) (torch) or
+#     move_params_to_cpu=True (FairScale) is offload="cpu"; device_id is where the module is
+#     moved (or, on the meta device, its chunks allocated).
+#   use_orig_params (torch) and flatten_parameters (FairScale) are accepted and change nothing:
+#     memfit always keeps the original parameters (their names, param groups, freezing) and
+#     always communicates one flat buffer per unit.
+
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+def strategy_to_reshard(sharding_strategy, reshard_after_forward: bool | None) -> bool:
+    """``reshard_after_forward`` for torch's ``sharding_strategy`` (an enum member or its name)."""
+    if sharding_strategy is None:
+        return True if reshard_after_forward is None else reshard_after_forward
+    name = sharding_strategy if isinstance(sharding_strategy, str) else getattr(sharding_strategy, "name", None)
+    if name in _HYBRID:
+        raise NotImplementedError(
+            f"memfit.FullyShardedDataParallel: sharding_strategy={name} (shard within a node, replicate across "
+            "nodes) is not implemented yet. Use FULL_SHARD or SHARD_GRAD_OP over all ranks, or pass group= to "
+            "shard over one node's ranks."
+        )
+    wanted = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False}.get(name)  # See [Note: Spellings ...]
+    if wanted is None:
+        raise ValueError(
+            f"memfit.FullyShardedDataParallel: unknown sharding_strategy {sharding_strategy!r}; "
+            "expected FULL_SHARD, SHARD_GRAD_OP or NO_SHARD (torch.distributed.fsdp.ShardingStrategy or its name)"
+        )
+    if reshard_after_forward is not None and reshard_after_forward != wanted:
+        raise ValueError(
+            f"memfit.FullyShardedDataParallel: sharding_strategy={name} means reshard_after_forward={wanted}, "
+            f"but reshard_after_forward={reshard_after_forward} was passed too; pass one of them."
+        )
+    return wanted
+
+
+def mixed_precision_of(spec) -> MixedPrecision | None:
+    """memfit's MixedPrecision for memfit's, torch FSDP's (1 and 2) or FairScale's (a bool) spelling."""
+    if spec is None or spec is False or isinstance(spec, MixedPrecision):
+        return spec or None
+    if spec is True:  # FairScale: compute in fp16, fp32 master shards
+        return MixedPrecision(param_dtype=torch.float16)
+    fields = ("param_dtype", "reduce_dtype")
+    if all(hasattr(spec, f) for f in fields):  # torch.distributed.fsdp.MixedPrecision / MixedPrecisionPolicy
+        if spec.param_dtype is None and spec.reduce_dtype is None and getattr(spec, "buffer_dtype", None) is None:
+            return None
+        return MixedPrecision(
+            param_dtype=spec.param_dtype or torch.float32,
+            reduce_dtype=spec.reduce_dtype,
+            buffer_dtype=getattr(spec, "buffer_dtype", None),
+        )
+    raise TypeError(
+        "memfit.FullyShardedDataParallel: mixed_precision must be a memfit.MixedPrecision, "
+        f"a torch.distributed.fsdp.MixedPrecision / MixedPrecisionPolicy, True (fp16) or None; got {spec!r}"
+    )
+
+
+def offload_of(offload: str | None, cpu_offload, move_params_to_cpu: bool) -> str | None:
+    """``offload`` for memfit's, torch's (``CPUOffload``) and FairScale's (a bool) spellings."""
+    if cpu_offload is not None and not isinstance(cpu_offload, bool):
+        cpu_offload = getattr(cpu_offload, "offload_params", True)  # CPUOffload / CPUOffloadPolicy
+    if cpu_offload or move_params_to_cpu:
+        if offload not in (None, "cpu"):
+            raise ValueError(f"memfit.FullyShardedDataParallel: cpu offload asked for, but offload={offload!r}")
+        return "cpu"
+    return offload
+
+
+def device_of(device_id) -> torch.device:
+    """torch FSDP's ``device_id``: an int is an index on the current accelerator."""
+    if isinstance(device_id, int):
+        acc = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        if acc is None:
+            raise ValueError(
+                f"memfit.FullyShardedDataParallel: device_id={device_id} names an accelerator, and this machine "
+                "has none; pass device_id=torch.device('cpu') or leave it out."
+            )
+        return torch.device(acc.type, device_id)
+    return torch.device(device_id)
+
+
+def wrap_policy_of(policy, module: nn.Module):
+    """memfit's auto_wrap_policy for torch's policy objects and old-style policy callables."""
+    if _is_torch_policy_object(policy):
+        targets = set(policy._run_policy(module, set(), {}))
+        targets.discard(module)
+        return targets.__contains__
+    if callable(policy) and not isinstance(policy, type) and _takes_recurse(policy):
+        return set(_walk_old_style(module, policy)).__contains__
+    return policy
+
+
+def _is_torch_policy_object(policy) -> bool:
+    try:
+        from torch.distributed.fsdp.wrap import _Policy
+    except ImportError:  # torch built without distributed
+        return False
+    return isinstance(policy, _Policy)
+
+
+def _takes_recurse(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+    return "recurse" in params and "nonwrapped_numel" in params
+
+
+def _walk_old_style(root: nn.Module, policy: Callable) -> list[nn.Module]:
+    """The modules torch's ``_recursive_wrap`` would wrap with ``policy``, children first."""
+    targets: list[nn.Module] = []
+
+    def numel(m: nn.Module, wrapped: set) -> int:
+        return sum(p.numel() for p in m.parameters() if p not in wrapped)
+
+    wrapped: set[nn.Parameter] = set()
+
+    def visit(m: nn.Module) -> None:
+        if not policy(module=m, recurse=True, nonwrapped_numel=numel(m, wrapped)):
+            return
+        for child in m.children():
+            visit(child)
+        if m is not root and policy(module=m, recurse=False, nonwrapped_numel=numel(m, wrapped)):
+            targets.append(m)
+            wrapped.update(m.parameters())
+
+    visit(root)
+    return targets
