@@ -83,11 +83,13 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
         moments[f"backward of {b.path}"] = m.base + m.backward[i] + sum(kept[:i]) + b.peak[decisions[i]]
     moments["optimizer step"] = m.optimizer
     where = max(moments, key=moments.get)
+    extra = sum(b.extra_time[d] for b, d in zip(profile.blocks, decisions))
     return {
         "peak": moments[where],
         "at": where,
         "kept_activations": sum(kept),
-        "extra_time": sum(b.extra_time[d] for b, d in zip(profile.blocks, decisions)),
+        "extra_time": extra,
+        "step_time": profile.step_time + extra,
         **{f"term:{k}": v for k, v in m.terms.items()},
     }
 
