@@ -2,5 +2,6 @@
 
 from memfit._plan._budget import parse_bytes
 from memfit._plan._plan import Plan, PlanError, plan
+from memfit._plan._time import DeviceProfile
 
-__all__ = ["Plan", "PlanError", "parse_bytes", "plan"]
+__all__ = ["DeviceProfile", "Plan", "PlanError", "parse_bytes", "plan"]

@@ -24,6 +24,17 @@ from memfit._plan._solve import Sharding, forecast, smallest_budget, solve
 from memfit._plan._time import DeviceProfile
 from memfit._plan._time import device_profile as _device_profile
 
+_TERMS = {
+    "state": "parameters and optimizer state (sharded: 1/W each), buffers (whole on every rank)",
+    "before_blocks": "the batch and what the embeddings keep for backward",
+    "grad_rest": "gradients of the parameters outside the blocks (sharded: 1/W)",
+    "last_output": "the last block's output",
+    "head_transient": "the head, the loss and their backward (logits and their gradient)",
+    "optimizer_peak": "the optimizer step's peak: parameters, gradients, state, temporaries (1/W)",
+    "gather_buffers": "sharded: two blocks' full parameters in flight, the root's parameters from forward to backward",
+    "kept_activations": "what the blocks keep for backward under their decisions",
+}
+
 
 class PlanError(ValueError):
     """No plan fits the budget; the message gives the smallest budget that does."""
@@ -81,27 +92,61 @@ class Plan:
         return memfit.Decision.parse(kind, save=self.rule, offload=self.offload)
 
     def table(self) -> str:
-        """Per block: decision, bytes saved against keeping, extra time; then the forecast."""
-        lines = [f"{'block':<32}{'decision':<11}{'kept':>12}{'saved':>12}{'extra ms':>10}"]
+        """Per block (runs of 3 or more identical rows as one): decision, bytes kept and saved
+        against keeping, extra time; then the verdict and the forecast's per-rank terms."""
+        rows = []
         for b in self.profile.blocks:
             d = self.decisions[b.path]
-            lines.append(
-                f"{b.path:<32}{d:<11}{format_bytes(b.kept[d]):>12}{format_bytes(b.kept['keep'] - b.kept[d]):>12}"
-                f"{b.extra_time[d] * 1e3:>10.1f}"
+            key = (d, b.kept[d], b.kept["keep"], b.extra_time[d])
+            if rows and rows[-1][0] == key:
+                rows[-1][1].append(b.path)
+            else:
+                rows.append((key, [b.path]))
+        labels = [ps[0] if len(ps) < 3 else f"{ps[0]} ..{ps[-1].rsplit('.', 1)[-1]} ({len(ps)})" for _, ps in rows]
+        width = max(32, *(len(label) + 2 for label in labels))
+        lines = [f"{'block':<{width}}{'decision':<11}{'kept':>12}{'saved':>12}{'extra ms':>10}"]
+        for label, ((d, kept, keep, extra), paths) in zip(labels, rows):
+            for path in paths if len(paths) < 3 else [label]:
+                lines.append(
+                    f"{path:<{width}}{d:<11}{format_bytes(kept):>12}{format_bytes(keep - kept):>12}{extra * 1e3:>10.1f}"
+                )
+        return "\n".join([*lines, "", *self._verdict(), *self._terms()])
+
+    def _verdict(self) -> list[str]:
+        f, w = self.forecast, self.sharding.world_size if self.sharding else 1
+        floor = smallest_budget(
+            self.profile, self.sharding, tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)
+        )
+        keep_all = forecast(self.profile, ["keep"] * len(self.profile.blocks), self.sharding)["peak"]
+        where = f"per rank (world size {w})" if w > 1 else "in one process"
+        if self.budget is None:
+            head = f"fixed strategy: predicted peak {format_bytes(f['peak'])} {where} at {f['at']}"
+        else:
+            verdict = "fits" if f["peak"] <= self.budget else "does not fit"
+            head = (
+                f"budget {format_bytes(self.budget)} {where}: {verdict}, predicted peak {format_bytes(f['peak'])} "
+                f"at {f['at']} ({format_bytes(self.budget - f['peak'])} to spare)"
             )
-        f = self.forecast
-        lines += [
-            "",
-            f"{self._budget_text()}; predicted peak {format_bytes(f['peak'])} at {f['at']}; "
-            f"predicted overhead {f['extra_time'] * 1e3:.1f} ms per step, step {f['step_time'] * 1e3:.1f} ms on "
-            f"{self.profile.device or 'the device profile'} (solved in {self.solve_seconds * 1e3:.0f} ms)",
-            "terms: "
-            + ", ".join(
-                f"{k.removeprefix('term:')} {format_bytes(v)}" for k, v in f.items() if k.startswith("term:") and v
-            )
-            + f", kept activations {format_bytes(f['kept_activations'])}",
+        change = (
+            "nothing: every activation is kept"
+            if f["peak"] >= keep_all and self.budget is not None and keep_all <= self.budget
+            else f"{format_bytes(keep_all - f['peak'])} more per rank keeps every activation (no recompute)"
+        )
+        return [
+            head,
+            f"smallest budget any plan fits: {format_bytes(floor)}; keeping every activation: {format_bytes(keep_all)}",
+            f"what to change: {change}",
+            f"time on {self.profile.device or 'the device profile'}: predicted step {f['step_time'] * 1e3:.1f} ms, "
+            f"of which recompute and offload {f['extra_time'] * 1e3:.1f} ms "
+            f"(solved in {self.solve_seconds * 1e3:.0f} ms)",
         ]
-        return "\n".join(lines)
+
+    def _terms(self) -> list[str]:
+        f = self.forecast
+        terms = [(k.removeprefix("term:"), v) for k, v in f.items() if k.startswith("term:") and v]
+        terms.append(("kept_activations", f["kept_activations"]))
+        lines = ["terms of the peak (per rank):" if self.sharding else "terms of the peak:"]
+        return lines + [f"  {k:<18}{format_bytes(v):>12}  {_TERMS.get(k, '')}" for k, v in terms]
 
     def to_dict(self) -> dict:
         return {

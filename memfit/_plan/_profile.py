@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 import memfit
 from memfit._checkpoint._decision import KINDS as DECISIONS
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost, device_profile
+from memfit.memory import MemoryMeter
 
 # [Note: The planner's memory model]
 # A training step's peak is the largest of three kinds of moment (named terms, all bytes):
@@ -168,7 +169,7 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
             continue
         memfit.Decision.parse(decision, save=rule).apply(block)
         a, k = _fresh(args, kwargs)
-        with memfit.MemoryMeter(model=block) as meter:
+        with _Meter(model=block) as meter:
             with recorder if decision == "keep" else contextlib.nullcontext():
                 out = block(*a, **k)
             alive = meter.current_bytes
@@ -345,7 +346,7 @@ def _measure_step(
     capture each block's inputs and mark the moments the memory model names."""
     captured: dict[int, tuple] = {}
     marks: dict[str, int] = {}
-    meter_box: list[memfit.MemoryMeter] = []
+    meter_box: list[_Meter] = []
 
     def capture(i):
         def hook(module, args, kwargs):
@@ -375,22 +376,32 @@ def _measure_step(
     opt = _make_optimizer(optimizer, model)
     recorder = CostRecorder()
     try:
-        step_loss(model, example_inputs, loss_fn).backward()
+        for p in model.parameters():  # the optimizer's state, as after a first step (fake: no values)
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
         captured.clear()
         marks.clear()
-        with memfit.MemoryMeter(model=model, optimizer=opt) as whole, recorder:
+        with _Meter(model=model, optimizer=opt) as whole, recorder:
             meter_box.append(whole)
             step_loss(model, example_inputs, loss_fn).backward()
     finally:
         for h in handles:
             h.remove()
-    with memfit.MemoryMeter(model=model, optimizer=opt) as opt_meter, recorder:
+    with _Meter(model=model, optimizer=opt) as opt_meter, recorder:
         opt.step()
     opt.zero_grad(set_to_none=True)
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
     return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs)
+
+
+class _Meter(MemoryMeter):
+    """MemoryMeter without the breakdown by category at each new peak (the planner reads the
+    totals only; naming the categories costs O(live tensors) per peak)."""
+
+    def _categorise(self) -> dict[str, int]:
+        return {}
 
 
 def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
