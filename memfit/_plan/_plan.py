@@ -245,9 +245,8 @@ def plan(
         budget: bytes, or a string such as ``"6GB"``, ``"3.5GiB"``, ``"800MB"``.
         world_size, sharding: forecast per rank for a model sharded over ``world_size`` ranks
             (sharding defaults to ``world_size > 1``). The sharded terms are arithmetic on the
-            single-process profile; against measured sharded steps (memfit.FullyShardedDataParallel,
-            each block a unit) at W = 2 and 4 they were -1.2% to +3.9% (tests/distributed/
-            test_plan_sharded.py).
+            single-process profile; measured sharded steps at W = 2 and 4 were within -1.2% to
+            +3.9% of them (tests/distributed/test_plan_sharded.py).
         optimizer: "adamw", "adam" or "sgd" (its state and step are measured).
         candidates: module paths of the blocks to decide for (default: the layers, i.e. the
             children of the longest list of same-class modules). Everything else is measured
