@@ -1,98 +1,194 @@
-"""The planner on HF BERT-MLM and GPT-2 (CPU): forecasts against measured peaks, and planned
-steps against uniform checkpointing at the same budget.
+"""The planner, measured: forecast error (one process and sharded), the planner's own peak
+memory, planning time, and predicted against measured step time, per model; then the CLI's
+real-size plans (llama-8b on 8 GPUs, bert-large, gpt2-xl, llama-70b on 64) with their
+model-state terms beside DeepSpeed's estimate_zero3_model_states_mem_needs.
 
-For each model: memfit.plan profiles the blocks once; budgets are set at 25, 50 and 75% of
-the way from the measured peak with every layer checkpointed to the one with none. Each plan
-and each uniform strategy (checkpoint every k-th layer) trains its own copy of the model in one
-run (interleaved timed steps, then one MemoryMeter step each). Also: the solver's time on a
-200-block chain.
+Single process (CPU, fp32, AdamW): budgets at 25/50/75% of the way from the all-full plan's
+measured peak to keep-all's; each plan trains a copy for 2 steps and MemoryMeter measures the
+last. Step time: median of 3 steps after 1 warm-up, keep-all and all-full, against the
+forecast priced on this machine's `memfit calibrate` profile. Sharded: keep-all and all-full
+on W = 2 and 4 gloo ranks (memfit.FullyShardedDataParallel, each layer a unit), the largest
+per-rank peak of the second step.
 
-    .venv/bin/python benchmarks/planner.py [--out benchmarks/results/planner_cpu.md]
+    .venv/bin/python benchmarks/planner.py [--out benchmarks/results/planner.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import resource
 import statistics
 import time
 
 import torch
-from _common import MIB, add_shape_args, command, emit, progress_log, run, shape_from
+from _common import MIB, command, emit, progress_log
 
 import memfit
-from memfit.models import bert_mlm, gpt2_lm, lm_batch, mlm_batch
-from memfit.testing import DECISIONS, BlockProfile, ModelProfile, forecast, solve
+from memfit._plan._time import calibrate
+from memfit.cli._launch import spawn
+from memfit.models import PRESETS, Preset, Shape, lm_batch, mlm_batch
+from memfit.testing import BlockProfile, ModelProfile, forecast, measured_sharded_peak, solve
+
+GIB = 2**30
+SMALL = {"layers": 4, "hidden": 128, "heads": 4, "seq": 64, "batch": 4, "dropout": 0.0}
+MODELS = {
+    "BERT-MLM 8k": Preset("bert", Shape(vocab=8192, **SMALL)),
+    "GPT-2 8k (tied)": Preset("gpt2", Shape(vocab=8192, **SMALL)),
+    "Llama 8k": Preset("llama", Shape(vocab=8192, **SMALL)),
+    "Llama 32k": Preset("llama", Shape(vocab=32000, **SMALL)),
+}
 
 
-def uniform(paths: list[str], k: int) -> dict[str, str]:
-    return {p: ("full" if i % k == 0 else "keep") for i, p in enumerate(paths)}
+def batch_of(preset: Preset, seed: int = 0) -> dict:
+    return (mlm_batch if preset.arch == "bert" else lm_batch)(preset.shape, seed=seed)
 
 
-def bench_model(name, model, batch, warmup, repeats, log) -> list[str]:
-    t0 = time.perf_counter()
-    probe = memfit.plan(model, batch, budget="1TB")
-    log(f"{name}: profiled in {time.perf_counter() - t0:.1f}s")
-    profile = probe.profile
-    paths = [b.path for b in profile.blocks]
-    n = len(paths)
-    ks = sorted({k for k in (1, 2, 3, n) if k <= n})
-    plans = {"none (keep all)": memfit.Plan.fixed(dict.fromkeys(paths, "keep"), profile)}
-    for k in ks:
-        plans[f"uniform: every {k}" if k > 1 else "uniform: all full"] = memfit.Plan.fixed(uniform(paths, k), profile)
-
-    def measured(plan):
-        m = copy.deepcopy(model)
-        m.train()
-        return plan.apply(m)
-
-    def peak_of(plan):
-        return plan.measure(model, batch)
-
-    keep_peak, full_peak = peak_of(plans["none (keep all)"]), peak_of(plans["uniform: all full"])
-    budgets = {f"{int(f * 100)}%": int(full_peak + f * (keep_peak - full_peak)) for f in (0.25, 0.5, 0.75)}
-    for label, budget in budgets.items():
+def step_time(model, batch, plan, steps: int = 3) -> float:
+    m = plan.apply(copy.deepcopy(model))
+    m.train()
+    opt = torch.optim.AdamW(m.parameters())
+    times = []
+    for i in range(steps + 1):
         t0 = time.perf_counter()
-        plans[f"plan @{label}"] = memfit.plan(model, batch, budget=budget, profile=profile)
-        log(f"{name}: plan @{label} solved in {(time.perf_counter() - t0) * 1e3:.0f} ms")
-    results = dict(zip(plans, run({s: measured(p) for s, p in plans.items()}, batch, warmup, repeats, log)))
-    base = results["none (keep all)"]
+        m(**batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
+
+def single(name: str, preset: Preset, device, log) -> list[str]:
+    model, batch = preset.build(), batch_of(preset)
+    t0 = time.perf_counter()
+    with memfit.MemoryMeter() as meter:
+        probe = memfit.plan(model, batch, budget="1TB", device_profile=device)
+    seconds = time.perf_counter() - t0
+    profile, paths = probe.profile, list(probe.decisions)
+    keep = memfit.Plan.fixed(dict.fromkeys(paths, "keep"), profile)
+    full = memfit.Plan.fixed(dict.fromkeys(paths, "full"), profile)
+    keep_peak, full_peak = keep.measure(model, batch), full.measure(model, batch)
+    rows = [("keep all", keep, keep_peak, None), ("full all", full, full_peak, None)]
+    for f in (0.25, 0.5, 0.75):
+        budget = int(full_peak + f * (keep_peak - full_peak))
+        p = memfit.plan(model, batch, budget=budget, profile=profile, device_profile=device)
+        rows.append((f"plan @{int(f * 100)}%", p, p.measure(model, batch), budget))
+    log(f"{name}: planned in {seconds:.1f}s, measured peaks")
+    t_keep, t_full = step_time(model, batch, keep), step_time(model, batch, full)
     lines = [
-        f"## {name}",
+        f"### {name}",
         "",
-        f"Budgets between all-full ({full_peak / MIB:.1f} MiB) and none ({keep_peak / MIB:.1f} MiB): "
-        + ", ".join(f"{k} = {v / MIB:.1f} MiB" for k, v in budgets.items())
-        + ". All rows trained in one run.",
+        f"Planning: {seconds:.2f} s, planner's own tensor peak {meter.peak_bytes} B (MemoryMeter around "
+        f"memfit.plan; blocks profiled: {profile.distinct_blocks} of {len(paths)}).",
         "",
-        "| strategy | decisions (keep/sel/full/offl) | budget MiB | predicted MiB | measured MiB | forecast error "
-        "| within 1.05x budget | step s | overhead vs none | fits 25% / 50% / 75% |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "| strategy | keep/sel/full/offl | budget MiB | predicted MiB | measured MiB | error | fits |",
+        "|---|---|---:|---:|---:|---:|---|",
     ]
-    for s, p in plans.items():
-        r = results[s]
-        counts = "/".join(str(list(p.decisions.values()).count(d)) for d in DECISIONS)
-        err = p.predicted_peak / r.peak - 1
-        budget = p.budget if s.startswith("plan") else None
-        fits = " / ".join("yes" if r.peak <= b else "no" for b in budgets.values())
+    for label, p, measured, budget in rows:
+        counts = "/".join(str(list(p.decisions.values()).count(d)) for d in ("keep", "selective", "full", "offload"))
+        fits = "-" if budget is None else ("yes" if measured <= budget else "NO")
+        b = f"{budget / MIB:.2f}" if budget else "-"
         lines.append(
-            f"| {s} | {counts} | {budget / MIB if budget else float('nan'):.1f} | {p.predicted_peak / MIB:.1f} | "
-            f"{r.peak / MIB:.1f} | {err:+.1%} | {'yes' if budget is None or r.peak <= 1.05 * budget else 'NO'} | "
-            f"{r.time:.3f} | {r.time / base.time - 1:+.1%} | {fits} |"
+            f"| {label} | {counts} | {b} | {p.predicted_peak / MIB:.2f} | {measured / MIB:.2f} | "
+            f"{p.predicted_peak / measured - 1:+.1%} | {fits} |"
         )
-    lines.append("")
-    for label, budget in budgets.items():
-        p, r = plans[f"plan @{label}"], results[f"plan @{label}"]
-        fitting = [(s, results[s]) for s in plans if s.startswith("uniform") and results[s].peak <= budget]
-        best = min(fitting, key=lambda sr: sr[1].time) if fitting else None
-        if best:
-            lines.append(
-                f"- @{label}: plan {r.time:.3f}s vs the fastest uniform strategy that fits ({best[0]}) "
-                f"{best[1].time:.3f}s; predicted overheads {p.predicted_overhead * 1e3:.0f} ms vs "
-                f"{plans[best[0]].predicted_overhead * 1e3:.0f} ms"
-            )
-    lines.append("")
+    lines += [
+        "",
+        f"Step time on {profile.device}: keep all predicted {keep.predicted_step_time * 1e3:.0f} ms, measured "
+        f"{t_keep * 1e3:.0f} ms ({keep.predicted_step_time / t_keep - 1:+.0%}); full all predicted "
+        f"{full.predicted_step_time * 1e3:.0f} ms, measured {t_full * 1e3:.0f} ms "
+        f"({full.predicted_step_time / t_full - 1:+.0%}).",
+        "",
+    ]
     return lines
+
+
+def _sharded_worker(rank: int, world: int, names: list[str]) -> dict:
+    out = {}
+    for name in names:
+        preset = MODELS[name]
+        model, batch = preset.build(), batch_of(preset, seed=rank)
+        probe = memfit.plan(model, batch, budget="1TB", world_size=world, device_profile="cpu")
+        for kind in ("keep", "full"):
+            plan = memfit.Plan.fixed(dict.fromkeys(probe.decisions, kind), probe.profile, probe.sharding)
+            out[(name, kind)] = (plan.predicted_peak, measured_sharded_peak(plan, model, batch, preset.layer_class()))
+    return out
+
+
+def sharded(log) -> list[str]:
+    lines = [
+        "## Sharded forecasts (per rank, largest over ranks)",
+        "",
+        "| model | W | keep: predicted / measured MiB | error | full: predicted / measured MiB | error |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for world in (2, 4):
+        res = spawn(_sharded_worker, world, list(MODELS))
+        log(f"sharded W={world} done")
+        for name in MODELS:
+            (pk, mk), (pf, mf) = res[(name, "keep")], res[(name, "full")]
+            lines.append(
+                f"| {name} | {world} | {pk / MIB:.2f} / {mk / MIB:.2f} | {pk / mk - 1:+.1%} | "
+                f"{pf / MIB:.2f} / {mf / MIB:.2f} | {pf / mf - 1:+.1%} |"
+            )
+    return [*lines, ""]
+
+
+def deepspeed_zero3_gpu_bytes(model: torch.nn.Module, world: int) -> tuple[int, int]:
+    """DeepSpeed's estimate_zero3_model_states_mem_needs without offload: 4 x largest layer
+    (its own parameters) + 18 x parameters / GPUs; with its inputs."""
+    total = sum(p.numel() for p in dict.fromkeys(model.parameters()))
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return 4 * largest + 18 * total // world, total
+
+
+def real_sizes(log) -> list[str]:
+    cases = [
+        ("llama-8b", 8, "80GB", "bf16", "h100"),
+        ("bert-large", 8, "16GB", "fp32", "a100"),
+        ("gpt2-xl", 8, "40GB", "bf16", "a100"),
+        ("llama-70b", 64, "80GB", "bf16", "h100"),
+    ]
+    lines = [
+        "## Real sizes on this machine (meta device, fake tensors)",
+        "",
+        "`memfit plan --model M --world-size W --budget B --dtype D --device-profile P`; CPU seconds of "
+        "memfit.plan (process CPU time; wall time depends on the load of this shared 2-core machine), "
+        "the per-rank forecast, and the model-state terms beside DeepSpeed's ZeRO-3 estimate.",
+        "",
+        "| model | W | budget | dtype | plan CPU s | wall s | predicted peak GiB | smallest budget GiB | "
+        "memfit model states GiB | DeepSpeed GiB |",
+        "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    from memfit.cli._data import batch_at
+    from memfit.cli._plan import DTYPES
+    from memfit.testing import smallest_budget
+
+    for name, world, budget, dtype, device in cases:
+        preset = PRESETS[name]
+        with torch.device("meta"):
+            model = preset.build().to(DTYPES[dtype])
+        batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
+        c0, w0 = time.process_time(), time.perf_counter()
+        try:
+            plan = memfit.plan(model, batch, budget=budget, world_size=world, device_profile=device)
+            peak = f"{plan.predicted_peak / GIB:.2f}"
+            profile, sharding = plan.profile, plan.sharding
+        except memfit.PlanError:
+            probe = memfit.plan(model, batch, budget="1PB", world_size=world, device_profile=device)
+            peak, profile, sharding = "no fit", probe.profile, probe.sharding
+        cpu, wall = time.process_time() - c0, time.perf_counter() - w0
+        floor = smallest_budget(profile, sharding)
+        t = memfit.testing.terms(profile, sharding)
+        ours = t["state"] + t["gather_buffers"]
+        ds, _ = deepspeed_zero3_gpu_bytes(model, world)
+        log(f"{name}: {cpu:.1f} s CPU")
+        lines.append(
+            f"| {name} | {world} | {budget} | {dtype} | {cpu:.1f} | {wall:.1f} | {peak} | {floor / GIB:.2f} | "
+            f"{ours / GIB:.2f} | {ds / GIB:.2f} |"
+        )
+    return [*lines, ""]
 
 
 def solver_time(n_blocks: int = 200) -> float:
@@ -101,23 +197,14 @@ def solver_time(n_blocks: int = 200) -> float:
     for i in range(n_blocks):
         keep = int(torch.randint(800, 1200, (1,), generator=g))
         kept = {"keep": keep, "selective": keep // 2, "full": 100, "offload": 10}
+        extra = {"keep": 0.0, "selective": 0.003, "full": 0.01, "offload": 0.015}
         blocks.append(
-            BlockProfile(
-                f"b{i}",
-                400,
-                400,
-                100,
-                100,
-                kept,
-                {d: v + 2000 for d, v in kept.items()},
-                0.01,
-                {"keep": 0.0, "selective": 0.003, "full": 0.01, "offload": 0.015},
-            )
+            BlockProfile(f"b{i}", 400, 400, 100, 100, kept, {d: v + 2000 for d, v in kept.items()}, 0.01, extra)
         )
     profile = ModelProfile(blocks, 10**6, 4 * 10**5, 6 * 10**5, 500, 300, 100, 3000, 10**6)
-    low = forecast(profile, ["offload"] * n_blocks)["peak"]
-    high = forecast(profile, ["keep"] * n_blocks)["peak"]
-    budget = int((low + high) / 2)
+    budget = int(
+        (forecast(profile, ["offload"] * n_blocks)["peak"] + forecast(profile, ["keep"] * n_blocks)["peak"]) / 2
+    )
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
@@ -128,28 +215,34 @@ def solver_time(n_blocks: int = 200) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_shape_args(p, hidden=512, heads=8, vocab=8192)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--out")
+    p.add_argument("--skip-sharded", action="store_true")
     args = p.parse_args()
-    shape = shape_from(args)
     log = progress_log()
-
+    device = calibrate("cpu", save=False)
     lines = [
-        "# The planner on the CPU: forecasts and planned steps",
+        "# The planner, measured",
         "",
         command("planner.py"),
         "",
-        f"Shape {shape}; fp32, AdamW, torch {torch.__version__}, {torch.get_num_threads()} threads. Peak: "
-        "MemoryMeter over a full training step (optimizer state included). Step time: median of "
-        f"{args.repeats} interleaved repeats after {args.warmup} warm-up steps. Overhead is against the "
-        "keep-all row of the same model.",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads. Shapes {Shape(**SMALL)} with the vocabulary "
+        f"named. This machine calibrated in this run: {device.flops['float32'] / 1e9:.1f} GFLOP/s fp32, "
+        f"{device.memory_bandwidth / 1e9:.2f} GB/s, {device.op_overhead * 1e6:.1f} us per op.",
+        "",
+        "## One process",
         "",
     ]
-    for name, build, data in (("HF BERT-MLM", bert_mlm, mlm_batch), ("HF GPT-2", gpt2_lm, lm_batch)):
-        lines += bench_model(name, build(shape), data(shape), args.warmup, args.repeats, log)
-    lines += [f"Solver: {solver_time() * 1e3:.1f} ms (median of 5) for a 200-block chain.", ""]
+    for name, preset in MODELS.items():
+        lines += single(name, preset, device, log)
+    if not args.skip_sharded:
+        lines += sharded(log)
+    lines += real_sizes(log)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    lines += [
+        f"Solver: {solver_time() * 1e3:.1f} ms (median of 5) for a 200-block chain. Max RSS of this "
+        f"process: {rss:.0f} MiB (every plan above included).",
+        "",
+    ]
     emit(lines, args.out)
 
 

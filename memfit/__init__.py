@@ -18,7 +18,7 @@ from memfit._checkpoint import (
     is_recomputing,
     remove_checkpointing,
 )
-from memfit._plan import Plan, PlanError, parse_bytes, plan
+from memfit._plan import DeviceProfile, Plan, PlanError, chunked_cross_entropy, parse_bytes, plan
 from memfit._shard import (
     FullyShardedDataParallel,
     MixedPrecision,
@@ -38,6 +38,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "Decision",
+    "DeviceProfile",
     "FullyShardedDataParallel",
     "MemoryMeter",
     "MixedPrecision",
@@ -49,6 +50,7 @@ __all__ = [
     "checkpoint_module",
     "checkpoint_sequential",
     "checkpoint_wrapper",
+    "chunked_cross_entropy",
     "clip_grad_norm_",
     "disable_checkpointing",
     "every_nth",

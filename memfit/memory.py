@@ -6,8 +6,9 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
 # [Note: How MemoryMeter counts]
@@ -26,7 +27,7 @@ from torch.utils._pytree import tree_flatten
 __all__ = ["MemoryMeter"]
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations_and_other")
-_PLAIN = (torch.Tensor, nn.Parameter)
+_PLAIN = (torch.Tensor, nn.Parameter, FakeTensor)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -91,6 +92,9 @@ class MemoryMeter:
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (ref, bytes)
         self._total = 0  # bytes in _live, freed entries included until the next sweep
         self._mode: _Mode | None = None
+        # Fake tensors (shapes, no data) count only for a meter opened under FakeTensorMode,
+        # as the planner does (bytes from shapes); a meter outside it measures real memory.
+        self._fake = False
 
     # -- tracking -------------------------------------------------------------------------
 
@@ -102,7 +106,7 @@ class MemoryMeter:
         for item in items:
             if isinstance(item, torch.Tensor):
                 t = _local(item)
-                if self._matches(t):
+                if self._matches(t) and (self._fake or not isinstance(t, FakeTensor)):
                     self._track(t)
 
     def _track(self, t: torch.Tensor) -> None:
@@ -202,6 +206,7 @@ class MemoryMeter:
         self.peak_bytes = 0
         self._live.clear()
         self._total = 0
+        self._fake = any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
         if self.model is not None:
             self._track_all(self.model.parameters())
             self._track_all(self.model.buffers())

@@ -17,6 +17,7 @@ from memfit._checkpoint import _offload
 from memfit._checkpoint._function import _Frame, _Holder
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, terms
+from memfit._plan._validate import measured_sharded_peak
 from memfit._shard._collectives import STATS, CommStats
 from memfit._shard._mixed import _NORMS
 from memfit._shard._param import ShardedParam
@@ -35,6 +36,7 @@ __all__ = [
     "free_port",
     "held_recomputed_tensors",
     "live_checkpoint_frames",
+    "measured_sharded_peak",
     "offload_writer",
     "sharded_units",
     "smallest_budget",

@@ -8,6 +8,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _NormBase
+from torch.utils._python_dispatch import _disable_current_modes
 
 # [Note: What recompute replays]
 # A checkpointed block runs twice: once in forward, once in backward. For the second run to
@@ -19,6 +20,8 @@ from torch.nn.modules.batchnorm import _NormBase
 # and it must not update module state a second time: norm layers with running statistics
 # (BatchNorm, InstanceNorm with track_running_stats) update their buffers in training mode,
 # so their buffers are snapshotted before each call during recompute and restored after.
+# The snapshot and the restore run outside every dispatch mode: they are not the block's work,
+# and torch's selective-checkpoint mode would take the clone for an op missing from its cache.
 
 
 def _device_module(device_type: str):
@@ -81,7 +84,8 @@ def _frozen_running_stats() -> Iterator[None]:
 
     def pre(module: nn.Module, args) -> None:
         if isinstance(module, _NormBase) and module.training and module.track_running_stats:
-            stash.append((module, [b.clone() for b in module.buffers(recurse=False)]))
+            with _disable_current_modes():
+                stash.append((module, [b.clone() for b in module.buffers(recurse=False)]))
 
     def post(module: nn.Module, args, output) -> None:
         if stash and stash[-1][0] is module:
@@ -100,6 +104,6 @@ def _frozen_running_stats() -> Iterator[None]:
 
 
 def _restore(module: nn.Module, snapshot: list[torch.Tensor]) -> None:
-    with torch.no_grad():
+    with torch.no_grad(), _disable_current_modes():
         for buf, old in zip(module.buffers(recurse=False), snapshot):
             buf.copy_(old)

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
-import statistics
-import time
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 import memfit
 from memfit._checkpoint._decision import KINDS as DECISIONS
+from memfit._plan._time import CostRecorder, DeviceProfile, OpCost, device_profile
+from memfit.memory import MemoryMeter
 
 # [Note: The planner's memory model]
 # A training step's peak is the largest of three kinds of moment (named terms, all bytes):
@@ -29,7 +32,8 @@ from memfit._checkpoint._decision import KINDS as DECISIONS
 # B_i   the peak of block i's forward and backward on its own (input, what it keeps, recompute,
 #       gradients of its parameters and of its input, its output and the output's gradient),
 # P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries).
-# Every term is measured with MemoryMeter on the example batch, per block and per decision.
+# Every term is measured with MemoryMeter on the example batch, per block and per decision, on
+# fake tensors (see [Note: Planning on fake tensors]).
 
 
 @dataclass
@@ -59,21 +63,44 @@ class ModelProfile:
     head_transient: int  # T_head
     optimizer_peak: int  # P_opt
     buffer_bytes: int = 0  # buffers (replicated on every rank when sharded)
+    step_time: float = 0.0  # priced forward, backward and optimizer step, activations kept (s)
+    device: str = ""  # the device profile the times are priced on
+    distinct_blocks: int = 0  # blocks profiled (identical ones once)
+
+
+def _runs(model: nn.Module) -> list[tuple[type, list[tuple[str, nn.Module]]]]:
+    """Every longest run (2 or more) of consecutive same-class children of a ModuleList or
+    Sequential: the layers of a stack, also inside a flat Sequential(stem, blocks..., head)."""
+    runs = []
+    for path, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
+            continue
+        run: list[tuple[str, nn.Module]] = []
+        for n, k in [*m.named_children(), ("", None)]:
+            if run and (k is None or type(k) is not type(run[-1][1])):
+                if len(run) >= 2:
+                    runs.append((type(run[0][1]), run))
+                run = []
+            if k is not None:
+                run.append((f"{path}.{n}" if path else n, k))
+    return runs
 
 
 def find_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Default candidates: the children of the longest list of same-class blocks (the layers)."""
-    best: list[tuple[str, nn.Module]] = []
-    for path, m in model.named_modules():
-        if isinstance(m, (nn.ModuleList, nn.Sequential)):
-            kids = list(m.named_children())
-            if len(kids) >= 2 and len({type(k) for _, k in kids}) == 1 and len(kids) > len(best):
-                best = [(f"{path}.{n}" if path else n, k) for n, k in kids]
-    if not best:
+    """Default candidates: the layers. The longest run of same-class blocks, with every other
+    run of the same class or the same length that is not nested in a chosen one (the encoder
+    and the decoder of T5 or BART; the stages of a Swin), in the model's order."""
+    runs = _runs(model)
+    if not runs:
         raise ValueError(
-            f"memfit.plan: found no repeated blocks in {type(model).__name__}; pass candidates=[...] (module paths)"
+            f"memfit.plan: found no repeated blocks in {type(model).__name__} (two or more modules of one class "
+            "in a ModuleList or Sequential); pass candidates=[...] with the module paths of its blocks"
         )
-    return best
+    cls, best = max(runs, key=lambda r: len(r[1]))
+    chosen = [r for c, r in runs if c is cls or len(r) == len(best)]
+    prefixes = [p for r in chosen for p, _ in r]
+    inside = lambda path: any(path.startswith(p + ".") for p in prefixes)  # noqa: E731
+    return [(p, m) for r in chosen for p, m in r if not inside(p)]
 
 
 def _tensor_bytes(obj) -> int:
@@ -103,7 +130,30 @@ def _outputs_with_grad(out) -> list[torch.Tensor]:
     return [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
 
 
-def _profile_block(path, block, args, kwargs, rule, offload, repeats) -> BlockProfile:
+def _signature(block: nn.Module, args, kwargs) -> tuple:
+    """What makes two blocks the same to the planner: class, structure, parameter and buffer
+    shapes, and the shapes of what they are called with (values do not matter)."""
+
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype, x.requires_grad)
+        return x if isinstance(x, (int, float, bool, str, type(None))) else type(x).__name__
+
+    tensors = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in block.named_parameters()]
+    tensors += [(n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()]
+    flat, spec = tree_flatten((args, kwargs))
+    return (type(block), repr(block), tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
+
+
+def _saved_by(rule) -> Callable:
+    from memfit._checkpoint._selective import _READY, _always_recompute
+
+    keep = _READY.get(rule, rule) if isinstance(rule, str) else rule
+    return lambda op: callable(keep) and not _always_recompute(op) and keep(op)
+
+
+def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) -> BlockProfile:
+    """Bytes of ``block`` under each decision (on fake tensors) and their priced extra time."""
     trainable = sum(p.untyped_storage().nbytes() for p in block.parameters() if p.requires_grad)
     a, k = _fresh(args, kwargs)
     with torch.no_grad():
@@ -112,42 +162,41 @@ def _profile_block(path, block, args, kwargs, rule, offload, repeats) -> BlockPr
     in_bytes = _tensor_bytes((a, k))
     out_bytes = _tensor_bytes(((a, k), out)) - in_bytes
     prof = BlockProfile(path, _state_bytes(block), trainable, in_bytes, out_bytes)
-    for decision in DECISIONS:
-        memfit.Decision.parse(decision, save=rule, offload=offload).apply(block)
+    measured = [d for d in DECISIONS if d == "keep" or d in decisions or (d == "full" and "offload" in decisions)]
+    recorder = CostRecorder()
+    for decision in measured:
+        if decision == "offload":
+            continue
+        memfit.Decision.parse(decision, save=rule).apply(block)
         a, k = _fresh(args, kwargs)
-        with memfit.MemoryMeter(model=block) as meter:
-            out = block(*a, **k)
+        with _Meter(model=block) as meter:
+            with recorder if decision == "keep" else contextlib.nullcontext():
+                out = block(*a, **k)
             alive = meter.current_bytes
             outs = _outputs_with_grad(out)
             if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
         internal = max(0, alive - prof.param_bytes - prof.input_bytes - prof.output_bytes)
-        prof.kept[decision] = internal + (0 if decision == "offload" else prof.input_bytes)
+        prof.kept[decision] = internal + prof.input_bytes
         # In the chain the block's output is gone by its backward (the next block released it).
         prof.peak[decision] = max(0, meter.peak_bytes - prof.param_bytes - prof.output_bytes)
         block.zero_grad(set_to_none=True)
         del out, outs
-    # Extra time per decision: the block's forward and backward, timed under each decision
-    # (round-robin over the decisions, median of repeats), minus the same with activations
-    # kept. Measured rather than modelled: recompute, the selective rule's dispatch overhead,
-    # the offload writes and reads, and what allocating activations costs on this machine
-    # all show up (on a CPU keeping activations can be the slower choice: then it is < 0).
-    times: dict[str, list[float]] = {d: [] for d in DECISIONS}
-    for _ in range(repeats):
-        for decision in DECISIONS:
-            memfit.Decision.parse(decision, save=rule, offload=offload).apply(block)
-            a, k = _fresh(args, kwargs)
-            t0 = time.perf_counter()
-            outs = _outputs_with_grad(block(*a, **k))
-            if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            times[decision].append(time.perf_counter() - t0)
-            block.zero_grad(set_to_none=True)
-            del outs
     memfit.remove_checkpointing(block)
-    med = {d: statistics.median(v) for d, v in times.items()}
-    prof.forward_time = med["keep"]
-    prof.extra_time = {d: med[d] - med["keep"] for d in DECISIONS}
+    if "offload" in measured:  # full checkpointing with the input elsewhere until backward
+        prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
+        prof.peak["offload"] = prof.peak["full"]
+    # See [Note: The planner's time model].
+    saved = _saved_by(rule)
+    forward = device.ops_time(recorder.costs)
+    prof.forward_time = forward
+    prices = {
+        "keep": 0.0,
+        "full": forward,
+        "selective": device.ops_time([c for op, c in recorder.ops if not saved(op)]),
+        "offload": forward + 2 * prof.input_bytes / device.offload_bandwidth,
+    }
+    prof.extra_time = {d: prices[d] for d in measured}
     return prof
 
 
@@ -199,27 +248,39 @@ def profile_model(
     optimizer: str = "adamw",
     rule: str = "linear",
     offload: memfit.Offload | None = None,
-    repeats: int = 5,
+    decisions: tuple[str, ...] = DECISIONS,
+    device: DeviceProfile | None = None,
 ) -> ModelProfile:
-    """Measure every term of the planner's memory model for ``model`` on the batch."""
-    offload = offload or memfit.Offload("disk")
-    model = copy.deepcopy(model)  # profiling checkpoints blocks and creates gradients and state
-    model.train()
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # an HF key/value cache is for generation, and would grow per run
+    """Every term of the planner's memory model for ``model`` on the batch, and the priced
+    work of a step. See [Note: Planning on fake tensors]."""
+    device = device or device_profile(None)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    first = next(iter(model.parameters()), None)
+    on = "cpu" if first is None or first.device.type == "meta" else first.device
     paths = [p for p, _ in candidates]
-    blocks = [model.get_submodule(p) for p in paths]
-    whole = _measure_step(model, example_inputs, loss_fn, blocks, optimizer)
-    profiles = [
-        _profile_block(path, blk, *whole.block_inputs[i], rule, offload, repeats)
-        for i, (path, blk) in enumerate(zip(paths, blocks))
-    ]
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    grad_rest = sum(
-        p.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad and id(p) not in in_blocks
-    )
-    state = _state_bytes(model)
+    with fake:
+        skeleton = _fake_copy(model, on)
+        inputs = tree_map(lambda t: _fake_like(t, on), example_inputs)
+        skeleton.train()
+        for m in skeleton.modules():  # an encoder-decoder's stacks have configs of their own
+            config = getattr(m, "config", None)
+            if getattr(config, "use_cache", False):
+                config.use_cache = False  # an HF key/value cache is for generation, and would grow per run
+        blocks = [skeleton.get_submodule(p) for p in paths]
+        whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
+        profiles, seen = [], {}
+        for i, (path, blk) in enumerate(zip(paths, blocks)):
+            args, kwargs = whole.block_inputs[i]
+            key = _signature(blk, args, kwargs)
+            if key not in seen:  # identical blocks are profiled once
+                seen[key] = _profile_block(path, blk, args, kwargs, rule, offload, decisions, device)
+            profiles.append(dataclasses.replace(seen[key], path=path))
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        grad_rest = sum(
+            p.untyped_storage().nbytes() for p in skeleton.parameters() if p.requires_grad and id(p) not in in_blocks
+        )
+        state = _state_bytes(skeleton)
+        buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
     marks = whole.marks
     return ModelProfile(
         blocks=profiles,
@@ -231,8 +292,40 @@ def profile_model(
         last_output=marks["last_output"],
         head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
         optimizer_peak=whole.optimizer_peak,
-        buffer_bytes=sum(b.untyped_storage().nbytes() for b in model.buffers()),
+        buffer_bytes=buffers,
+        step_time=device.ops_time(whole.costs),
+        device=device.name,
+        distinct_blocks=len(seen),
     )
+
+
+# [Note: Planning on fake tensors]
+# The planner never runs the model on real memory. It builds a skeleton: a copy of the model's
+# modules whose parameters and buffers are fake tensors (torch's FakeTensorMode: shape, dtype,
+# device and storage size, no data), and the batch is replaced by fake tensors of the same
+# shapes. Every op of the step then runs on the fake tensors, and MemoryMeter counts their
+# storage bytes exactly as it counts real ones, so the terms of [Note: The planner's memory
+# model] come from shapes alone. A model on the meta device plans the same way. What the
+# planner holds in real memory is the skeleton's module objects and the profile; its peak of
+# real tensor storage is the optimizer's scalar step counters (4 bytes each: fake mode keeps
+# constants real), far below the bound it promises, the largest block's working set max_i B_i.
+# Identical blocks (same class, structure, shapes and inputs) are profiled once.
+def _fake_copy(model: nn.Module, device) -> nn.Module:
+    """The model's modules with fake parameters and buffers (ties kept); call under the mode."""
+    memo: dict[int, object] = {}
+    for p in model.parameters():
+        if id(p) not in memo:
+            memo[id(p)] = nn.Parameter(_fake_like(p, device), requires_grad=p.requires_grad)
+    for b in model.buffers():
+        memo.setdefault(id(b), _fake_like(b, device))
+    return copy.deepcopy(model, memo)
+
+
+def _fake_like(t, device):
+    if not isinstance(t, torch.Tensor):
+        return t
+    fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return fake.requires_grad_(t.requires_grad)  # reads only the shape: no op touches the real tensor
 
 
 @dataclass
@@ -243,6 +336,7 @@ class _WholeStep:
     marks: dict[str, int]  # live bytes at named moments: before, at_last_output, head_peak; last_output
     optimizer_bytes: int  # the optimizer's state after its first step
     optimizer_peak: int  # P_opt
+    costs: list[OpCost]  # every op of the measured step, optimizer step included
 
 
 def _measure_step(
@@ -252,7 +346,7 @@ def _measure_step(
     capture each block's inputs and mark the moments the memory model names."""
     captured: dict[int, tuple] = {}
     marks: dict[str, int] = {}
-    meter_box: list[memfit.MemoryMeter] = []
+    meter_box: list[_Meter] = []
 
     def capture(i):
         def hook(module, args, kwargs):
@@ -280,23 +374,34 @@ def _measure_step(
     handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
     opt = _make_optimizer(optimizer, model)
+    recorder = CostRecorder()
     try:
-        step_loss(model, example_inputs, loss_fn).backward()
+        for p in model.parameters():  # the optimizer's state, as after a first step (fake: no values)
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
         opt.step()
         opt.zero_grad(set_to_none=True)
         captured.clear()
         marks.clear()
-        with memfit.MemoryMeter(model=model, optimizer=opt) as whole:
+        with _Meter(model=model, optimizer=opt) as whole, recorder:
             meter_box.append(whole)
             step_loss(model, example_inputs, loss_fn).backward()
     finally:
         for h in handles:
             h.remove()
-    with memfit.MemoryMeter(model=model, optimizer=opt) as opt_meter:
+    with _Meter(model=model, optimizer=opt) as opt_meter, recorder:
         opt.step()
     opt.zero_grad(set_to_none=True)
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes)
+    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs)
+
+
+class _Meter(MemoryMeter):
+    """MemoryMeter without the breakdown by category at each new peak (the planner reads the
+    totals only; naming the categories costs O(live tensors) per peak)."""
+
+    def _categorise(self) -> dict[str, int]:
+        return {}
 
 
 def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:

@@ -14,16 +14,17 @@ import sys
 from collections.abc import Callable
 
 from memfit.cli._bench import STRATEGIES, BenchConfig, bench
-from memfit.cli._plan import PlanConfig, plan_command
+from memfit.cli._plan import CalibrateConfig, PlanConfig, calibrate_command, plan_command
 from memfit.cli._train import TrainConfig, train
 from memfit.models import PRESETS
 
 __all__ = ["BenchConfig", "PlanConfig", "TrainConfig", "bench", "main", "parse_config", "plan_command", "train"]
 
-Config = BenchConfig | PlanConfig | TrainConfig
+Config = BenchConfig | PlanConfig | TrainConfig | CalibrateConfig
 COMMANDS: dict[str, tuple[type, Callable]] = {
     "bench": (BenchConfig, bench),
     "plan": (PlanConfig, plan_command),
+    "calibrate": (CalibrateConfig, calibrate_command),
     "train": (TrainConfig, train),
 }
 
@@ -49,8 +50,13 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default="bert", help=f"one of {models}")
     pl.add_argument("--budget", required=True, help="e.g. 4GB, 3.5GiB, 800MB")
     pl.add_argument("--world-size", type=int, default=1, help="forecast per rank for a model sharded over N ranks")
+    pl.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="parameters and optimizer state")
+    pl.add_argument("--device-profile", help="price time on: h100, h200, a100, cpu, calibrated (memfit calibrate)")
     _shape_flags(pl)
     pl.add_argument("--json", help="write the plan here")
+
+    c = sub.add_parser("calibrate", help="measure this machine's rates for the planner's time model; cached")
+    c.add_argument("--device", default="cpu")
 
     t = sub.add_parser("train", help="train a preset (one process, or under torchrun); resumable")
     t.add_argument("--model", default="bert", help=f"one of {models}")

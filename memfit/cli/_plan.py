@@ -1,14 +1,20 @@
-"""`memfit plan`: measure one batch of a preset and print the plan and forecast for a budget."""
+"""`memfit plan`: the plan and per-rank forecast of a preset for a budget, on fake tensors (the
+model is built on the meta device: an 8B model plans on a laptop); `memfit calibrate`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import asdict, dataclass
+
+import torch
 
 import memfit
+from memfit._plan._time import PROFILES, calibrate
 from memfit.cli._data import batch_at
-from memfit.cli._launch import warn_world_size
 from memfit.cli._output import write_json
 from memfit.models import PRESETS, Preset
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -16,6 +22,8 @@ class PlanConfig:
     model: str = "bert"
     budget: str = "1GB"
     world_size: int = 1
+    dtype: str = "fp32"  # parameters, gradients and optimizer state all in this dtype
+    device_profile: str | None = None  # a name from PROFILES, "calibrated", or None (cached calibration or "cpu")
     layers: int | None = None
     hidden: int | None = None
     seq: int | None = None
@@ -28,19 +36,42 @@ class PlanConfig:
         memfit.parse_bytes(self.budget)
         if self.world_size < 1:
             raise ValueError("memfit plan: --world-size must be >= 1")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"memfit plan: unknown --dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
+        if self.device_profile not in (None, "calibrated", *PROFILES):
+            raise ValueError(
+                f"memfit plan: unknown --device-profile {self.device_profile!r}; choose one of "
+                f"{sorted(PROFILES)} or 'calibrated'"
+            )
 
     def preset(self) -> Preset:
         return PRESETS[self.model].resized(layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch)
 
 
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
-    warn_world_size(cfg.world_size)
     preset = cfg.preset()
-    model = preset.build()
+    with torch.device("meta"):  # planning needs shapes only: nothing is allocated
+        model = preset.build().to(DTYPES[cfg.dtype])
     batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
-    plan = memfit.plan(model, batch, budget=cfg.budget, world_size=cfg.world_size)
-    print(f"{cfg.model}: {preset.arch} {preset.shape}, AdamW fp32, world size {cfg.world_size}\n")
+    params = sum(p.numel() for p in model.parameters())
+    print(
+        f"{cfg.model}: {preset.arch} {preset.shape}\n{params / 1e9:.2f}B parameters, AdamW, {cfg.dtype} parameters, "
+        f"gradients and optimizer state, world size {cfg.world_size}\n"
+    )
+    plan = memfit.plan(model, batch, budget=cfg.budget, world_size=cfg.world_size, device_profile=cfg.device_profile)
     print(plan.table())
     if cfg.json:
         write_json(cfg.json, plan.to_dict())
     return plan
+
+
+@dataclass
+class CalibrateConfig:
+    device: str = "cpu"
+
+
+def calibrate_command(cfg: CalibrateConfig) -> memfit.DeviceProfile:
+    """Measure this machine's rates for the planner's time model and cache them."""
+    profile = calibrate(cfg.device)
+    print(json.dumps(asdict(profile), indent=1))
+    return profile

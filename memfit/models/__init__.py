@@ -24,6 +24,8 @@ class Shape:
     batch: int = 8
     vocab: int = 8192
     dropout: float = 0.1
+    intermediate: int = 0  # the MLP's width; 0: 4 x hidden (BERT, GPT-2), about 8/3 x hidden (Llama)
+    kv_heads: int = 0  # Llama's key/value heads; 0: heads / 2
 
     def __post_init__(self) -> None:
         if self.hidden % self.heads:
@@ -41,7 +43,7 @@ def bert_mlm(shape: Shape, seed: int = 0) -> nn.Module:
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
-        intermediate_size=4 * shape.hidden,
+        intermediate_size=shape.intermediate or 4 * shape.hidden,
         max_position_embeddings=max(512, shape.seq),
         hidden_dropout_prob=shape.dropout,
         attention_probs_dropout_prob=shape.dropout,
@@ -100,10 +102,10 @@ def llama_lm(shape: Shape, seed: int = 0) -> nn.Module:
     cfg = LlamaConfig(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
-        intermediate_size=int(shape.hidden * 8 / 3) // 64 * 64 or 64,
+        intermediate_size=shape.intermediate or int(shape.hidden * 8 / 3) // 64 * 64 or 64,
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
-        num_key_value_heads=max(1, shape.heads // 2),
+        num_key_value_heads=shape.kv_heads or max(1, shape.heads // 2),
         max_position_embeddings=max(2048, shape.seq),
         attention_dropout=shape.dropout,
         bos_token_id=0,
@@ -151,4 +153,34 @@ PRESETS = {
     "gpt2-small": Preset("gpt2", Shape(layers=12, hidden=768, heads=12, seq=1024, batch=4, vocab=50257)),
     "gpt2-medium": Preset("gpt2", Shape(layers=24, hidden=1024, heads=16, seq=1024, batch=4, vocab=50257)),
     "llama-1b": Preset("llama", Shape(layers=16, hidden=2048, heads=32, seq=2048, batch=1, vocab=32000, dropout=0.0)),
+    "gpt2-xl": Preset("gpt2", Shape(layers=48, hidden=1600, heads=25, seq=1024, batch=4, vocab=50257)),
+    # Llama 3 8B and 70B (Meta's published configs: grouped KV heads, 128k vocabulary), 8k context.
+    "llama-8b": Preset(
+        "llama",
+        Shape(
+            layers=32,
+            hidden=4096,
+            heads=32,
+            kv_heads=8,
+            intermediate=14336,
+            seq=8192,
+            batch=1,
+            vocab=128256,
+            dropout=0.0,
+        ),
+    ),
+    "llama-70b": Preset(
+        "llama",
+        Shape(
+            layers=80,
+            hidden=8192,
+            heads=64,
+            kv_heads=8,
+            intermediate=28672,
+            seq=8192,
+            batch=1,
+            vocab=128256,
+            dropout=0.0,
+        ),
+    ),
 }

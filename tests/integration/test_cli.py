@@ -43,9 +43,20 @@ def test_errors_say_what_to_do(argv, message, capsys):
     assert pytest.importorskip("re").search(message, capsys.readouterr().err)
 
 
-def test_world_size_above_core_count_warns(capsys):
-    with pytest.warns(UserWarning, match=r"--world-size 999 is more than the \d+ CPU cores"):
-        assert main(["plan", *TINY, "--budget", "1GB", "--world-size", "999"]) == 0
+def test_plan_for_more_ranks_than_cores_is_a_forecast_without_a_warning(capsys, recwarn):
+    # `memfit plan --world-size 64` forecasts a cluster from a laptop: no process is started.
+    assert main(["plan", *TINY, "--budget", "1GB", "--world-size", "999"]) == 0
+    assert not [w for w in recwarn if "CPU cores" in str(w.message)]
+    assert "per rank (world size 999)" in capsys.readouterr().out
+
+
+def test_plan_llama_8b_on_8_gpus_answers_from_shapes(capsys):
+    # 8B parameters on the meta device: nothing allocated (see benchmarks/results/planner.md for the time).
+    argv = ["plan", "--model", "llama-8b", "--world-size", "8", "--budget", "80GB", "--dtype", "bf16"]
+    assert main([*argv, "--device-profile", "h100", "--layers", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "fits, predicted peak" in out and "smallest budget any plan fits" in out and "what to change" in out
+    assert "state" in out and "gather_buffers" in out and "time on h100" in out
 
 
 def test_bench_world_size_compares_ddp_and_sharding(tmp_path):
@@ -56,3 +67,13 @@ def test_bench_world_size_compares_ddp_and_sharding(tmp_path):
     assert set(rows) == {"DDP", "memfit"}
     assert rows["memfit"]["peak_bytes"] < rows["DDP"]["peak_bytes"]  # parameters, grads, AdamW sharded
     assert rows["memfit"]["loss"] == rows["DDP"]["loss"]  # same init, same batch on rank 0
+
+
+def test_calibrate_caches_the_rates_the_planner_then_uses(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
+    assert main(["calibrate"]) == 0
+    assert (tmp_path / "device-cpu.json").exists() and "memory_bandwidth" in capsys.readouterr().out
+    from memfit._plan._time import device_profile
+
+    cached = device_profile("calibrated")
+    assert cached.name == "calibrated-cpu" and cached == device_profile(None)  # the default once cached

@@ -1,0 +1,32 @@
+"""A forecast against a measured step: one process, or a rank of a sharded group."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memfit
+from memfit._plan._profile import Inputs, _make_optimizer, step_loss
+
+
+def measured_sharded_peak(
+    plan: memfit.Plan, model: nn.Module, inputs: Inputs, layer: type, *, loss_fn=None, steps: int = 2
+) -> int:
+    """Train a copy of ``model`` under ``plan``, sharded over the process group (each block of
+    class ``layer`` a unit, the root the rest), and return the largest peak over ranks of its
+    last step (MemoryMeter; after the first step the optimizer state exists)."""
+    model = plan.apply(copy.deepcopy(model))
+    model.train()
+    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer})
+    opt = _make_optimizer("adamw", model)
+    for _ in range(steps):
+        with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
+            step_loss(model, inputs, loss_fn).backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    peak = torch.tensor([meter.peak_bytes], dtype=torch.int64)
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return int(peak)
