@@ -19,7 +19,7 @@ def memfit_train(*args, torchrun=0, fail_at_step=None, check=True):
     if fail_at_step is None:
         entry = ["-m", "memfit", "train"]
     else:
-        entry = [str(Path(__file__).parent.parent / "_train_with_fault.py"), "--fail-at-step", str(fail_at_step)]
+        entry = [str(Path(__file__).with_name("_train_with_fault.py")), "--fail-at-step", str(fail_at_step)]
     if torchrun:
         exe = str(Path(sys.executable).parent / "torchrun")
         cmd = [exe, "--standalone", f"--nproc-per-node={torchrun}", "--max-restarts=3", *entry]
