@@ -35,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="memory and step time of each strategy on a real architecture")
     b.add_argument("--model", default="bert", help=f"one of {models} (default: bert)")
-    b.add_argument("--strategies", nargs="+", default=list(STRATEGIES), help=f"from {', '.join(STRATEGIES)}")
+    b.add_argument("--strategies", nargs="+", help=f"from {', '.join(STRATEGIES)} (default: all; one process only)")
     b.add_argument("--budget", help="memory budget of the planned strategy, e.g. 300MB (default: halfway)")
     b.add_argument("--compare", action="store_true", help="add torch.utils.checkpoint (with --world-size: FSDP2)")
     b.add_argument("--world-size", type=int, default=1, help="N > 1: DDP vs memfit sharding on N spawned ranks")
@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     t.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     t.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
-    _shape_flags(t, " (batch: per rank)")
+    _shape_flags(t, " (batch: rows per rank per micro-batch)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--checkpoint-dir")
     t.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps")

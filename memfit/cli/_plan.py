@@ -36,8 +36,10 @@ class PlanConfig:
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
     warn_world_size(cfg.world_size)
     preset = cfg.preset()
+    print(f"plan: building {cfg.model} ({preset.arch} {preset.shape})", flush=True)
     model = preset.build()
     batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
+    print(f"plan: measuring one batch (forward and backward) and solving for {cfg.budget}", flush=True)
     plan = memfit.plan(model, batch, budget=cfg.budget, world_size=cfg.world_size)
     print(f"{cfg.model}: {preset.arch} {preset.shape}, AdamW fp32, world size {cfg.world_size}\n")
     print(plan.table())

@@ -39,13 +39,13 @@ class TrainConfig:
     steps: int = 20
     lr: float = 3e-4
     warmup: int = 2
-    accumulate: int = 1  # micro-batches per step (each rank's share of the batch, split)
+    accumulate: int = 1  # micro-batches per step, each of --batch rows per rank
     clip: float = 1.0
     checkpointing: str = "full"
     layers: int | None = None
     hidden: int | None = None
     seq: int | None = None
-    batch: int | None = None  # per rank, per step
+    batch: int | None = None  # rows per rank per micro-batch (a step: batch x accumulate x world)
     seed: int = 0
     checkpoint_dir: str | None = None
     save_every: int = 0
@@ -126,9 +126,10 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -
         t0 = time.perf_counter()
         for group in opt.param_groups:
             group["lr"] = cfg.lr_at(step)
-        whole = batch_at(preset.arch, shape.batch * world, shape.seq, step=step, seed=cfg.seed)
-        mine = {k: v.chunk(world)[rank] for k, v in whole.items()}
-        micro = [{k: v.chunk(cfg.accumulate)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
+        rows = shape.batch * cfg.accumulate
+        whole = batch_at(preset.arch, rows * world, shape.seq, step=step, seed=cfg.seed)
+        mine = {k: v[rank * rows : (rank + 1) * rows] for k, v in whole.items()}
+        micro = [{k: v.split(shape.batch)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
         torch.manual_seed(cfg.seed * 1_000_003 + step * world + rank)
         meter = memfit.MemoryMeter(model=model, optimizer=opt) if step == start else None
         total = 0.0
@@ -149,7 +150,7 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -
             "loss": mean.item() / world,
             "grad_norm": norm,
             "lr": cfg.lr_at(step),
-            "tokens_per_s": shape.batch * world * shape.seq / (time.perf_counter() - t0),
+            "tokens_per_s": shape.batch * cfg.accumulate * world * shape.seq / (time.perf_counter() - t0),
         }
         if meter:
             entry["peak_bytes"] = meter.peak_bytes

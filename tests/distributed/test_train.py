@@ -19,7 +19,7 @@ def memfit_train(*args, torchrun=0, fail_at_step=None, check=True):
     if fail_at_step is None:
         entry = ["-m", "memfit", "train"]
     else:
-        entry = [str(Path(__file__).with_name("_train_with_fault.py")), "--fail-at-step", str(fail_at_step)]
+        entry = [str(Path(__file__).parents[1] / "_train_with_fault.py"), "--fail-at-step", str(fail_at_step)]
     if torchrun:
         exe = str(Path(sys.executable).parent / "torchrun")
         cmd = [exe, "--standalone", f"--nproc-per-node={torchrun}", "--max-restarts=3", *entry]
@@ -78,3 +78,9 @@ def test_errors(tmp_path):
     assert proc.returncode == 2 and "cannot resume from" in proc.stderr and "missing keys" in proc.stderr
     proc = memfit_train("--model", "t5", check=False)
     assert proc.returncode == 2 and "unknown model 't5'" in proc.stderr
+
+
+def test_accumulate_more_micro_batches_than_batch_rows(tmp_path):
+    # --batch is the micro-batch per rank: 2 rows x 4 micro-batches = 8 rows a step
+    memfit_train("--batch", "2", "--accumulate", "4", "--steps", "2", "--json", str(tmp_path / "acc.json"))
+    assert [e["step"] for e in read(tmp_path / "acc.json")["log"]] == [1, 2]
