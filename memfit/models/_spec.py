@@ -39,16 +39,15 @@ def resolve(name: str, *, layers: int | None = None, hidden: int | None = None) 
         preset = PRESETS[name].resized(layers=layers, hidden=hidden)
         arch = "bert" if preset.arch == "bert" else "causal"
         return ModelSpec(name, arch, preset.build, preset.shape.seq, preset.shape.batch)
+    is_config = os.path.isdir(name) or name.endswith(".json")
+    if not is_config and ":" not in name:
+        raise ValueError(
+            f"memfit train: unknown model {name!r}; choose one of {sorted(PRESETS)}, a local config.json path, "
+            "or a factory as pkg.module:function"
+        )
     if layers or hidden:
         raise ValueError("memfit train: --layers and --hidden resize presets; edit the config or factory instead")
-    if os.path.isdir(name) or name.endswith(".json"):
-        return _from_config(name)
-    if ":" in name:
-        return _from_factory(name)
-    raise ValueError(
-        f"memfit train: unknown model {name!r}; choose one of {sorted(PRESETS)}, a local config.json path, "
-        "or a factory as pkg.module:function"
-    )
+    return _from_config(name) if is_config else _from_factory(name)
 
 
 def _from_config(path: str) -> ModelSpec:
