@@ -81,3 +81,30 @@ def offload_writer(write: Callable[[str, torch.Tensor, Callable[[str, torch.Tens
         yield
     finally:
         _offload._write = real
+
+
+# Counting the host's cost of a sharded step (tests and benchmarks/sharding_overhead.py).
+from memfit._shard._counters import HostSyncCounter, OpCounter  # noqa: E402
+
+__all__ += ["HostSyncCounter", "OpCounter"]
+
+# The streams' trace: every wait, record, allocation, use and free, and the ordering check.
+from memfit._shard._streams import StreamTrace  # noqa: E402
+from memfit._shard._streams import tracing as trace_streams  # noqa: E402
+
+__all__ += ["StreamTrace", "trace_streams"]
+
+
+@contextlib.contextmanager
+def debug_collectives(on: bool = True) -> Iterator[None]:
+    """As ``MEMFIT_DEBUG_COLLECTIVES=1`` for roots set up inside: every collective checked at once."""
+    from memfit._shard import _checks
+
+    saved, _checks.DEBUG_COLLECTIVES = _checks.DEBUG_COLLECTIVES, on
+    try:
+        yield
+    finally:
+        _checks.DEBUG_COLLECTIVES = saved
+
+
+__all__ += ["debug_collectives"]

@@ -4,7 +4,6 @@ ownership, wrap policies, and the root's initialisation at its first forward.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -12,11 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
-from torch.utils.weak import WeakIdKeyDictionary
 
 from memfit._shard import _runtime
 from memfit._shard._mixed import MixedPrecision
-from memfit._shard._param import ShardedParam
+from memfit._shard._param import ShardedParam, shard_of, sharded_as
 from memfit._shard._unit import ShardedModule, Unit, user_class
 
 # [Note: Units, roots and tied parameters]
@@ -29,10 +27,9 @@ from memfit._shard._unit import ShardedModule, Unit, user_class
 # so ranks that diverge fail instead of exchanging the wrong data) and refuses parameters still
 # shared across units with no common sharded ancestor.
 
-# Parameters replaced by their shards -> the ShardedParam that replaced them.
-_RETIRED: WeakIdKeyDictionary = WeakIdKeyDictionary()
-# ShardedParam -> the unit that owns it now (ties move a parameter to an ancestor unit).
-_OWNER: weakref.WeakKeyDictionary[ShardedParam, Unit] = weakref.WeakKeyDictionary()
+# Ownership is kept on the objects: a replaced parameter points to its ShardedParam
+# (`sharded_as`), a local chunk to its ShardedParam (`shard_of`), and a ShardedParam to the
+# unit that owns it now (`owner`; ties move a parameter to an ancestor unit).
 
 
 # -- wrap policies ---------------------------------------------------------------------------
@@ -57,7 +54,7 @@ def wrap_selector(policy) -> Callable[[nn.Module], bool]:
         min_params = policy
 
         def big_enough(m: nn.Module) -> bool:
-            return sum(p.numel() for p in m.parameters() if p not in _RETIRED and not _is_shard(p)) >= min_params
+            return sum(p.numel() for p in m.parameters() if sharded_as(p) is None and shard_of(p) is None) >= min_params
 
         return big_enough
     if isinstance(policy, type):
@@ -71,11 +68,6 @@ def wrap_selector(policy) -> Callable[[nn.Module], bool]:
         "memfit.FullyShardedDataParallel: auto_wrap_policy must be a module class, a set of classes, "
         f"a callable(module) -> bool or a minimum parameter count; got {policy!r}"
     )
-
-
-def _is_shard(p: nn.Parameter) -> bool:
-    """Whether ``p`` is the local chunk of a sharded parameter."""
-    return any(sp.sharded is p for sp in _OWNER)
 
 
 # -- managed modules and tied parameters ----------------------------------------------------
@@ -135,15 +127,15 @@ def claim_parameters(module: nn.Module, managed: list[tuple[str, nn.Module]]) ->
     owned = Ownership(paths)
     below = [m._memfit_unit for m in _all_sharded_below(module)]
     for p, p_uses in uses.items():
-        if p in _RETIRED:  # tied: an earlier unit sharded it, and it is also used here
-            sp = _RETIRED[p]
-            owner = _OWNER[sp]
+        sp = sharded_as(p)
+        if sp is not None:  # tied: an earlier unit sharded it, and it is also used here
+            owner = sp.owner
             if owner in below:
                 _adopt(sp, owner, p_uses)
                 owned.adopted.append(sp)
             else:  # owned outside this module: a common ancestor must take it (checked at first forward)
                 owned.pending.extend((p, m, name) for m, name in p_uses)
-        elif not _is_shard(p):
+        elif shard_of(p) is None:
             owned.new.append((p, p_uses))
     _adopt_ties_between(below, owned.adopted)
     return owned
@@ -166,7 +158,7 @@ def _parameter_uses(
 
 def _adopt(sp: ShardedParam, owner: Unit, uses: list[tuple[nn.Module, str]]) -> None:
     """Take ``sp`` away from ``owner`` and register its chunk in ``uses`` too."""
-    owner.params.remove(sp)
+    owner.forget_param(sp)
     sp.uses.extend(uses)
     sp.register(sp.sharded)
 
@@ -176,8 +168,8 @@ def _adopt_ties_between(below: list[Unit], adopted: list[ShardedParam]) -> None:
     for u in below:
         for tie in list(u.pending_ties):
             p, m, name = tie
-            sp = _RETIRED[p]
-            owner = _OWNER[sp]
+            sp = sharded_as(p)
+            owner = sp.owner
             if owner in below:
                 if sp not in adopted:
                     _adopt(sp, owner, [])
@@ -247,9 +239,7 @@ def shard_parameters(
         dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
         sp = ShardedParam(p, p_uses, owned.paths[p], rank, world, device, dtype, shard_device)
         if shard_device is not None:
-            sp.full.data = sp.full.data.to(device)  # computes on the device; storage freed below
-            sp.full.untyped_storage().resize_(0)
-        _RETIRED[p] = sp
+            sp.move_full(device)  # computes on the device
         params.append(sp)
     return params
 
@@ -265,12 +255,16 @@ def new_unit(
 ) -> Unit:
     """The unit owning the new and adopted parameters, made the parent of the units directly below."""
     reduce_dtype = mixed_precision.reduce_dtype if mixed_precision else None
-    unit = Unit(module, [*params, *owned.adopted], group, reshard_after_forward, reduce_dtype)
-    unit.input_dtype = mixed_precision.param_dtype if mixed_precision else None
-    unit.pending_ties = owned.pending
-    unit.managed = [m for _, m in managed]
-    for sp in unit.params:
-        _OWNER[sp] = unit
+    unit = Unit(
+        module,
+        [*params, *owned.adopted],
+        group,
+        reshard_after_forward,
+        reduce_dtype,
+        input_dtype=mixed_precision.param_dtype if mixed_precision else None,
+        managed=[m for _, m in managed],
+        pending_ties=owned.pending,
+    )
     for below in _units_directly_below(module):
         below._memfit_unit.parent = unit
     return unit
@@ -311,7 +305,7 @@ def _init_root(unit: Unit) -> None:
                 p, mod, name = u.pending_ties[0]
                 raise ValueError(
                     f"memfit sharding: parameter registered as '{name}' in {type(mod).__name__} (unit '{u.name}') is "
-                    f"also owned by unit '{_OWNER[_RETIRED[p]].name}'; shard a module that contains both uses."
+                    f"also owned by unit '{sharded_as(p).owner.name}'; shard a module that contains both uses."
                 )
     state = _runtime.RootState(root, units)
     paths = {id(m): path for path, m in root.module.named_modules()}
@@ -342,9 +336,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """Optimizer step pre-hook: refuse a step on parameters that sharding replaced."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p in _RETIRED:
+            if sharded_as(p) is not None:
                 raise RuntimeError(
-                    f"memfit sharding: {type(optimizer).__name__} holds parameter '{_RETIRED[p].fqn}' as it was "
+                    f"memfit sharding: {type(optimizer).__name__} holds parameter '{sharded_as(p).fqn}' as it was "
                     "before sharding; it would update a tensor the model no longer uses. Build the optimizer "
                     "after memfit.shard / FullyShardedDataParallel, from model.parameters()."
                 )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 from torch import nn
@@ -18,11 +19,19 @@ from torch import nn
 # full parameter is rows [0, d0) of the slots laid end to end.
 # The full tensor is one nn.Parameter per sharded parameter, allocated once: its storage is
 # resized to zero when the unit reshards and refilled in place when it gathers again, so the
-# tensors autograd saved in forward (views of the weight) are valid again in backward.
+# tensors autograd saved in forward (views of the weight) are valid again in backward. That
+# storage holds W * c rows, padding included: viewed as (W, c * row numel) it is where every
+# rank's slot lands, so one split-copy of the gathered buffer fills all the unit's parameters
+# (the parameter itself is a view of its first d0 rows).
 
 
 class ShardedParam:
-    """A parameter owned by one sharded unit."""
+    """A parameter owned by one sharded unit.
+
+    Ownership lives on the objects: ``owner`` is the unit that gathers it (a tie can move it
+    to an ancestor unit), the parameter it replaced points here through ``sharded_as``, and
+    its local chunk through ``shard_of`` (see [Note: Units, roots and tied parameters]).
+    """
 
     def __init__(
         self,
@@ -53,18 +62,39 @@ class ShardedParam:
         if self.deferred:
             device = device or torch.device("cpu")
             local = torch.empty(local_shape, dtype=param.dtype, device=device)
-            full = torch.empty(param.shape, dtype=param.dtype, device=device)
         else:
+            device = param.device
             data = param.detach().reshape(self.rows, self.row_numel)[start : start + self.local_rows]
-            local, full = data.clone().reshape(local_shape), torch.empty_like(param)
+            local = data.clone().reshape(local_shape)
         if shard_device is not None:  # CPU offload: the chunk lives in host memory
             local = local.to(shard_device)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
-        if compute_dtype is not None:  # mixed precision: the full parameter computes in this dtype
-            full = full.to(compute_dtype)
-        self.full = nn.Parameter(full, requires_grad=param.requires_grad)
+        self.owner = None  # the Unit that gathers this parameter; set when a unit takes it
+        param._memfit_sharded_as = self  # the replaced parameter knows what replaced it
+        self.sharded._memfit_shard_of = weakref.ref(self)
+        # Mixed precision: the full parameter computes in `compute_dtype`.
+        self.full = nn.Parameter(
+            self._padded_full(compute_dtype or param.dtype, device), requires_grad=param.requires_grad
+        )
         self.full.untyped_storage().resize_(0)
         self.register(self.sharded)
+
+    def _padded_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new full tensor: the first rows of W padded slots of rows (see [Note: Sharded
+        parameter layout]); `self._padded` views all of them, for the gather's copy-out."""
+        self._padded = torch.empty(self.world * self.slot_numel, dtype=dtype, device=device)
+        return self._padded[: self.rows * self.row_numel].view(self.shape)
+
+    def move_full(self, device: torch.device) -> None:
+        """Put the (freed) full tensor on ``device``: where the unit computes when offloaded."""
+        self.full.data = self._padded_full(self.full.dtype, device)
+        self.full.untyped_storage().resize_(0)
+
+    def gather_view(self) -> torch.Tensor:
+        """The full tensor's storage as (W, slot_numel): where the all-gather's slots land.
+        Through ``.data``, so that refilling does not bump the version counter autograd checks
+        on the weights it saved in forward (they get back the values they had)."""
+        return self._padded.data.view(self.world, self.slot_numel)
 
     def rows_of(self, rank: int) -> int:
         start = min(rank * self.chunk_rows, self.rows)
@@ -77,7 +107,7 @@ class ShardedParam:
     def alloc_full(self) -> torch.Tensor:
         """Refill the full tensor's storage; returns it viewed as (rows, row_numel)."""
         st = self.full.untyped_storage()
-        nbytes = self.full.numel() * self.full.element_size()
+        nbytes = self._padded.numel() * self._padded.element_size()
         if st.nbytes() != nbytes:
             st.resize_(nbytes)
         # .data, not .detach(): refilling must not bump the version counter that autograd
@@ -88,8 +118,7 @@ class ShardedParam:
         try:
             self.full.untyped_storage().resize_(0)
         except RuntimeError:  # exported (e.g. .numpy() inside summon_full_params): leave it to them
-            self.full.data = torch.empty_like(self.full.data)
-            self.full.untyped_storage().resize_(0)
+            self.move_full(self.full.device)
 
     def keep_rows(self, full: torch.Tensor, rank: int) -> None:
         """Copy this rank's rows of a full tensor (shaped like the parameter) into the chunk."""
@@ -98,5 +127,21 @@ class ShardedParam:
         self.sharded.detach().view(-1).copy_(rows.reshape(-1))
 
     @property
+    def padded_numel(self) -> int:
+        """Elements of the full tensor's storage: W slots of c rows, padding included."""
+        return self.world * self.slot_numel
+
+    @property
     def local_numel(self) -> int:
         return self.local_rows * self.row_numel
+
+
+def sharded_as(p: nn.Parameter) -> ShardedParam | None:
+    """The sharded parameter that replaced ``p`` (None: ``p`` was never sharded)."""
+    return getattr(p, "_memfit_sharded_as", None)
+
+
+def shard_of(p: nn.Parameter) -> ShardedParam | None:
+    """The sharded parameter whose local chunk ``p`` is (None: ``p`` is no chunk)."""
+    ref = getattr(p, "_memfit_shard_of", None)
+    return ref() if ref is not None else None

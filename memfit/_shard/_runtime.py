@@ -11,6 +11,8 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit._checkpoint import is_recomputing
+from memfit._shard._checks import StepChecks
+from memfit._shard._streams import Streams
 from memfit._shard._unit import TrainingState, Unit
 
 # [Note: One sharded training step]
@@ -27,8 +29,9 @@ from memfit._shard._unit import TrainingState, Unit
 # parameters and starts reduce-scattering the gradients into the shards; that finishes while
 # the next unit computes (one reduce-scatter in flight at a time). A unit whose inputs need no
 # gradient (the embeddings) is reduced by the callback queued at the root's pre-backward,
-# which runs when the whole backward ends, finishes the last reduce-scatter and resets every
-# unit for the next step.
+# which runs when the whole backward ends, finishes the last reduce-scatter, resets every
+# unit for the next step and reads the step's checks in one transfer, the step's only host
+# sync (see [Note: Divergence detection]).
 # Without grad (evaluation) units gather before and free right after their forward.
 
 
@@ -42,6 +45,10 @@ class RootState:
         self.order_done = False
         self.callback_queued = False
         self.pending_reduce = None  # the last reduce-scatter, finished when the next starts
+        device = next((sp.full.device for u in units for sp in u.params), torch.device("cpu"))
+        self.streams = Streams(device)  # See [Note: Streams and buffer lifetimes]
+        self.checks = StepChecks(root.rank)  # See [Note: Divergence detection]
+        self.gather_held = None  # (name, the last all-gather output, its copy-out event): CUDA only
 
     def next_in_forward(self, unit: Unit) -> Unit | None:
         if not self.order_done or unit not in self.forward_order:
@@ -126,11 +133,13 @@ def finish_backward(state: RootState) -> None:
             post_backward(unit)
         unit.reshard()
     finish_pending_reduce(state)
+    state.streams.after("compute", "reduce")  # the gradient shards are written
     for unit in state.units:
         unit.training_state = TrainingState.IDLE
         unit.pending_backward = 0
         unit.reduce_at_end = False
     state.callback_queued = False
+    state.checks.settle()  # the step's one host sync
 
 
 def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
@@ -143,6 +152,8 @@ def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
         unit.wait_unshard()
         return None
     grad = torch.is_grad_enabled()
+    if unit is state.root:
+        state.checks.settle()  # what a forward without backward left (nothing in a training loop)
     if unit is state.root and not state.order_done and state.forward_order:
         state.order_done = True  # the first step's order is known once the root runs again
     if not state.order_done and unit not in state.forward_order:
@@ -180,6 +191,7 @@ def post_forward(module: nn.Module, args: tuple, kwargs: dict, output):
         if unit is state.root:  # evaluation ends: drop gathers prefetched for nothing
             for u in state.units:
                 u.reshard()
+            state.checks.settle()
         return None
     for t in _tensors_in(output):
         if t.requires_grad:

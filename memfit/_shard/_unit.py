@@ -15,7 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from memfit._shard import _collectives as comm
+from memfit._shard._checks import StepChecks
 from memfit._shard._param import ShardedParam
+from memfit._shard._streams import Streams
 
 if TYPE_CHECKING:
     from memfit._shard._runtime import RootState
@@ -44,11 +46,17 @@ class Unit:
         group,
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None = None,
+        *,
+        input_dtype: torch.dtype | None = None,
+        managed: list[nn.Module] | None = None,
+        pending_ties: list[tuple[nn.Parameter, nn.Module, str]] | None = None,
     ) -> None:
         self.module = module
         self.reduce_dtype = reduce_dtype  # mixed precision: gradients summed in this dtype
-        self.input_dtype: torch.dtype | None = None  # mixed precision: floating inputs cast to this
+        self.input_dtype = input_dtype  # mixed precision: floating inputs cast to this
         self.params = params
+        for sp in params:
+            sp.owner = self
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -62,10 +70,14 @@ class Unit:
         self.unsynced = False  # full gradients from no_sync steps wait to be reduced
         self.reduce_at_end = False  # a forward call had no input needing grad: reduce in finish_backward
         self._gathered_versions: list[int] = []  # the shards' versions the gather started from
-        self._gather: tuple[dist.Work, torch.Tensor] | None = None
-        self.managed: list[nn.Module] = []  # the modules whose parameters this unit owns
+        self._gather: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # (work, output, send buffer)
+        self._gather_plan: GatherLayout | None = None  # built at the first gather
+        self._reduce_plans: dict[tuple[int, ...], ReduceLayout] = {}  # per set of trainable parameters
+        device = params[0].full.device if params else torch.device("cpu")
+        self._own_streams, self._own_checks = Streams(device), StepChecks(self.rank, eager=True)  # no root yet
+        self.managed = managed or []  # the modules whose parameters this unit owns
         # Tied uses of parameters a unit outside this module owns: a common ancestor takes them.
-        self.pending_ties: list[tuple[nn.Parameter, nn.Module, str]] = []
+        self.pending_ties = pending_ties or []
         self.parent: Unit | None = None  # the unit directly above, once it is sharded
         self.root_state: RootState | None = None  # shared under the root, set at its first forward
 
@@ -74,28 +86,26 @@ class Unit:
 
     # -- all-gather ---------------------------------------------------------------------------
 
-    def _slot_numel(self) -> int:
-        return sum(p.slot_numel for p in self.params) + 1  # + the unit index, to catch divergence
+    def _gather_layout(self) -> GatherLayout:
+        if self._gather_plan is None or self._gather_plan.index != self.index:
+            self._gather_plan = GatherLayout(self.params, self.index, self.params[0].full.device)
+        return self._gather_plan
 
     def unshard(self) -> None:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
-        # See [Note: Sharded parameter layout] and [Note: Mixed precision]
+        # See [Note: Sharded parameter layout], [Note: Mixed precision] and [Note: Streams and buffer lifetimes]
         if self.shard_state is not ShardState.SHARDED or not self.params:
             return
-        device = self.params[0].full.device  # the compute device (shards may be offloaded)
-        # Gathered in the compute dtype when all parameters share one (mixed precision: half the
-        # bytes), else in the shards' dtype and cast when copied out.
-        dtypes = {p.full.dtype for p in self.params}
-        dtype = dtypes.pop() if len(dtypes) == 1 else self.params[0].sharded.dtype
-        # Padding after each chunk is never read back, so the buffer is not zeroed.
-        send = torch.empty(self._slot_numel(), dtype=dtype, device=device)
-        offset = 0
-        for p in self.params:
-            send[offset : offset + p.local_numel].copy_(p.sharded.detach().reshape(-1))
-            offset += p.slot_numel
-        send[-1] = self.index % 256  # exact in every float dtype down to bf16
-        out = torch.empty(self.world * send.numel(), dtype=dtype, device=device)
-        self._gather = (comm.all_gather(out, send, self.group), out)
+        layout, streams = self._gather_layout(), self._streams()
+        streams.after("gather", "compute")  # the shards are written (optimizer step)
+        with streams.on("gather"):
+            self._release_held(streams)
+            send = torch.empty(layout.slot, dtype=layout.wire, device=layout.device)
+            torch._foreach_copy_(layout.send_views(send), [*(p.sharded.detach() for p in layout.order), layout.tail])
+            out = torch.empty(self.world * layout.slot, dtype=layout.wire, device=layout.device)
+            streams.note("alloc", f"{self.name}:gather-out", "gather")
+            work = comm.all_gather(out, send, self.group)
+        self._gather = (work, out, send)
         self._gathered_versions = [p.sharded._version for p in self.params]
         self.shard_state = ShardState.GATHERING
 
@@ -105,32 +115,36 @@ class Unit:
             self.unshard()
         if self.shard_state is not ShardState.GATHERING:
             return
-        work, out = self._gather
+        work, out, _send = self._gather
         self._gather = None
-        comm.wait(work, f"all-gather of sharded unit '{self.name}'", self.group)
+        streams = self._streams()
+        with streams.on("gather"):
+            comm.wait(work, f"all-gather of sharded unit '{self.name}'", self.group)
+            done = streams.record("gather")
         if [p.sharded._version for p in self.params] != self._gathered_versions:
             # The shards changed (an optimizer step) since a prefetch started: gather again.
+            streams.note("free", f"{self.name}:gather-out", "gather")
             self.shard_state = ShardState.SHARDED
             self.unshard()
             return self.wait_unshard()
-        slots = out.view(self.world, -1)
-        ids = slots[:, -1].tolist()
-        if any(i != self.index % 256 for i in ids):
-            raise RuntimeError(
-                f"memfit sharding: rank {self.rank} gathered unit '{self.name}' (#{self.index}) while the ranks sent "
-                f"units {[int(i) for i in ids]}: ranks diverged (one skipped or reordered a forward)."
-            )
-        offset = 0
+        layout = self._gather_layout()
+        streams.wait("compute", done)
+        ids = torch.empty(self.world, layout.tail.numel(), dtype=layout.wire, device=layout.device)
         for p in self.params:
             p.full.requires_grad_(p.sharded.requires_grad)  # follows freezing after sharding
-            full = p.alloc_full()
-            for r in range(self.world):
-                rows = p.rows_of(r)
-                if rows:
-                    start = r * p.chunk_rows
-                    full[start : start + rows].view(-1).copy_(slots[r, offset : offset + rows * p.row_numel])
+            p.alloc_full()
+        outs = [
+            p.gather_view() if layout.wire is p.full.dtype else p.gather_view().view(layout.wire) for p in layout.order
+        ]
+        torch.split_with_sizes_copy(out.view(self.world, -1), layout.sizes, dim=1, out=[*outs, ids])
+        streams.note("use", f"{self.name}:gather-out", "compute")
+        if streams.holds:  # freed by the next gather, once it waited for this event
+            self._hold(f"{self.name}:gather-out", out, streams.record("compute"))
+        else:
+            streams.note("free", f"{self.name}:gather-out", "gather")
+        for p in self.params:
             p.register(p.full)
-            offset += p.slot_numel
+        self._checks().gathered(self, ids[:, 0])
         self.shard_state = ShardState.UNSHARDED
 
     def reshard(self) -> None:
@@ -144,6 +158,34 @@ class Unit:
             p.free_full()
         self.shard_state = ShardState.SHARDED
 
+    def _hold(self, name: str, out: torch.Tensor, event) -> None:
+        if self.root_state is not None:
+            self._release_held(self._streams())
+            self.root_state.gather_held = (name, out, event)
+        else:
+            self._streams().wait("gather", event)
+            self._streams().note("free", name, "gather")
+
+    def _release_held(self, streams: Streams) -> None:
+        """Free the last all-gather output once the gather stream waited for its copy-out."""
+        held = self.root_state.gather_held if self.root_state is not None else None
+        if held is not None:
+            streams.wait("gather", held[2])
+            streams.note("free", held[0], "gather")
+            self.root_state.gather_held = None
+
+    def _streams(self) -> Streams:
+        return self.root_state.streams if self.root_state is not None else self._own_streams
+
+    def _checks(self) -> StepChecks:
+        return self.root_state.checks if self.root_state is not None else self._own_checks
+
+    def forget_param(self, sp: ShardedParam) -> None:
+        """Give ``sp`` up: a unit above takes it over (a tied parameter)."""
+        self.params.remove(sp)
+        self._gather_plan = None
+        self._reduce_plans.clear()
+
     # -- reduce-scatter -----------------------------------------------------------------------
 
     def reduce_grads(self) -> None:
@@ -156,79 +198,160 @@ class Unit:
         """Start summing the full gradients over ranks into the local chunks' ``.grad``
         (divided by W, when the returned handle finishes); frees the full gradients.
 
-        Each rank's slot holds its rows of every trainable parameter's gradient, then one
-        "has a gradient" flag per parameter (in every slot): after the reduce-scatter, a
-        parameter that no rank used keeps ``grad = None``, as in single-process training.
-        The slot ends with i = unit index mod 64 and i*i: their sums over ranks are W*i and
-        W*i*i only if every rank reduced the same unit (else the sums of squares differ). The
-        check runs for fp32/fp64 gradients; in 16-bit floats those sums would round, and a
-        divergence is left to the all-gather check (unit index mod 256) and the timeout.
+        Each rank's slot holds its rows of every trainable parameter's gradient (zeros for a
+        parameter without one on this rank), then one "has a gradient" flag per parameter and
+        the two check sums of [Note: Divergence detection]. The flags are read at the end of
+        backward with the step's other checks: a parameter that no rank used keeps
+        ``grad = None``, as in single-process training.
         """
         trainable = [p for p in self.params if p.sharded.requires_grad]
         if not trainable:
-            return
-        grad_numel = sum(p.slot_numel for p in trainable)
-        flags = grad_numel
-        slot = grad_numel + len(trainable) + 2
-        # The gradients' own dtype, or fp32 where a unit mixes dtypes (fp32 norms with bf16 layers)
-        # unless a reduce dtype was asked for.
-        grad_dtypes = {p.full.dtype for p in trainable}
-        common = grad_dtypes.pop() if len(grad_dtypes) == 1 else torch.float32
-        dtype, device = self.reduce_dtype or common, trainable[0].full.device
-        # Not zeroed: padding, and the gradient slots of a parameter whose flag is 0, are never read.
-        send = torch.empty(self.world, slot, dtype=dtype, device=device)
-        send[:, flags:] = 0
-        offset = 0
-        for k, p in enumerate(trainable):
-            g = p.full.grad
-            if g is not None:
-                g = g.reshape(p.rows, p.row_numel)
-                for r in range(self.world):
-                    rows = p.rows_of(r)
-                    if rows:
-                        start = r * p.chunk_rows
-                        send[r, offset : offset + rows * p.row_numel].copy_(g[start : start + rows].reshape(-1))
-                send[:, flags + k] = 1
+            return None
+        key = tuple(id(p) for p in trainable)
+        layout = self._reduce_plans.get(key)
+        if layout is None:
+            layout = self._reduce_plans[key] = ReduceLayout(self, trainable)
+        grads = [p.full.grad for p in trainable]
+        have = tuple(g is not None for g in grads)
+        streams = self._streams()
+        streams.after("reduce", "compute")  # the gradients are ready
+        with streams.on("reduce"):
+            send = torch.empty(self.world, layout.slot, dtype=layout.dtype, device=layout.device)
+            if not all(have):
+                send.zero_()  # a parameter without a gradient here adds zeros to the others' sum
+            dsts, srcs = layout.copy_lists(send, grads)
+            torch._foreach_copy_([*dsts, send[:, layout.flags :]], [*srcs, layout.tail(have)])
+            streams.note("use", f"{self.name}:full-grads", "reduce")
+            copied = streams.record("reduce")
+            out = torch.empty(layout.slot, dtype=layout.dtype, device=layout.device)
+            work = comm.reduce_scatter(out, send.view(-1), self.group)
+        for p in trainable:
             p.full.grad = None
-            offset += p.slot_numel
-        send[:, -2] = self.index % 64
-        send[:, -1] = (self.index % 64) ** 2
-        out = torch.empty(slot, dtype=dtype, device=device)
-        work = comm.reduce_scatter(out, send.view(-1), self.group)
-        return PendingReduce(self, trainable, work, send, out)
+        if not streams.holds:  # the CPU copied them already
+            streams.note("free", f"{self.name}:full-grads", "compute")
+            grads, copied = [], None
+        return PendingReduce(self, layout, work, (send, grads, copied), out)
+
+
+class GatherLayout:
+    """Where each parameter's chunk sits in the unit's all-gather slot, in one wire dtype.
+
+    The wire dtype is the full parameters' dtype when they share one; else (mixed precision
+    with fp32 norm layers) bytes: each chunk travels in its own compute dtype, laid out by
+    decreasing element size so every chunk is aligned, and the slot is padded to 8 bytes.
+    The slot ends with the unit index (see [Note: Divergence detection]).
+    """
+
+    def __init__(self, params: list[ShardedParam], index: int, device: torch.device) -> None:
+        self.index, self.device = index, device
+        dtypes = {p.full.dtype for p in params}
+        self.wire = dtypes.pop() if len(dtypes) == 1 else torch.uint8
+        if self.wire is torch.uint8:
+            self.order = sorted(params, key=lambda p: -p.full.element_size())
+            scale = [p.full.element_size() for p in self.order]
+        else:
+            self.order, scale = list(params), [1] * len(params)
+        self.sizes = [p.slot_numel * k for p, k in zip(self.order, scale)]  # wire elements per slot
+        self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
+        body = sum(self.sizes)
+        tail = 1 if self.wire is not torch.uint8 else ((-(body + 1)) % 8) + 1
+        self.tail = torch.zeros(tail, dtype=self.wire, device=device)
+        self.tail[0] = index % 256  # exact in every float dtype down to bf16, and in a byte
+        self.sizes.append(tail)
+        self.slot = body + tail
+
+    def send_views(self, send: torch.Tensor) -> list[torch.Tensor]:
+        """Views of ``send`` for each parameter's local chunk (in its compute dtype), then the tail."""
+        views = []
+        for p, off in zip(self.order, self.offsets):
+            if self.wire is torch.uint8:
+                n = p.local_numel * p.full.element_size()
+                views.append(send[off : off + n].view(p.full.dtype).view(p.sharded.shape))
+            else:
+                views.append(send[off : off + p.local_numel].view(p.sharded.shape))
+        views.append(send[self.slot - self.tail.numel() :])
+        return views
+
+
+class ReduceLayout:
+    """Where each trainable parameter's gradient rows sit in the reduce-scatter slots."""
+
+    def __init__(self, unit: Unit, trainable: list[ShardedParam]) -> None:
+        self.unit, self.params = unit, trainable
+        self.device = trainable[0].full.device
+        # The gradients' own dtype, or fp32 where a unit mixes dtypes (fp32 norms with bf16
+        # layers) unless a reduce dtype was asked for.
+        dtypes = {p.full.dtype for p in trainable}
+        self.dtype = unit.reduce_dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        self.offsets = [sum(p.slot_numel for p in trainable[:i]) for i in range(len(trainable))]
+        self.flags = sum(p.slot_numel for p in trainable)
+        self.slot = self.flags + len(trainable) + 2
+        self._tails: dict[tuple[bool, ...], torch.Tensor] = {}
+        self.exact = self.dtype in (torch.float32, torch.float64)  # sums of squares round in 16-bit floats
+
+    def tail(self, have: tuple[bool, ...]) -> torch.Tensor:
+        """The flags and check values every rank's slot ends with, for this pattern of gradients."""
+        if have not in self._tails:
+            i = self.unit.index % 64
+            values = [float(h) for h in have] + [i, i * i]
+            self._tails[have] = torch.tensor(values, dtype=self.dtype, device=self.device)
+        return self._tails[have]
+
+    def copy_lists(self, send: torch.Tensor, grads: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(destinations in ``send``, sources) that put each gradient's rows into the slots:
+        the full chunks as one (ranks, c, row) block, the last partial chunk as a second."""
+        dsts, srcs = [], []
+        for p, off, g in zip(self.params, self.offsets, grads):
+            if g is None or p.chunk_rows == 0:
+                continue
+            c = p.chunk_rows
+            block = send[:, off : off + p.slot_numel].unflatten(1, (c, p.row_numel))
+            rows = g.reshape(p.rows, p.row_numel)
+            q, r = divmod(p.rows, c)
+            if q:
+                dsts.append(block[:q])
+                srcs.append(rows[: q * c].view(q, c, p.row_numel))
+            if r:
+                dsts.append(block[q, :r])
+                srcs.append(rows[q * c :])
+        return dsts, srcs
 
 
 class PendingReduce:
     """A reduce-scatter in flight; `finish` waits and writes the gradient shards."""
 
-    def __init__(self, unit: Unit, trainable: list[ShardedParam], work, send: torch.Tensor, out: torch.Tensor):
-        self.unit, self.trainable, self.work, self.send, self.out = unit, trainable, work, send, out
+    def __init__(self, unit: Unit, layout: ReduceLayout, work, inputs: tuple, out: torch.Tensor):
+        self.unit, self.layout, self.work, self.inputs, self.out = unit, layout, work, inputs, out
 
     def finish(self) -> None:
-        unit, trainable, out = self.unit, self.trainable, self.out
-        comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
-        self.send = None  # free the send buffer
-        grad_numel = sum(p.slot_numel for p in trainable)
-        flags = grad_numel
-        i = unit.index % 64
-        exact = out.dtype in (torch.float32, torch.float64)  # sums of squares round in 16-bit floats
-        if exact and (out[-2].item() != unit.world * i or out[-1].item() != unit.world * i * i):
-            raise RuntimeError(
-                f"memfit sharding: rank {unit.rank} reduced the gradients of unit '{unit.name}' (#{unit.index}) "
-                "while other ranks reduced another unit: ranks diverged (one skipped or reordered a forward "
-                "or backward)."
-            )
-        out.div_(unit.world)
-        offset = 0
-        for k, p in enumerate(trainable):
-            if out[flags + k] > 0:
-                g = out[offset : offset + p.local_numel].view(p.sharded.shape)
-                g = g.to(device=p.sharded.device, dtype=p.sharded.dtype)  # to host memory when offloaded
-                if p.sharded.grad is None:
-                    p.sharded.grad = g.clone()
-                else:
-                    p.sharded.grad.add_(g)
-            offset += p.slot_numel
+        """Wait; the gradient shards are views of the reduced buffer (added where they exist)."""
+        unit, layout, out = self.unit, self.layout, self.out
+        streams = unit._streams()
+        with streams.on("reduce"):
+            comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
+            out.div_(unit.world)
+            first = layout.params[0].sharded
+            if out.dtype != first.dtype or out.device != first.device:
+                out = out.to(device=first.device, dtype=first.dtype)  # to host memory when offloaded
+            streams.record("reduce")
+        _send, grads, copied = self.inputs
+        if grads:
+            streams.wait("compute", copied)  # the full gradients were read: compute may reuse them
+            streams.note("free", f"{unit.name}:full-grads", "compute")
+        self.inputs = None
+        olds, news = [], []
+        checks = unit._checks()
+        for p, off in zip(layout.params, layout.offsets):
+            g = out[off : off + p.local_numel].view(p.sharded.shape)
+            if p.sharded.grad is None:
+                p.sharded.grad = g
+                checks.fresh_grad(p)
+            else:
+                olds.append(p.sharded.grad)
+                news.append(g)
+        if olds:
+            torch._foreach_add_(olds, news)
+        checks.reduced(unit, layout.params, self.out[layout.flags :], layout.exact)
 
 
 class ShardedModule:

@@ -52,9 +52,10 @@ def test_results_and_failures_in_one_group():
 
 def test_stuck_rank_is_killed_and_named():
     start = time.monotonic()
-    with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 8s"):
-        run_ranks(hang_on_rank_0, 2, timeout=8)
-    assert time.monotonic() - start < 30
+    # 20 s: rank 1 must start, join the group and finish inside it even on a loaded machine.
+    with pytest.raises(AssertionError, match=r"ranks \[0\] did not finish within 20s"):
+        run_ranks(hang_on_rank_0, 2, timeout=20)
+    assert time.monotonic() - start < 60
 
 
 def test_subtests_report_per_case():

@@ -340,7 +340,7 @@ def case_memory_bound(rank, world):
         plain_opt.zero_grad()
     local = sum(p.numel() for p in model.parameters())  # this rank's shards (<= P/W rounded up)
     units = units_of(model)
-    largest_unit = max(sum(p.full.numel() for p in u.params) for u in units) * 4
+    largest_unit = max(sum(p.padded_numel for p in u.params) for u in units) * 4  # padding rows included
     bound = (
         16 * local  # fp32 shards of parameters, gradients and AdamW's two states
         + 2 * largest_unit  # the unit computing and the one prefetched
@@ -559,6 +559,11 @@ def diverge(rank, world):
     return "no error"
 
 
+def diverge_debug(rank, world):
+    with memfit.testing.debug_collectives():
+        return diverge(rank, world)
+
+
 def stall(rank, world):
     model = memfit.FullyShardedDataParallel(make_model("mlp"), auto_wrap_policy=nn.Sequential)
     if rank == 1:
@@ -570,9 +575,10 @@ def stall(rank, world):
     return "no error"
 
 
-def test_diverged_ranks_fail_naming_rank_and_unit():
+@pytest.mark.parametrize("fn", [diverge, diverge_debug], ids=["at_end_of_backward", "debug_per_collective"])
+def test_diverged_ranks_fail_naming_rank_and_unit(fn):
     start = time.monotonic()
-    msgs = run_ranks(diverge, 2, timeout=120, pg_timeout=5)
+    msgs = run_ranks(fn, 2, timeout=120, pg_timeout=5)
     assert time.monotonic() - start < 60
     for rank, msg in enumerate(msgs):
         # Either the unit check in a collective catches it, or the peer never arrives; both name

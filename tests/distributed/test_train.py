@@ -18,12 +18,12 @@ def memfit_train(
 ):
     # Up to 3 restarts, and a 20 s process-group timeout so that a restarted group that stalls
     # fails and is restarted rather than waiting. With fail_at_step, the last rank is killed at
-    # the start of the step after that many steps, on the first attempt (tests/_train_with_fault.py).
+    # the start of the step after that many steps, on the first attempt (tests/distributed/_train_with_fault.py).
     entry = ["-m", "memfit", "train"]
     if fail_at_step is not None or fail_in_save is not None:
         fault = ["--fail-at-step", str(fail_at_step)] if fail_at_step is not None else []
         fault += ["--fail-in-save", str(fail_in_save)] if fail_in_save is not None else []
-        entry = [str(Path(__file__).parents[1] / "_train_with_fault.py"), *fault]
+        entry = [str(Path(__file__).with_name("_train_with_fault.py")), *fault]
     if torchrun:
         exe = str(Path(sys.executable).parent / "torchrun")
         cmd = [exe, "--standalone", f"--nproc-per-node={torchrun}", f"--max-restarts={restarts}", *entry]

@@ -41,3 +41,33 @@ def test_budgets_read(text, expected):
 def test_bad_budgets_say_what_to_write(text, message):
     with pytest.raises(ValueError, match=message):
         memfit.parse_bytes(text)
+
+
+def test_parse_bytes():
+    assert memfit.parse_bytes("6GB") == 6 * 10**9
+    assert memfit.parse_bytes("3.5GiB") == int(3.5 * 2**30)
+    assert memfit.parse_bytes("800MB") == 800 * 10**6
+    assert memfit.parse_bytes(" 512 kib ") == 512 * 1024
+    assert memfit.parse_bytes(12345) == 12345
+    for bad in ("6 parsecs", "GB", "-1GB", "", "1.2.3MB"):
+        with pytest.raises(ValueError, match="memory budget"):
+            memfit.parse_bytes(bad)
+    with pytest.raises(TypeError):
+        memfit.parse_bytes(True)
+
+
+def test_parse_bytes_units_and_errors():
+    assert memfit.parse_bytes("1") == 1  # no unit: bytes
+    assert memfit.parse_bytes("7B") == 7
+    assert memfit.parse_bytes("0.5KB") == 10**3 // 2  # KB is a power of 10
+    assert memfit.parse_bytes("2tb") == 2 * 10**12  # units in any case
+    assert memfit.parse_bytes("1TiB") == 2**40  # KiB/MiB/GiB/TiB are powers of 2
+    assert memfit.parse_bytes(".25MiB") == 2**20 // 4
+    assert memfit.parse_bytes(1.5e3) == 1500  # numbers are bytes
+    with pytest.raises(ValueError, match=r"cannot read the memory budget '6 parsecs'.*'6GB', '6 GiB'"):
+        memfit.parse_bytes("6 parsecs")
+    for zero in (0, "0GB", 0.0):
+        with pytest.raises(ValueError, match="must be positive"):
+            memfit.parse_bytes(zero)
+    with pytest.raises(TypeError, match="got list"):
+        memfit.parse_bytes([6])

@@ -96,14 +96,14 @@ def test_full_tensor_is_allocated_only_while_gathered():
     assert sp.full.untyped_storage().nbytes() == 0  # sharded: no storage
     view = sp.alloc_full()
     assert view.shape == (rows, cols)  # (rows, row_numel)
-    assert sp.full.untyped_storage().nbytes() == rows * cols * 4  # fp32
+    assert sp.full.untyped_storage().nbytes() == 2 * 3 * cols * 4  # fp32, W slots of c = 3 rows (padding)
     sp.free_full()
     assert sp.full.untyped_storage().nbytes() == 0
 
     mixed = ShardedParam(nn.Parameter(torch.randn(rows, cols)), [], "p", 0, 2, compute_dtype=torch.bfloat16)
     mixed.alloc_full()
     assert mixed.full.dtype == torch.bfloat16 and mixed.sharded.dtype == torch.float32  # fp32 master shard
-    assert mixed.full.untyped_storage().nbytes() == rows * cols * 2  # bf16
+    assert mixed.full.untyped_storage().nbytes() == 2 * 3 * cols * 2  # bf16, padded
 
 
 def test_meta_parameter_gets_an_unfilled_local_chunk():

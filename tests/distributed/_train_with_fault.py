@@ -1,4 +1,4 @@
-"""`memfit train` with a rank that dies: the entry point tests/test_train.py launches with
+"""`memfit train` with a rank that dies: the entry point tests/distributed/test_train.py launches with
 python or torchrun in place of `-m memfit train`.
 
     _train_with_fault.py --fail-at-step N [memfit train flags]

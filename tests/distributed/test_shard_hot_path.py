@@ -1,0 +1,190 @@
+"""The sharding hot path at GPU grade, counted on gloo ranks: host syncs per step, kernel
+launches per unit, bytes on the wire, and the order of stream waits and buffer frees.
+
+On a CPU nothing waits and nothing runs asynchronously, so what these tests hold is counted,
+not timed: each ``.item()`` here would stop the host on an accelerator, each op a launch.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+import memfit.testing
+from memfit.testing import HostSyncCounter, OpCounter, StreamTrace, trace_streams
+from tests._dist import Subtests, case_id
+
+
+class Bag(nn.Module):
+    """A unit of ``k`` parameters of uneven sizes (the counts must not depend on ``k``)."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(8, 8) / 8)
+        self.extra = nn.ParameterList([nn.Parameter(torch.randn(i % 5 + 1, 3)) for i in range(k - 1)])
+
+    def forward(self, x):
+        h = torch.tanh(x @ self.w)
+        for p in self.extra:
+            h = h + p.mean()
+        return h
+
+
+class Net(nn.Module):
+    def __init__(self, units: int, k: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.bags = nn.Sequential(*[Bag(k) for _ in range(units)])
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.bags(x))
+
+
+def step(model, x):
+    model(x).square().mean().backward()
+
+
+def sharded(units, k, **kwargs):
+    plain = Net(units, k)
+    return plain, memfit.FullyShardedDataParallel(copy.deepcopy(plain), auto_wrap_policy=Bag, **kwargs)
+
+
+def launches(model, x) -> int:
+    with OpCounter() as ops:
+        step(model, x)
+    return ops.launches
+
+
+# Launches per unit and step (fp32, reshard after forward; the root keeps its parameters):
+PER_GATHER = 3  # copy-in into the send buffer, the all-gather, the split-copy out
+# Gradient copy-in (flags included), the reduce-scatter, gloo's copy of its result into the
+# output at wait (NCCL reduces in place; FSDP2 on gloo shows the same copy), the division by W.
+PER_REDUCE = 4
+PER_UNIT = 2 * PER_GATHER + PER_REDUCE  # gathered for forward and again for backward, reduced once
+# The root: one gather (it keeps its parameters for backward), one reduce; the step's one read
+# of the checks: a concatenation and a cast per dtype (one here), whatever the number of units.
+PER_STEP_FIXED = PER_GATHER + PER_REDUCE + 2
+
+
+def case_at_most_one_host_sync_per_step(rank, world):
+    for units in (4, 12):
+        _, model = sharded(units, 3)
+        x = torch.randn(4, 8)
+        step(model, x)  # the first step records the order
+        with HostSyncCounter() as syncs:
+            for _ in range(2):
+                step(model, x)
+                for p in model.parameters():
+                    p.grad = None
+        assert syncs.count <= 2, (units, syncs.calls)
+
+
+def case_launches_per_unit_independent_of_params_and_world(rank, world):
+    x = torch.randn(4, 8)
+    units = 4
+    for k in (2, 20):
+        plain, model = sharded(units, k)
+        for m in (plain, model):
+            step(m, x)
+            m.zero_grad()
+        extra = launches(model, x) - launches(plain, x)
+        assert extra == units * PER_UNIT + PER_STEP_FIXED, (k, world, extra)
+
+
+def case_unused_parameter_still_keeps_no_grad(rank, world):
+    _, model = sharded(4, 3)
+    model.spare = nn.Linear(2, 2)
+    x = torch.randn(4, 8)
+    model.bags[1].extra[0].requires_grad_(True)
+    with HostSyncCounter() as syncs:
+        step(model, x)
+    assert syncs.count <= 1
+    assert model.bags[0].w.grad is not None
+    for p in model.spare.parameters():
+        assert p.grad is None
+
+
+def case_wire_bytes_one_dtype_per_unit(rank, world):
+    mp = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+
+    class Block(nn.Module):  # a Linear in bf16 and a LayerNorm kept in fp32: two compute dtypes
+        def __init__(self):
+            super().__init__()
+            self.lin, self.norm = nn.Linear(8, 8), nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(self.lin(x))
+
+    torch.manual_seed(0)
+    model = memfit.FullyShardedDataParallel(
+        nn.Sequential(*[Block() for _ in range(3)]), auto_wrap_policy=Block, mixed_precision=mp
+    )
+    x = torch.randn(4, 8)
+    step(model, x)
+    stats = memfit.testing.collective_stats()
+    stats.reset()
+    step(model, x)
+    ring = (world - 1) / world
+    units = [u for u in memfit.testing.sharded_units(model) if u.params]
+    # Per gathered unit: W slots of every parameter's padded chunk in its compute dtype (bf16
+    # for the Linear, fp32 for the LayerNorm), then the unit index padded to 8 bytes.
+    slot = {u: sum(p.slot_numel * p.full.element_size() for p in u.params) for u in units}
+    slot = {u: b + (-(b + 1)) % 8 + 1 for u, b in slot.items()}
+    gathered_twice = units  # forward and backward (all are blocks: the root holds none)
+    assert stats.all_gather_bytes == sum(2 * world * slot[u] * ring for u in gathered_twice)
+    # Nothing travels wider than its compute dtype: at most 8 bytes per slot above the
+    # parameters' own bytes in bf16/fp32.
+    compute_bytes = sum(p.numel() * p.element_size() for u in units for p in (sp.full for sp in u.params))
+    assert stats.all_gather_bytes <= 2 * (compute_bytes + world * 8 * len(units)) * ring + 1e-9 or world == 1
+    # Reduce-scatter in reduce_dtype (fp32): every gradient's padded chunk, a flag each, two checks.
+    reduce = sum(world * (sum(p.slot_numel + 1 for p in u.params) + 2) * 4 * ring for u in units)
+    assert stats.reduce_scatter_bytes == reduce
+
+
+def case_stream_order_holds(rank, world):
+    _, model = sharded(4, 3)
+    x = torch.randn(4, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with trace_streams() as trace:
+        for _ in range(3):
+            step(model, x)
+            opt.step()
+            opt.zero_grad()
+    kinds = {e[0] for e in trace.log}
+    assert {"record", "wait", "alloc", "use", "free"} <= kinds
+    assert trace.violations() == []
+
+
+CASES = [
+    case_at_most_one_host_sync_per_step,
+    case_launches_per_unit_independent_of_params_and_world,
+    case_unused_parameter_still_keeps_no_grad,
+    case_wire_bytes_one_dtype_per_unit,
+    case_stream_order_holds,
+]
+GROUP = Subtests(CASES)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_hot_path(world, case):
+    GROUP.check(case, world)
+
+
+def test_trace_catches_a_buffer_freed_before_its_consumer():
+    trace = StreamTrace()
+    trace.log = [
+        ("alloc", "out", "gather"),
+        ("record", "gather", 0),
+        ("wait", "compute", 0),
+        ("use", "out", "compute"),
+        ("free", "out", "gather"),  # the gather stream never waited for the copy-out
+    ]
+    assert len(trace.violations()) == 1
+    trace.log[4:4] = [("record", "compute", 1), ("wait", "gather", 1)]
+    assert trace.violations() == []
+    trace.log.insert(2, ("use", "out", "compute"))  # a use before compute waited for the gather
+    assert len(trace.violations()) == 1
