@@ -13,7 +13,9 @@ import dataclasses
 import sys
 from collections.abc import Callable
 
+import memfit
 from memfit.cli._bench import STRATEGIES, BenchConfig, bench
+from memfit.cli._config_file import with_config_file
 from memfit.cli._plan import CalibrateConfig, PlanConfig, calibrate_command, plan_command
 from memfit.cli._train import TrainConfig, train
 from memfit.models import PRESETS
@@ -31,12 +33,13 @@ COMMANDS: dict[str, tuple[type, Callable]] = {
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memfit", description="Train PyTorch models larger than your memory.")
+    p.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     models = ", ".join(sorted(PRESETS))
 
     b = sub.add_parser("bench", help="memory and step time of each strategy on a real architecture")
     b.add_argument("--model", default="bert", help=f"one of {models} (default: bert)")
-    b.add_argument("--strategies", nargs="+", default=list(STRATEGIES), help=f"from {', '.join(STRATEGIES)}")
+    b.add_argument("--strategies", nargs="+", help=f"from {', '.join(STRATEGIES)} (default: all; one process only)")
     b.add_argument("--budget", help="memory budget of the planned strategy, e.g. 300MB (default: halfway)")
     b.add_argument("--compare", action="store_true", help="add torch.utils.checkpoint (with --world-size: FSDP2)")
     b.add_argument("--world-size", type=int, default=1, help="N > 1: DDP vs memfit sharding on N spawned ranks")
@@ -58,28 +61,58 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="measure this machine's rates for the planner's time model; cached")
     c.add_argument("--device", default="cpu")
 
-    t = sub.add_parser("train", help="train a preset (one process, or under torchrun); resumable")
-    t.add_argument("--model", default="bert", help=f"one of {models}")
-    t.add_argument("--steps", type=int, default=20)
-    t.add_argument("--lr", type=float, default=3e-4)
+    t = sub.add_parser(
+        "train",
+        help="train a model on your data (one process, or under torchrun); resumable",
+        description="Train a preset, a local HF config.json or a factory pkg.module:function on local data. "
+        "Every flag can also come from --config FILE (TOML or YAML, keys are the flag names); flags override it.",
+        formatter_class=_DefaultsShown,
+    )
+    _train_flags(t, models)
+    return p
+
+
+class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
+    """--help adds "(default: X)" to each flag that has a default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def _train_flags(t: argparse.ArgumentParser, models: str) -> None:
+    t.add_argument("--config", help="a TOML or YAML file of flag values (keys: flag names)")
+    t.add_argument("--model", default="bert", help=f"a preset ({models}), a config.json path, or pkg.module:function")
+    t.add_argument("--data", help="text file or directory, or .npy/.bin token ids (default: stdlib sources)")
+    t.add_argument("--tokenizer", help="a local tokenizer.json for text data (default: bytes)")
+    t.add_argument("--val-fraction", type=float, default=0.05, help="tail of the tokens held out for evaluation")
+    t.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps and at the end (0: never)")
+    t.add_argument("--eval-batches", type=int, default=4, help="micro-batches per evaluation")
+    t.add_argument("--steps", type=int, default=20, help="optimizer steps in all")
+    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
     t.add_argument("--warmup", type=int, default=2, help="linear warm-up steps, then cosine decay")
     t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     t.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
-    t.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"])
-    _shape_flags(t, " (batch: per rank)")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--checkpoint-dir")
-    t.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps")
+    t.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"], help="per block")
+    _shape_flags(t, " (batch: rows per rank per micro-batch)")
+    t.add_argument("--seed", type=int, default=0, help="initialisation, dropout and masking")
+    t.add_argument("--checkpoint-dir", help="checkpoints go to DIR/step-N")
+    t.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps and at the end")
+    t.add_argument("--keep-last", type=int, default=0, help="keep only the newest N checkpoints (0: all)")
     t.add_argument(
         "--resume",
         nargs="?",
         const="yes",
         default="no",
         choices=["no", "yes", "auto"],
-        help="continue from --checkpoint-dir (auto: only if a checkpoint is there)",
+        help="continue from the newest checkpoint in --checkpoint-dir (auto: only if there is one)",
     )
+    t.add_argument("--export", help="write a safetensors export (from_pretrained loads it) here at the end")
+    t.add_argument("--log-every", type=int, default=1, help="print and record metrics every N steps")
+    t.add_argument("--metrics", help="append metrics here as JSON lines, as the run goes")
+    t.add_argument("--tensorboard", help="TensorBoard log directory (needs the tensorboard package)")
     t.add_argument("--json", help="write the log and a digest of the final parameters here")
-    return p
 
 
 def _shape_flags(p: argparse.ArgumentParser, note: str = "") -> None:
@@ -96,15 +129,21 @@ def _config(cls: type, args: argparse.Namespace) -> Config:
 def parse_config(argv: list[str] | None = None) -> Config:
     """The config of the command that ``argv`` names (``["train", "--steps", "5"]`` gives a
     TrainConfig); raises ValueError when a value is wrong, SystemExit on a malformed line."""
-    args = _parser().parse_args(argv)
+    args = _parse(argv)
     return _config(COMMANDS[args.command][0], args)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The flags of ``argv``, with the values of a ``--config`` file as defaults."""
+    parser = _parser()
+    return with_config_file(parser, parser.parse_args(argv), argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; the exit status."""
-    args = _parser().parse_args(argv)
-    config_class, command = COMMANDS[args.command]
     try:
+        args = _parse(argv)
+        config_class, command = COMMANDS[args.command]
         command(_config(config_class, args))
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -32,8 +32,8 @@ class BenchConfig:
     """What `memfit bench` runs (each field is a command-line flag)."""
 
     model: str = "bert"  # a preset name (memfit.models.PRESETS)
-    strategies: tuple[str, ...] = STRATEGIES
-    budget: str | None = None  # for "planned"; default: halfway between "full" and "none"
+    strategies: tuple[str, ...] | None = None  # one process only; None: all of STRATEGIES
+    budget: str | None = None  # for "planned" (one process); default: halfway between "full" and "none"
     compare: bool = False  # add torch.utils.checkpoint (with --world-size: torch FSDP2)
     world_size: int = 1  # > 1: DDP vs memfit sharding on spawned gloo ranks
     layers: int | None = None  # shape overrides
@@ -47,7 +47,12 @@ class BenchConfig:
     preset: Preset = field(init=False)
 
     def __post_init__(self) -> None:
-        self.strategies = tuple(self.strategies)
+        if self.world_size > 1 and (self.strategies is not None or self.budget is not None):
+            raise ValueError(
+                f"memfit bench: --strategies and --budget apply to one process; --world-size {self.world_size} "
+                "compares DDP with memfit sharding (add --compare for torch FSDP2). Drop them, or drop --world-size"
+            )
+        self.strategies = tuple(STRATEGIES if self.strategies is None else self.strategies)
         if self.model not in PRESETS:
             raise ValueError(f"memfit bench: unknown model {self.model!r}; choose one of {sorted(PRESETS)}")
         bad = [s for s in self.strategies if s not in STRATEGIES]
@@ -146,10 +151,12 @@ def _row(r: Result, **extra) -> dict:
 
 
 def _with_ratios(rows: list[dict], base: dict) -> list[dict]:
-    """Add each row's step-time overhead and peak ratio against ``base`` (its "none")."""
+    """Add each row's step-time overhead and peak ratio against ``base`` ("none" in one
+    process, "DDP" on many ranks), and the baseline's name."""
     for r in rows:
-        r["overhead_vs_none"] = r["step_seconds"] / base["step_seconds"] - 1
-        r["peak_vs_none"] = r["peak_bytes"] / base["peak_bytes"]
+        r["baseline"] = base["strategy"]
+        r["overhead_vs_baseline"] = r["step_seconds"] / base["step_seconds"] - 1
+        r["peak_vs_baseline"] = r["peak_bytes"] / base["peak_bytes"]
     return rows
 
 

@@ -51,9 +51,15 @@ class Output:
             print(text)
 
     def progress(self, total: int):
-        """A context giving ``advance(message)``: a transient progress bar on a terminal."""
+        """A context giving ``advance(message)``: a transient progress bar on a terminal, plain
+        ``[i/total] message`` lines elsewhere (CI logs see progress, not minutes of silence)."""
         if not self.console or not os.isatty(1):
-            return contextlib.nullcontext(lambda msg: None)
+            count = iter(range(1, total + 1))
+
+            def line(msg: str) -> None:
+                print(f"[{next(count, total)}/{total}] {msg}", flush=True)
+
+            return contextlib.nullcontext(line)
         from rich.progress import Progress
 
         @contextlib.contextmanager
@@ -66,14 +72,15 @@ class Output:
 
     def table(self, rows: list[dict], title: str) -> None:
         """The rows of `memfit bench` (strategy, peak, time and the ratios to the baseline)."""
-        header = ["strategy", "peak MiB", "step s", "overhead vs none", "peak vs none", "loss"]
+        base = rows[0]["baseline"] if rows else "none"
+        header = ["strategy", "peak MiB", "step s", f"overhead vs {base}", f"peak vs {base}", "loss"]
         cells = [
             [
                 r["strategy"],
                 f"{r['peak_bytes'] / MIB:.1f}",
                 f"{r['step_seconds']:.3f}",
-                f"{r['overhead_vs_none']:+.1%}",
-                f"{r['peak_vs_none']:.2f}x",
+                f"{r['overhead_vs_baseline']:+.1%}",
+                f"{r['peak_vs_baseline']:.2f}x",
                 f"{r['loss']:.4f}",
             ]
             for r in rows

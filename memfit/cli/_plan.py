@@ -50,6 +50,7 @@ class PlanConfig:
 
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
     preset = cfg.preset()
+    print(f"plan: building {cfg.model} ({preset.arch} {preset.shape}) on the meta device", flush=True)
     with torch.device("meta"):  # planning needs shapes only: nothing is allocated
         model = preset.build().to(DTYPES[cfg.dtype])
     batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
@@ -58,6 +59,7 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
         f"{cfg.model}: {preset.arch} {preset.shape}\n{params / 1e9:.2f}B parameters, AdamW, {cfg.dtype} parameters, "
         f"gradients and optimizer state, world size {cfg.world_size}\n"
     )
+    print(f"plan: profiling one batch on fake tensors and solving for {cfg.budget}", flush=True)
     plan = memfit.plan(model, batch, budget=cfg.budget, world_size=cfg.world_size, device_profile=cfg.device_profile)
     print(plan.table())
     if cfg.json:

@@ -1,11 +1,12 @@
 """`memfit train`: a real training loop on a sharded model; resumable, survives a killed rank.
 
 One process (`memfit train ...`) or many (`torchrun --nproc-per-node N -m memfit train ...`,
-and torchrun's rendezvous across machines). The model is sharded with
-FullyShardedDataParallel (one unit per layer), optionally checkpointed; AdamW with linear
-warm-up and cosine decay, gradient accumulation (no_sync on all but the last micro-batch),
-clipping by the global norm. Every step is a function of the step number alone: the batch is
-the step's window of the corpus split over ranks, and the RNG is seeded from (seed, step,
+and torchrun's rendezvous across machines). The model (a preset, a local HF config.json or
+a factory: memfit.models._spec) is sharded with FullyShardedDataParallel (one unit per
+block), optionally checkpointed; AdamW with linear warm-up and cosine decay, gradient
+accumulation (no_sync on all but the last micro-batch), clipping by the global norm, periodic
+evaluation on a held-out split. Every step is a function of the step number alone: the batch
+is the step's window of the tokens split over ranks, and the RNG is seeded from (seed, step,
 rank). So a run resumed from a checkpoint computes exactly what the uninterrupted run would.
 """
 
@@ -15,58 +16,71 @@ import contextlib
 import hashlib
 import math
 import os
+import shutil
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
 import memfit
-from memfit.cli._data import batch_at
+from memfit.cli import _checkpoints
+from memfit.cli._data import Tokens, load_tokens, window_batch
 from memfit.cli._launch import init_process_group, pg_timeout
+from memfit.cli._log import RunLog
 from memfit.cli._output import write_json
-from memfit.models import PRESETS, Preset
+from memfit.models._spec import ModelSpec, layer_class, loss_of, resolve, vocab_size
 
 CHECKPOINTING = ("none", "full", "selective")
 
 
 @dataclass
 class TrainConfig:
-    """What `memfit train` runs (each field is a command-line flag)."""
+    """What `memfit train` runs (each field is a command-line flag and a config-file key)."""
 
-    model: str = "bert"
+    model: str = "bert"  # a preset, a local config.json (or its directory), or pkg.module:function
+    data: str | None = None  # text file/directory, .npy/.bin token ids; None: stdlib sources
+    tokenizer: str | None = None  # a local tokenizer.json for text data (else bytes)
+    val_fraction: float = 0.05  # the tail of the tokens held out for evaluation
+    eval_every: int = 0  # evaluate every K steps (and at the end); 0: never
+    eval_batches: int = 4  # micro-batches per evaluation
     steps: int = 20
     lr: float = 3e-4
     warmup: int = 2
-    accumulate: int = 1  # micro-batches per step (each rank's share of the batch, split)
+    accumulate: int = 1  # micro-batches per step, each of --batch rows per rank
     clip: float = 1.0
     checkpointing: str = "full"
-    layers: int | None = None
+    layers: int | None = None  # preset overrides
     hidden: int | None = None
     seq: int | None = None
-    batch: int | None = None  # per rank, per step
+    batch: int | None = None  # rows per rank per micro-batch (a step: batch x accumulate x world)
     seed: int = 0
-    checkpoint_dir: str | None = None
+    checkpoint_dir: str | None = None  # checkpoints go to <dir>/step-<N>
     save_every: int = 0
+    keep_last: int = 0  # keep the newest N checkpoints (0: all)
     resume: str = "no"  # "no", "yes" (a checkpoint must exist) or "auto" (if one exists)
+    export: str | None = None  # write the safetensors export (from_pretrained loads it) here at the end
+    log_every: int = 1
+    metrics: str | None = None  # a JSONL file, one line per logged step and evaluation
+    tensorboard: str | None = None  # a TensorBoard log directory (needs the tensorboard package)
     json: str | None = None
 
     def __post_init__(self) -> None:
-        if self.model not in PRESETS:
-            raise ValueError(f"memfit train: unknown model {self.model!r}; choose one of {sorted(PRESETS)}")
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"memfit train: unknown checkpointing {self.checkpointing!r}; choose from {CHECKPOINTING}")
         if self.resume not in ("no", "yes", "auto"):
             raise ValueError("memfit train: --resume takes no, yes or auto")
-        if self.resume != "no" or self.save_every:
-            if not self.checkpoint_dir:
-                raise ValueError("memfit train: --resume and --save-every need --checkpoint-dir")
-        if min(self.steps, self.accumulate) < 1 or self.warmup < 0:
-            raise ValueError("memfit train: --steps and --accumulate must be >= 1, --warmup >= 0")
+        if (self.resume != "no" or self.save_every) and not self.checkpoint_dir:
+            raise ValueError("memfit train: --resume and --save-every need --checkpoint-dir")
+        if min(self.steps, self.accumulate, self.log_every, self.eval_batches) < 1 or self.warmup < 0:
+            raise ValueError("memfit train: --steps, --accumulate, --log-every, --eval-batches >= 1, --warmup >= 0")
+        if min(self.save_every, self.keep_last, self.eval_every) < 0:
+            raise ValueError("memfit train: --save-every, --keep-last and --eval-every must be >= 0")
+        self.spec()  # an unknown model fails here, before any process group forms
 
-    def preset(self) -> Preset:
-        return PRESETS[self.model].resized(layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch)
+    def spec(self) -> ModelSpec:
+        return resolve(self.model, layers=self.layers, hidden=self.hidden)
 
     def lr_at(self, step: int) -> float:
         if step < self.warmup:
@@ -75,21 +89,25 @@ class TrainConfig:
         return self.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def _resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+def _resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, log: RunLog) -> int:
     """Load the checkpoint that --resume asks for into ``model`` and ``opt``; the step to start at."""
     if cfg.resume == "no":
         return 0
-    if os.path.isfile(os.path.join(cfg.checkpoint_dir, "memfit.json")):
-        try:
-            return memfit.load_checkpoint(cfg.checkpoint_dir, model, opt)["step"]
-        except RuntimeError as e:  # another model's checkpoint, a damaged one: say which
-            raise ValueError(f"memfit train: cannot resume from {cfg.checkpoint_dir!r}: {e}") from e
-    if cfg.resume == "yes":
-        raise ValueError(
-            f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
-            "--resume (or with --resume auto) to start from scratch"
-        )
-    return 0
+    found = _checkpoints.complete(cfg.checkpoint_dir)
+    if not found:
+        if cfg.resume == "yes":
+            raise ValueError(
+                f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
+                "--resume (or with --resume auto) to start from scratch"
+            )
+        return 0
+    path = found[-1][1]
+    try:
+        step = memfit.load_checkpoint(path, model, opt)["step"]
+    except (RuntimeError, FileNotFoundError) as e:  # another model's checkpoint, a damaged one: say which
+        raise ValueError(f"memfit train: cannot resume from {path!r}: {e}") from e
+    log.say(f"resumed from step {step} ({path})")
+    return step
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -101,8 +119,114 @@ def _digest(model: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+@dataclass
+class _Run:
+    """What one run's steps share."""
+
+    cfg: TrainConfig
+    spec: ModelSpec
+    tokens: Tokens
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    log: RunLog
+    rank: int
+    world: int
+    seq: int
+    batch: int
+    params: int  # parameters of the whole model (not this rank's shard)
+
+
+def _build(cfg: TrainConfig) -> _Run:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    spec = cfg.spec()
+    seq, batch = cfg.seq or spec.seq, cfg.batch or spec.batch
+    tokens = load_tokens(cfg.data, cfg.tokenizer, cfg.val_fraction, seq)
+    model = spec.build(cfg.seed)
+    vocab = vocab_size(model)
+    needed = max(tokens.vocab, tokens.mask_id + 1) if spec.arch == "bert" else tokens.vocab
+    if vocab is not None and needed > vocab:
+        raise ValueError(
+            f"memfit train: the data needs token ids up to {needed - 1} but {cfg.model} embeds {vocab}; "
+            "use a model with a larger vocabulary (or a smaller tokenizer)"
+        )
+    n_params = sum(p.numel() for p in model.parameters())
+    block = layer_class(model)
+    memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
+    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={block})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    log = RunLog(rank, cfg.metrics, cfg.tensorboard)
+    log.say(
+        f"memfit train: {cfg.model} ({n_params / 1e6:.2f}M parameters, {spec.arch} LM), world size {world}, "
+        f"global batch {batch * cfg.accumulate * world} sequences of {seq} tokens "
+        f"({cfg.accumulate} x {batch} per rank), {cfg.steps} steps; data: {tokens.source}"
+    )
+    return _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params)
+
+
+def _step(run: _Run, step: int, measure: bool) -> dict:
+    """One optimizer step; its metrics (loss averaged over ranks)."""
+    cfg, model, opt = run.cfg, run.model, run.opt
+    t0 = time.perf_counter()
+    for group in opt.param_groups:
+        group["lr"] = cfg.lr_at(step)
+    rows = run.batch * cfg.accumulate
+    whole = window_batch(run.tokens.train, run.spec.arch, rows * run.world, run.seq, step, cfg.seed, run.tokens.mask_id)
+    mine = {k: v[run.rank * rows : (run.rank + 1) * rows] for k, v in whole.items()}
+    micro = [{k: v.split(run.batch)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
+    torch.manual_seed(cfg.seed * 1_000_003 + step * run.world + run.rank)
+    meter = memfit.MemoryMeter(model=model, optimizer=opt) if measure else None
+    total = 0.0
+    with meter if meter else contextlib.nullcontext():
+        for i, mb in enumerate(micro):
+            with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
+                loss = loss_of(model, mb) / cfg.accumulate
+                loss.backward()
+            total += loss.item()
+        norm = memfit.clip_grad_norm_(model, cfg.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    mean = torch.tensor([total])
+    dist.all_reduce(mean)
+    entry = {
+        "step": step + 1,
+        "loss": mean.item() / run.world,
+        "grad_norm": float(norm),
+        "lr": cfg.lr_at(step),
+        "tokens_per_s": rows * run.world * run.seq / (time.perf_counter() - t0),
+    }
+    if meter:
+        entry["peak_bytes"] = meter.peak_bytes  # a step with AdamW state: the steady-state peak
+    return entry
+
+
+@torch.no_grad()
+def _evaluate(run: _Run, step: int) -> dict:
+    """The mean loss on the held-out tokens: the same --eval-batches windows every time."""
+    run.model.eval()
+    total = torch.zeros(1)
+    for i in range(run.cfg.eval_batches):
+        whole = window_batch(run.tokens.val, run.spec.arch, run.batch * run.world, run.seq, i, -1, run.tokens.mask_id)
+        mine = {k: v[run.rank * run.batch : (run.rank + 1) * run.batch] for k, v in whole.items()}
+        total += loss_of(run.model, mine).float()
+    dist.all_reduce(total)
+    run.model.train()
+    entry = {"step": step, "val_loss": total.item() / (run.world * run.cfg.eval_batches)}
+    run.log.say(f"eval at step {step} | val loss {entry['val_loss']:.4f}")
+    return entry
+
+
+def _save(run: _Run, step: int) -> None:
+    path = _checkpoints.path_at(run.cfg.checkpoint_dir, step)
+    memfit.save_checkpoint(path, run.model, run.opt, step=step)
+    if run.rank == 0:
+        _checkpoints.prune(run.cfg.checkpoint_dir, run.cfg.keep_last)
+    run.log.say(f"saved checkpoint step {step} ({path})")
+
+
 def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -> dict:
-    """Train as ``cfg`` says; returns the log, the world size and a digest of the final parameters.
+    """Train as ``cfg`` says; returns the log, evaluations, the world size and a digest of the
+    final parameters.
 
     ``on_step(step)``, when given, is called on every rank at the start of each step, with the
     number of steps done so far (a hook for progress reporting, profiling or fault injection).
@@ -110,61 +234,44 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -
     # A collective (or the mesh set-up of a restarted group) that outlives the timeout fails,
     # so that torchrun can restart the job instead of waiting for ever.
     init_process_group(timeout=pg_timeout())
-    rank, world = dist.get_rank(), dist.get_world_size()
-    preset = cfg.preset()
-    shape = preset.shape
-    model = preset.build(cfg.seed)
-    memfit.Decision.parse(cfg.checkpointing).apply_to(model, preset.layer_class())
-    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={preset.layer_class()})
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    start = _resume(cfg, model, opt)
+    run = _build(cfg)
+    start = _resume(cfg, run.model, run.opt, run.log)
+    if start >= cfg.steps:
+        run.log.say(f"the run is finished: the checkpoint is at step {start} of --steps {cfg.steps}; nothing to train")
+    can_eval = cfg.eval_every and len(run.tokens.val) > run.seq + 1
     log: list[dict] = []
+    evals: list[dict] = []
+    measured, t_run = False, time.perf_counter()
     for step in range(start, cfg.steps):
         if on_step is not None:
             on_step(step)
-        t0 = time.perf_counter()
-        for group in opt.param_groups:
-            group["lr"] = cfg.lr_at(step)
-        whole = batch_at(preset.arch, shape.batch * world, shape.seq, step=step, seed=cfg.seed)
-        mine = {k: v.chunk(world)[rank] for k, v in whole.items()}
-        micro = [{k: v.chunk(cfg.accumulate)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
-        torch.manual_seed(cfg.seed * 1_000_003 + step * world + rank)
-        meter = memfit.MemoryMeter(model=model, optimizer=opt) if step == start else None
-        total = 0.0
-        with meter if meter else contextlib.nullcontext():
-            for i, mb in enumerate(micro):
-                last = i == len(micro) - 1
-                with contextlib.nullcontext() if last else model.no_sync():
-                    loss = model(**mb).loss / cfg.accumulate
-                    loss.backward()
-                total += loss.item()
-            norm = memfit.clip_grad_norm_(model, cfg.clip)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        mean = torch.tensor([total])
-        dist.all_reduce(mean)
-        entry = {
-            "step": step + 1,
-            "loss": mean.item() / world,
-            "grad_norm": norm,
-            "lr": cfg.lr_at(step),
-            "tokens_per_s": shape.batch * world * shape.seq / (time.perf_counter() - t0),
-        }
-        if meter:
-            entry["peak_bytes"] = meter.peak_bytes
+        measure = not measured and bool(run.opt.state)  # the first step with AdamW state
+        entry = _step(run, step, measure)
+        measured |= measure
         log.append(entry)
-        if rank == 0:
-            peak = f"  peak {entry['peak_bytes'] / 2**20:.1f} MiB" if meter else ""
-            print(
-                f"step {step + 1}/{cfg.steps}  loss {entry['loss']:.4f}  lr {entry['lr']:.2e}  "
-                f"{entry['tokens_per_s']:.0f} tok/s{peak}",
-                flush=True,
-            )
-        if cfg.save_every and (step + 1) % cfg.save_every == 0:
-            memfit.save_checkpoint(cfg.checkpoint_dir, model, opt, step=step + 1)
-    result = {"log": log, "world_size": world, "params_sha256": _digest(model)}
-    if rank == 0 and cfg.json:
-        write_json(cfg.json, result)
+        done = step + 1
+        if done % cfg.log_every == 0 or done == cfg.steps or measure:
+            eta = (time.perf_counter() - t_run) / (done - start) * (cfg.steps - done)
+            run.log.step_line(entry, cfg.steps, eta)
+            global_batch = run.batch * cfg.accumulate * run.world
+            run.log.record({**entry, "world_size": run.world, "global_batch": global_batch, "params": run.params})
+        if can_eval and (done % cfg.eval_every == 0 or done == cfg.steps):
+            evals.append(_evaluate(run, done))
+            run.log.record(evals[-1])
+        if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
+            _save(run, done)
+    _finish(run)
+    result = {"log": log, "eval": evals, "world_size": run.world, "params_sha256": _digest(run.model)}
+    if run.rank == 0 and cfg.json:
+        write_json(cfg.json, {**result, "config": asdict(cfg)})
     dist.barrier()
     return result
+
+
+def _finish(run: _Run) -> None:
+    run.log.close()
+    if run.cfg.export:
+        memfit.export_safetensors(run.model, run.cfg.export)
+        if run.rank == 0 and run.cfg.tokenizer:
+            shutil.copy(run.cfg.tokenizer, os.path.join(run.cfg.export, "tokenizer.json"))
+        run.log.say(f"exported safetensors to {run.cfg.export}")

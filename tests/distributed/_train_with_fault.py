@@ -1,34 +1,55 @@
-"""`memfit train` with a rank that dies: the entry point tests/test_train.py launches with
+"""`memfit train` with a rank that dies: the entry point tests/distributed/test_train.py launches with
 python or torchrun in place of `-m memfit train`.
 
     _train_with_fault.py --fail-at-step N [memfit train flags]
+    _train_with_fault.py --fail-in-save N [memfit train flags]
 
 The last rank kills itself with SIGKILL (as a crash or the OOM killer would: no clean-up, no
-exit handler) at the start of the step after N steps done, on torchrun's first attempt only,
-so that the restarted job runs through. The fault comes in through train's ``on_step`` hook.
+exit handler) on torchrun's first attempt only, so that the restarted job runs through:
+--fail-at-step N at the start of the step after N steps done (through train's ``on_step``
+hook); --fail-in-save N in the middle of the N-th save_checkpoint, right after it wrote its
+own shard files (before the checkpoint is complete).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import signal
 
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from memfit.cli import parse_config, train
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--fail-at-step", type=int, required=True)
+    p.add_argument("--fail-at-step", type=int)
+    p.add_argument("--fail-in-save", type=int)
     ours, flags = p.parse_known_args()
     cfg = parse_config(["train", *flags])
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 
+    def doomed() -> bool:
+        return first_attempt and dist.get_rank() == dist.get_world_size() - 1
+
     def on_step(step: int) -> None:
-        if step == ours.fail_at_step and first_attempt and dist.get_rank() == dist.get_world_size() - 1:
+        if step == ours.fail_at_step and doomed():
             os.kill(os.getpid(), signal.SIGKILL)
+
+    if ours.fail_in_save is not None:
+        write_data, saves = dcp.FileSystemWriter.write_data, itertools.count(1)
+
+        def write_then_die(self, plan, planner):
+            written = write_data(self, plan, planner)
+            written.wait()  # this rank's shards are on disk
+            if next(saves) == ours.fail_in_save and doomed():
+                os.kill(os.getpid(), signal.SIGKILL)
+            return written
+
+        dcp.FileSystemWriter.write_data = write_then_die
 
     train(cfg, on_step=on_step)
 

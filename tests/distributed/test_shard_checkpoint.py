@@ -178,6 +178,47 @@ def case_truncated_file_and_planted_pickle_are_refused(rank, world, root):
     assert "refusing" in msg and ("posix.system" in msg or "os.system" in msg), msg
 
 
+def case_corruption_is_refused_naming_file_and_tensor(rank, world, root):
+    from memfit._shard._checkpoint_files import _chunks, _read_metadata
+
+    saved = os.path.join(root, "saved", "ckpt")
+    chunks = {name: (rel, off, n) for name, rel, off, n in _chunks(_read_metadata(saved))}
+
+    def damaged(name, at, data=b"\xff\xff\x7f\x7f"):
+        path = os.path.join(root, "damaged", name)
+        shutil.copytree(saved, path)
+        rel, off, n = chunks["model/blocks.0.0.weight"]
+        with open(os.path.join(path, rel), "r+b") as f:
+            f.seek(off + (n // 2 if at == "data" else 0))  # inside the tensor's bytes, or its zip header
+            f.write(data)
+        return path, rel
+
+    path, rel = damaged("bytes", "data")  # a weight would read back as 3.4e38
+    msg = load_only(path)
+    assert f"{rel}' is corrupt" in msg and "tensor 'model/blocks.0.0.weight'" in msg, msg
+
+    path, rel = damaged("header", "header", b"XXXX")
+    assert f"{rel}' is corrupt" in load_only(path)
+    with open(os.path.join(path, "memfit.json")) as f:
+        info = json.load(f)
+    del info["checksums"]  # a checkpoint written before checksums: torch's reader meets the header
+    with open(os.path.join(path, "memfit.json"), "w") as f:
+        json.dump(info, f)
+    msg = load_only(path)
+    assert "corrupt or not a memfit checkpoint" in msg and "weights_only" not in msg, msg
+
+    path, _ = damaged("metadata", "data")
+    with open(os.path.join(path, ".metadata"), "wb") as f:
+        f.write(os.urandom(64))
+    msg = load_only(path)
+    assert "corrupt or not a memfit checkpoint" in msg and "arbitrary code" not in msg, msg
+
+    path, _ = damaged("json", "data")
+    open(os.path.join(path, "memfit.json"), "w").close()
+    msg = load_only(path)
+    assert "memfit.json' is empty" in msg and "corrupt or not a memfit checkpoint" in msg, msg
+
+
 def case_export_safetensors_loads_in_a_plain_model(rank, world, root):
     path = os.path.join(root, "export")
     model, opt = build()
@@ -224,7 +265,11 @@ CASES = {  # world size -> its group's cases; the group of 2 saves what the othe
         case_errors_name_what_differs,
         case_export_hf_bert_loads_with_from_pretrained,
     ],
-    1: [case_load_and_continue, case_truncated_file_and_planted_pickle_are_refused],
+    1: [
+        case_load_and_continue,
+        case_truncated_file_and_planted_pickle_are_refused,
+        case_corruption_is_refused_naming_file_and_tensor,
+    ],
     3: [case_load_and_continue, case_export_safetensors_loads_in_a_plain_model],
     4: [case_load_and_continue],
 }

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -12,23 +13,29 @@ import memfit
 TINY = ["--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "4", "--steps", "6", "--lr", "1e-3"]
 
 
-def memfit_train(*args, torchrun=0, fail_at_step=None, check=True):
+def memfit_train(
+    *args, torchrun=0, fail_at_step=None, fail_in_save=None, restarts=3, check=True, env_path=None, preset=True
+):
     # Up to 3 restarts, and a 20 s process-group timeout so that a restarted group that stalls
     # fails and is restarted rather than waiting. With fail_at_step, the last rank is killed at
     # the start of the step after that many steps, on the first attempt (tests/distributed/_train_with_fault.py).
-    if fail_at_step is None:
-        entry = ["-m", "memfit", "train"]
-    else:
-        entry = [str(Path(__file__).with_name("_train_with_fault.py")), "--fail-at-step", str(fail_at_step)]
+    entry = ["-m", "memfit", "train"]
+    if fail_at_step is not None or fail_in_save is not None:
+        fault = ["--fail-at-step", str(fail_at_step)] if fail_at_step is not None else []
+        fault += ["--fail-in-save", str(fail_in_save)] if fail_in_save is not None else []
+        entry = [str(Path(__file__).with_name("_train_with_fault.py")), *fault]
     if torchrun:
         exe = str(Path(sys.executable).parent / "torchrun")
-        cmd = [exe, "--standalone", f"--nproc-per-node={torchrun}", "--max-restarts=3", *entry]
+        cmd = [exe, "--standalone", f"--nproc-per-node={torchrun}", f"--max-restarts={restarts}", *entry]
     else:
         cmd = [sys.executable, *entry]
     # The children import the memfit under test (this checkout's), whatever the working directory.
-    path = os.pathsep.join(filter(None, [str(Path(memfit.__file__).parents[1]), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(
+        filter(None, [str(Path(memfit.__file__).parents[1]), env_path, os.environ.get("PYTHONPATH")])
+    )
     env = {**os.environ, "MEMFIT_PG_TIMEOUT": "20", "PYTHONPATH": path}  # a stuck restarted group fails fast
-    proc = subprocess.run([*cmd, *TINY, *args], check=False, capture_output=True, text=True, timeout=400, env=env)
+    shape = TINY if preset else TINY[4:]  # --layers/--hidden resize presets only
+    proc = subprocess.run([*cmd, *shape, *args], check=False, capture_output=True, text=True, timeout=400, env=env)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
@@ -47,6 +54,8 @@ def test_resume_continues_exactly(tmp_path):
     assert [e["step"] for e in rest["log"]] == [5, 6]
     assert [e["loss"] for e in rest["log"]] == [e["loss"] for e in whole["log"][4:]]
     assert rest["params_sha256"] == whole["params_sha256"]
+    # the peak logged is that of a step with AdamW state: the same fresh (step 2) and resumed (step 5)
+    assert whole["log"][1]["peak_bytes"] == rest["log"][0]["peak_bytes"]
 
 
 def test_torchrun_restarts_after_a_killed_rank(tmp_path):
@@ -78,3 +87,36 @@ def test_errors(tmp_path):
     assert proc.returncode == 2 and "cannot resume from" in proc.stderr and "missing keys" in proc.stderr
     proc = memfit_train("--model", "t5", check=False)
     assert proc.returncode == 2 and "unknown model 't5'" in proc.stderr
+
+
+def test_accumulate_more_micro_batches_than_batch_rows(tmp_path):
+    # --batch is the micro-batch per rank: 2 rows x 4 micro-batches = 8 rows a step
+    memfit_train("--batch", "2", "--accumulate", "4", "--steps", "2", "--json", str(tmp_path / "acc.json"))
+    assert [e["step"] for e in read(tmp_path / "acc.json")["log"]] == [1, 2]
+
+
+def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
+    ck = tmp_path / "ck"
+    for _attempt in range(3):  # the gloo flake of test_torchrun_restarts_after_a_killed_rank
+        shutil.rmtree(ck, ignore_errors=True)
+        killed = memfit_train(
+            "--checkpoint-dir", str(ck), "--save-every", "2", torchrun=2, fail_in_save=2, restarts=0, check=False
+        )  # fmt: skip
+        if "connectFullMesh failed" not in killed.stdout + killed.stderr:
+            break
+    assert killed.returncode != 0 and "saved checkpoint step 2" in killed.stdout, killed.stderr[-3000:]
+    assert "saved checkpoint step 4" not in killed.stdout
+    names = sorted(os.listdir(ck))
+    partial = [n for n in names if n.startswith("step-00000004.tmp-")]
+    assert names[0] == "step-00000002" and len(partial) == 1, names  # killed after writing some shards
+    assert any(f.endswith(".distcp") for f in os.listdir(ck / partial[0]))
+    assert not (ck / partial[0] / "memfit.json").exists()
+    # The previous checkpoint is whole (checksums verified), and resuming picks it, at any world size
+    resumed = memfit_train(
+        "--checkpoint-dir", str(ck), "--save-every", "2", "--resume", "auto", "--json", str(tmp_path / "r.json")
+    )  # fmt: skip
+    assert f"resumed from step 2 ({ck / 'step-00000002'})" in resumed.stdout
+    assert [e["step"] for e in read(tmp_path / "r.json")["log"]] == [3, 4, 5, 6]
+    assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000004", "step-00000006"]  # partial removed
+    finished = memfit_train("--checkpoint-dir", str(ck), "--resume", "auto")
+    assert "the run is finished: the checkpoint is at step 6 of --steps 6" in finished.stdout

@@ -59,7 +59,7 @@ def test_plan_llama_8b_on_8_gpus_answers_from_shapes(capsys):
     assert "state" in out and "gather_buffers" in out and "time on h100" in out
 
 
-def test_bench_world_size_compares_ddp_and_sharding(tmp_path):
+def test_bench_world_size_compares_ddp_and_sharding(tmp_path, capsys):
     out = tmp_path / "dist.json"
     argv = ["bench", *TINY, "--world-size", "2", "--repeats", "1", "--warmup", "1", "--json", str(out)]
     assert main(argv) == 0
@@ -67,6 +67,24 @@ def test_bench_world_size_compares_ddp_and_sharding(tmp_path):
     assert set(rows) == {"DDP", "memfit"}
     assert rows["memfit"]["peak_bytes"] < rows["DDP"]["peak_bytes"]  # parameters, grads, AdamW sharded
     assert rows["memfit"]["loss"] == rows["DDP"]["loss"]  # same init, same batch on rank 0
+    assert rows["memfit"]["baseline"] == "DDP" and "peak_vs_baseline" in rows["memfit"]
+    assert "overhead vs DDP" in capsys.readouterr().out
+
+
+def test_progress_lines_when_stdout_is_not_a_terminal(capsys):
+    # capsys: stdout is not a terminal, as in CI logs; progress comes as plain lines
+    assert main(["plan", *TINY, "--model", "gpt2", "--budget", "1GB"]) == 0
+    assert "plan: profiling one batch" in capsys.readouterr().out
+    assert main(["bench", *TINY, "--strategies", "none", "full", "--repeats", "1", "--warmup", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "[1/" in out and "warm-up: none" in out and "memory: full" in out
+
+
+def test_bench_world_size_refuses_one_process_flags(capsys):
+    assert main(["bench", *TINY, "--world-size", "2", "--strategies", "full"]) == 2
+    assert "--strategies and --budget apply to one process" in capsys.readouterr().err
+    assert main(["bench", *TINY, "--world-size", "2", "--budget", "300MB"]) == 2
+    assert "--strategies and --budget apply to one process" in capsys.readouterr().err
 
 
 def test_calibrate_caches_the_rates_the_planner_then_uses(tmp_path, monkeypatch, capsys):

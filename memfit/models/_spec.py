@@ -1,0 +1,133 @@
+"""What `memfit train --model` names: a preset, a local HF ``config.json``, or a Python factory.
+
+Nothing is downloaded. A preset or a config is built randomly initialised with
+``transformers``'s Auto classes (masked LM for BERT-like configs, causal LM otherwise); a
+factory ``pkg.module:function`` is called with no arguments after seeding torch and must
+return an ``nn.Module`` (see :func:`loss_of` for what its forward may return).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+MASKED = ("bert", "roberta", "distilbert", "albert", "electra", "deberta", "deberta-v2")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """How to build the model `--model` names, and what the trainer needs to know about it."""
+
+    name: str  # as the user wrote it
+    arch: str  # "bert" (masked LM: 15% of tokens masked and predicted) or "causal" (next token)
+    build: Callable[[int], nn.Module]  # seed -> a randomly initialised model
+    seq: int  # default sequence length (a preset's; 128 otherwise)
+    batch: int  # default micro-batch rows per rank (a preset's; 8 otherwise)
+
+
+def resolve(name: str, *, layers: int | None = None, hidden: int | None = None) -> ModelSpec:
+    """The ModelSpec of ``name``: a preset name, a path to a ``config.json`` (or a directory
+    holding one), or ``pkg.module:function``. ``layers``/``hidden`` resize presets only."""
+    from memfit.models import PRESETS
+
+    if name in PRESETS:
+        preset = PRESETS[name].resized(layers=layers, hidden=hidden)
+        arch = "bert" if preset.arch == "bert" else "causal"
+        return ModelSpec(name, arch, preset.build, preset.shape.seq, preset.shape.batch)
+    is_config = os.path.isdir(name) or name.endswith(".json")
+    if not is_config and ":" not in name:
+        raise ValueError(
+            f"memfit train: unknown model {name!r}; choose one of {sorted(PRESETS)}, a local config.json path, "
+            "or a factory as pkg.module:function"
+        )
+    if layers or hidden:
+        raise ValueError("memfit train: --layers and --hidden resize presets; edit the config or factory instead")
+    return _from_config(name) if is_config else _from_factory(name)
+
+
+def _from_config(path: str) -> ModelSpec:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForMaskedLM
+
+    file = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    if not os.path.isfile(file):
+        raise ValueError(f"memfit train: --model {path!r}: no such file {file!r}")
+    try:
+        config = AutoConfig.from_pretrained(file)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"memfit train: --model {path!r} is not a transformers config.json ({e})") from None
+    masked = config.model_type in MASKED
+    auto = AutoModelForMaskedLM if masked else AutoModelForCausalLM
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        return auto.from_config(config)
+
+    return ModelSpec(path, "bert" if masked else "causal", build, 128, 8)
+
+
+def _from_factory(spec: str) -> ModelSpec:
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"memfit train: cannot import the model factory {spec!r}: {e}") from None
+
+    def build(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        model = factory()
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"memfit train: {spec} returned {type(model).__name__}, not a torch.nn.Module")
+        return model
+
+    return ModelSpec(spec, "causal", build, 128, 8)
+
+
+def layer_class(model: nn.Module) -> type[nn.Module]:
+    """The class of the model's repeated blocks, the units to shard and checkpoint: the
+    transformers ``_no_split_modules`` class, else the class of the longest ModuleList's items."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    for m in model.modules():
+        if type(m).__name__ in names:
+            return type(m)
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError(
+            f"memfit train: cannot find the repeated blocks of {type(model).__name__} (no nn.ModuleList); "
+            "keep the blocks in an nn.ModuleList"
+        )
+    return type(max(lists, key=len)[0])
+
+
+def vocab_size(model: nn.Module) -> int | None:
+    """The number of token ids ``model`` embeds, when it says (HF config or input embeddings)."""
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "vocab_size", None):
+        return int(config.vocab_size)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    return embeddings[0].num_embeddings if embeddings else None
+
+
+def loss_of(model: nn.Module, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The loss of ``model(input_ids=..., labels=...)``: its ``.loss`` (transformers), a scalar
+    it returns, or, from logits ``[batch, seq, vocab]``, the next-token cross-entropy."""
+    out = model(**batch)
+    loss = getattr(out, "loss", None)
+    if loss is not None:
+        return loss
+    if torch.is_tensor(out) and out.dim() == 0:
+        return out
+    logits = out if torch.is_tensor(out) else getattr(out, "logits", None)
+    if logits is None or logits.dim() != 3:
+        raise TypeError(
+            "memfit train: the model's forward(input_ids=, labels=) must return a loss, an object with .loss, "
+            f"or logits [batch, seq, vocab]; it returned {type(out).__name__}"
+        )
+    labels = batch["labels"][:, 1:]
+    return nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), labels.reshape(-1))
