@@ -22,6 +22,7 @@ import time
 
 import torch
 import torch.utils.checkpoint as tuc
+from _common import emit
 from torch import nn
 
 import memfit
@@ -139,11 +140,7 @@ def main() -> None:
             f"| {s} | {kept[s] / MIB:.1f} | {med[s]:.3f} | {med[s] / med['none']:.3f}x | {med[s] / med[ref]:.3f}x "
             f"| {first[s]:.6f} |"
         )
-    report = "\n".join([*lines, ""])
-    print(report)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(report)
+    emit([*lines, ""], args.out)
 
 
 if __name__ == "__main__":

@@ -35,6 +35,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _common import emit
 from torch import nn
 
 import memfit
@@ -164,11 +165,7 @@ def main() -> None:
         diff = {k: v - c["plain"]["ops"].get(k, 0) for k, v in c[s]["ops"].items()}
         top = sorted(((v, k) for k, v in diff.items() if v), reverse=True)[:12]
         lines.append(f"- {s} ops per step beyond plain: " + ", ".join(f"{k} {v}" for v, k in top))
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit([*lines, ""], args.out)
 
 
 if __name__ == "__main__":

@@ -148,3 +148,20 @@ class Subtests:
         failure = report if isinstance(report, str) else report[case.__name__]
         if failure:
             pytest.fail(failure, pytrace=False)
+
+
+def torchrun(script: str, *args: str, nproc: int = 2, timeout: float = 400, env: dict | None = None):
+    """Run ``script args`` under ``torchrun --standalone`` on ``nproc`` local ranks with this
+    checkout first on PYTHONPATH; returns the CompletedProcess (text output captured)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import memfit
+
+    exe = str(Path(sys.executable).parent / "torchrun")
+    repo = str(Path(memfit.__file__).parents[1])
+    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1", **(env or {})}
+    cmd = [exe, "--standalone", f"--nproc-per-node={nproc}", script, *args]
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env, cwd=repo)

@@ -8,27 +8,17 @@ uninterrupted one exactly.
 """
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-import memfit
-
-pytest.importorskip("lightning")
+from tests._dist import torchrun
 
 
 def test_strategy_matches_ddp_and_resumes(tmp_path):
-    exe = str(Path(sys.executable).parent / "torchrun")
-    script = str(Path(__file__).with_name("_lightning_run.py"))
-    repo = str(Path(memfit.__file__).parents[1])
-    path = os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")]))
-    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     result = tmp_path / "result.json"
-    cmd = [exe, "--standalone", "--nproc-per-node=2", script, str(result), str(tmp_path)]
-    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=400, env=env, cwd=repo)
+    script = str(Path(__file__).with_name("_lightning_run.py"))
+    proc = torchrun(script, str(result), str(tmp_path))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     out = json.loads(result.read_text())
     for rank, (ddp, mf, resumed) in enumerate(out["losses"]):
