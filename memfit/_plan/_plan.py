@@ -188,7 +188,9 @@ class Plan:
         return meter.peak_bytes
 
     def compare(self, measured_peak: int | memfit.MemoryMeter) -> str:
-        """Predicted against measured peak (bytes, or a MemoryMeter around a step)."""
+        """Predicted against measured peak (bytes, or a MemoryMeter around a step). The forecast
+        is of a step whose optimizer state exists already: measure the second step or a later
+        one (the first step's peak comes before AdamW's state is created)."""
         measured = measured_peak.peak_bytes if isinstance(measured_peak, memfit.MemoryMeter) else measured_peak
         ratio = self.predicted_peak / measured
         text = (

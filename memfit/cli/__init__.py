@@ -95,7 +95,7 @@ def _train_flags(t: argparse.ArgumentParser, models: str) -> None:
     t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     t.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     t.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"], help="per block")
-    _shape_flags(t, " (batch: rows per rank per micro-batch)")
+    _shape_flags(t, batch_note=" (rows per rank per micro-batch)")
     t.add_argument("--seed", type=int, default=0, help="initialisation, dropout and masking")
     t.add_argument("--checkpoint-dir", help="checkpoints go to DIR/step-N")
     t.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps and at the end")
@@ -115,9 +115,10 @@ def _train_flags(t: argparse.ArgumentParser, models: str) -> None:
     t.add_argument("--json", help="write the log and a digest of the final parameters here")
 
 
-def _shape_flags(p: argparse.ArgumentParser, note: str = "") -> None:
+def _shape_flags(p: argparse.ArgumentParser, batch_note: str = "") -> None:
     for name in ("layers", "hidden", "seq", "batch"):
-        p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}{note}")
+        note = batch_note if name == "batch" else ""
+        p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}{note} (default: the preset's)")
 
 
 def _config(cls: type, args: argparse.Namespace) -> Config:
