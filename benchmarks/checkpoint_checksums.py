@@ -22,9 +22,9 @@ import time
 import torch
 
 import memfit
-from memfit._shard import _checkpoint_files
 from memfit.cli._launch import init_process_group
 from memfit.models import PRESETS
+from memfit.testing import checkpoint_checksums
 
 
 def main() -> None:
@@ -46,13 +46,13 @@ def main() -> None:
     try:
         for r in range(args.repeats + 1):  # the first round warms up
             for checksums in (False, True):
-                _checkpoint_files._CHECKSUMS = checksums
                 path = os.path.join(root, f"ck-{r}-{checksums}")
-                t0 = time.perf_counter()
-                memfit.save_checkpoint(path, model, opt, step=1)
-                t1 = time.perf_counter()
-                memfit.load_checkpoint(path, model, opt)
-                t2 = time.perf_counter()
+                with checkpoint_checksums(checksums):
+                    t0 = time.perf_counter()
+                    memfit.save_checkpoint(path, model, opt, step=1)
+                    t1 = time.perf_counter()
+                    memfit.load_checkpoint(path, model, opt)
+                    t2 = time.perf_counter()
                 size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
                 shutil.rmtree(path)
                 if r:

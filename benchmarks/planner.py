@@ -25,10 +25,9 @@ import torch
 from _common import MIB, command, emit, progress_log
 
 import memfit
-from memfit._plan._time import calibrate
 from memfit.cli._launch import spawn
 from memfit.models import PRESETS, Preset, Shape, lm_batch, mlm_batch
-from memfit.testing import BlockProfile, ModelProfile, forecast, measured_sharded_peak, solve
+from memfit.testing import BlockProfile, ModelProfile, calibrate, forecast, measured_sharded_peak, solve
 
 GIB = 2**30
 SMALL = {"layers": 4, "hidden": 128, "heads": 4, "seq": 64, "batch": 4, "dropout": 0.0}

@@ -17,7 +17,9 @@ from memfit._checkpoint import _offload
 from memfit._checkpoint._function import _Frame, _Holder
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, terms
+from memfit._plan._time import PROFILES, OpCost, calibrate, device_profile
 from memfit._plan._validate import measured_sharded_peak
+from memfit._shard import _checkpoint_files
 from memfit._shard._collectives import STATS, CommStats
 from memfit._shard._mixed import _NORMS
 from memfit._shard._param import ShardedParam
@@ -27,11 +29,17 @@ from memfit.cli._launch import free_port
 __all__ = [
     "DECISIONS",
     "NORM_LAYERS",
+    "PROFILES",
     "BlockProfile",
     "ModelProfile",
+    "OpCost",
     "ShardedParam",
     "Sharding",
+    "calibrate",
+    "checkpoint_checksums",
+    "checkpoint_chunks",
     "collective_stats",
+    "device_profile",
     "forecast",
     "free_port",
     "held_recomputed_tensors",
@@ -110,3 +118,21 @@ def debug_collectives(on: bool = True) -> Iterator[None]:
 
 
 __all__ += ["debug_collectives"]
+
+
+def checkpoint_chunks(path: str) -> dict[str, tuple[str, int, int]]:
+    """Where a sharded checkpoint stores each tensor chunk: {name: (file, offset, bytes)} (for
+    tests that damage bytes on purpose)."""
+    meta = _checkpoint_files._read_metadata(path)
+    return {name: (rel, off, n) for name, rel, off, n in _checkpoint_files._chunks(meta)}
+
+
+@contextlib.contextmanager
+def checkpoint_checksums(enabled: bool) -> Iterator[None]:
+    """Turn the per-chunk checksums of save_checkpoint on or off (to measure what they cost)."""
+    before = _checkpoint_files._CHECKSUMS
+    _checkpoint_files._CHECKSUMS = enabled
+    try:
+        yield
+    finally:
+        _checkpoint_files._CHECKSUMS = before

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
+import memfit.testing
 from tests._dist import Subtests, case_id
 from tests._models import make_model
 
@@ -179,10 +180,8 @@ def case_truncated_file_and_planted_pickle_are_refused(rank, world, root):
 
 
 def case_corruption_is_refused_naming_file_and_tensor(rank, world, root):
-    from memfit._shard._checkpoint_files import _chunks, _read_metadata
-
     saved = os.path.join(root, "saved", "ckpt")
-    chunks = {name: (rel, off, n) for name, rel, off, n in _chunks(_read_metadata(saved))}
+    chunks = memfit.testing.checkpoint_chunks(saved)
 
     def damaged(name, at, data=b"\xff\xff\x7f\x7f"):
         path = os.path.join(root, "damaged", name)

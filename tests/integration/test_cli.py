@@ -91,7 +91,7 @@ def test_calibrate_caches_the_rates_the_planner_then_uses(tmp_path, monkeypatch,
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     assert main(["calibrate"]) == 0
     assert (tmp_path / "device-cpu.json").exists() and "memory_bandwidth" in capsys.readouterr().out
-    from memfit._plan._time import device_profile
+    from memfit.testing import device_profile
 
     cached = device_profile("calibrated")
     assert cached.name == "calibrated-cpu" and cached == device_profile(None)  # the default once cached

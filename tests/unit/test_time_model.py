@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import memfit
-from memfit._plan._time import PROFILES, OpCost, device_profile
+from memfit.testing import PROFILES, OpCost, device_profile
 
 FLAT = memfit.DeviceProfile("flat", {"float32": 1e9}, 1e9, 1e8, 1e-6)
 
