@@ -119,6 +119,20 @@ def debug_collectives(on: bool = True) -> Iterator[None]:
 
 __all__ += ["debug_collectives"]
 
+# Host offload ("cpu"): counters, and CPU tensors treated as device tensors with traced streams.
+from memfit._checkpoint._host import STATS as _OFFLOAD_STATS  # noqa: E402
+from memfit._checkpoint._host import OffloadStats, OffloadTrace  # noqa: E402
+from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu  # noqa: E402
+
+
+def offload_stats() -> OffloadStats:
+    """This process's counters of "cpu" offload (copies and bytes each way, prefetches,
+    shared copies, kept tensors); ``.reset()`` them."""
+    return _OFFLOAD_STATS
+
+
+__all__ += ["OffloadStats", "OffloadTrace", "host_offload_on_cpu", "offload_stats"]
+
 
 def checkpoint_chunks(path: str) -> dict[str, tuple[str, int, int]]:
     """Where a sharded checkpoint stores each tensor chunk: {name: (file, offset, bytes)} (for

@@ -263,6 +263,14 @@ def _forget(ref: weakref.ref, gid: int) -> None:
         frame.forget(gid)
 
 
+def _module_of(fn: Callable) -> torch.nn.Module | None:
+    """The module ``fn`` is, or is a bound method of (whose state offload keeps in place)."""
+    if isinstance(fn, torch.nn.Module):
+        return fn
+    owner = getattr(fn, "__self__", None)
+    return owner if isinstance(owner, torch.nn.Module) else None
+
+
 def _version(t: torch.Tensor) -> int | None:
     try:
         return t._version
@@ -281,6 +289,7 @@ def _checkpoint(
     name: str | None = None,
     context_fn: Callable[[], tuple] | None = None,
     check: bool = True,
+    module: torch.nn.Module | None = None,
 ):
     options = {
         "preserve_rng_state": preserve_rng_state,
@@ -289,6 +298,7 @@ def _checkpoint(
         "name": name,
         "context_fn": context_fn,
         "check": check,
+        "module": module,
     }
     if torch.compiler.is_compiling():
         if offload is None:
@@ -308,6 +318,7 @@ def _eager_checkpoint(
     name: str | None,
     context_fn: Callable[[], tuple] | None,
     check: bool,
+    module: torch.nn.Module | None,
 ):
     if not callable(fn):
         raise TypeError(f"memfit.checkpoint: expected a callable to checkpoint, got {type(fn).__name__}")
@@ -317,8 +328,9 @@ def _eager_checkpoint(
         raise ValueError("memfit.checkpoint: pass save= or context_fn=, not both (both choose what to keep)")
     if _local.disabled_depth > 0 or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    module = module or _module_of(fn)
     if save == "all":  # nothing recomputed: only offload applies, to everything saved
-        with offload_hooks(offload):
+        with offload_hooks(offload, module):
             return fn(*args, **kwargs)
     if context_fn is not None:
         forward_ctx, recompute_ctx = context_fn()
@@ -340,7 +352,7 @@ def _eager_checkpoint(
         recompute_ctx,
         check,
     )
-    with offload_hooks(offload):
+    with offload_hooks(offload, module):
         frame.save_inputs(tensors)
     versions = [_version(t) for t in tensors]
     with torch.autograd.graph.saved_tensors_hooks(frame.pack, frame.unpack), forward_ctx:
@@ -429,7 +441,7 @@ def checkpoint(
 _eager_inside_compiled = torch.compiler.disable(_eager_checkpoint)
 
 
-def _compiled_checkpoint(fn, args, kwargs, *, preserve_rng_state, offload, save, name, context_fn, check):
+def _compiled_checkpoint(fn, args, kwargs, *, preserve_rng_state, offload, save, name, context_fn, check, module):
     save = resolve_save(save)
     if save == "all":
         return fn(*args, **kwargs)

@@ -44,7 +44,9 @@ class _CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
-        return _checkpoint(self._plain_forward, args, kwargs, offload=self.offload, save=self.save, name=self.name)
+        return _checkpoint(
+            self._plain_forward, args, kwargs, offload=self.offload, save=self.save, name=self.name, module=self.module
+        )
 
 
 def checkpoint_module(

@@ -17,15 +17,19 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, _is_param
+
 # [Note: Offload of saved tensors]
 # Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
 # a checkpointed block, or everything a block saves when it is not recomputed (save="all").
-# Parameters are never offloaded (they stay alive anyway, so moving them would save nothing).
-#   "cpu":  accelerator tensors are copied to pinned host memory on a side stream in forward
-#           and copied back on the compute stream in backward. Tensors already on the CPU are
-#           kept as they are: on a CPU-only machine "cpu" offload does no work. The copy path
-#           needs an accelerator and is not exercised by the CPU test suite; it does not
-#           prefetch the next block's tensors ahead of use (the copy back happens on unpack).
+# Parameters and views of parameters are never offloaded (they stay alive anyway, so moving
+# them would save nothing): Linear saves `weight.t()`, which stays where it is.
+#   "cpu":  accelerator tensors go to pinned host memory on a side stream in forward and come
+#           back in backward, a block's tensors prefetched while the block after it (in
+#           forward order) runs its backward; see [Note: Host offload] in _host.py for what is
+#           kept (parameters, tensors under `min_bytes`, module state), strides, tensors
+#           saved twice, the bounded stash and the streams. Tensors already on the CPU are
+#           kept as they are: on a CPU-only machine "cpu" offload does no work.
 #   "disk": every tensor is written to its own file in a private temporary directory (under
 #           `Offload.directory`, default the system temp dir) and read back, memory-mapped,
 #           on unpack. A file is deleted as soon as autograd drops the saved tensor; the
@@ -45,16 +49,29 @@ class Offload:
         directory: for ``"disk"``: the parent of that temporary directory (default: the
             system's temporary directory). Checked for writing when the policy is built, so
             a bad directory fails before any forward, leaving nothing behind.
+        min_bytes: tensors smaller than this stay where they are (default: 1024 for
+            ``"cpu"``, as torchtune's ``OffloadActivations``; 0 for ``"disk"``).
+        stash: for ``"cpu"``: how many offloaded tensors forward keeps on the device until
+            their copy to the host is done (default 5, as torchtune); the compute stream
+            waits for a copy only when its tensor leaves the stash.
     """
 
     target: str
     directory: str | None = None
+    min_bytes: int | None = None
+    stash: int = STASH
 
     def __post_init__(self) -> None:
         if self.target not in TARGETS:
             raise ValueError(f"memfit: unknown offload target {self.target!r}; choose None or one of {TARGETS}")
         if self.directory is not None and self.target != "disk":
             raise ValueError(f"memfit.Offload: directory applies to target='disk' only, not {self.target!r}")
+        if self.min_bytes is None:
+            object.__setattr__(self, "min_bytes", MIN_BYTES if self.target == "cpu" else 0)
+        if not isinstance(self.min_bytes, int) or self.min_bytes < 0:
+            raise ValueError(f"memfit.Offload: min_bytes must be an integer >= 0, got {self.min_bytes!r}")
+        if not isinstance(self.stash, int) or self.stash < 1:
+            raise ValueError(f"memfit.Offload: stash must be an integer >= 1, got {self.stash!r}")
         if self.target == "disk":
             _probe_writable(self.directory or tempfile.gettempdir())
 
@@ -83,47 +100,21 @@ def _from_name(target: str) -> Offload:
     return Offload(target)  # built once: "disk" probes the temporary directory
 
 
-def offload_hooks(offload: Offload | None) -> contextlib.AbstractContextManager:
-    """A context under which saved tensors go to the ``offload`` target (None: stay in place)."""
+def offload_hooks(offload: Offload | None, module: nn.Module | None = None) -> contextlib.AbstractContextManager:
+    """A context under which saved tensors go to the ``offload`` target (None: stay in place).
+    Enter a new one per block call: for "cpu" it is the group fetched together in backward.
+    ``module``: the checkpointed module, if the block is one (its state is never offloaded)."""
     if offload is None:
         return contextlib.nullcontext()
     if offload.target == "cpu":
-        return torch.autograd.graph.saved_tensors_hooks(_pack_host, _unpack_host)
+        return HostHooks(offload.min_bytes, offload.stash, module)
     store = _DiskStore.for_directory(offload.directory or tempfile.gettempdir())
-    return torch.autograd.graph.saved_tensors_hooks(store.pack, _unpack_disk)
+    return torch.autograd.graph.saved_tensors_hooks(functools.partial(store.pack, offload.min_bytes), _unpack_disk)
 
 
 def _keep(t: torch.Tensor) -> bool:
-    return isinstance(t, nn.Parameter)
-
-
-# -- host memory ---------------------------------------------------------------------------
-
-_side_streams: dict[torch.device, object] = {}
-
-
-def _pack_host(t: torch.Tensor):
-    if t.device.type == "cpu" or _keep(t):
-        return t
-    mod = torch.get_device_module(t.device.type)
-    if t.device not in _side_streams:
-        _side_streams[t.device] = mod.Stream(t.device)
-    side = _side_streams[t.device]
-    side.wait_stream(mod.current_stream(t.device))
-    with mod.stream(side):
-        host = torch.empty(t.size(), dtype=t.dtype, pin_memory=True)
-        host.copy_(t, non_blocking=True)
-        done = side.record_event()
-    t.record_stream(side)  # the allocator must not reuse t's memory before the copy ends
-    return (t.device, host, done)
-
-
-def _unpack_host(packed):
-    if isinstance(packed, torch.Tensor):
-        return packed
-    device, host, done = packed
-    torch.get_device_module(device.type).current_stream(device).wait_event(done)
-    return host.to(device, non_blocking=True)
+    """Parameters and views of parameters (rule 2 of [Note: Host offload])."""
+    return _is_param(t) or (t._base is not None and _is_param(t._base))
 
 
 # -- disk ----------------------------------------------------------------------------------
@@ -183,8 +174,8 @@ class _DiskStore:
             atexit.register(shutil.rmtree, self.dir, ignore_errors=True)
         return self.dir
 
-    def pack(self, t: torch.Tensor):
-        if _keep(t) or t.numel() == 0:
+    def pack(self, min_bytes: int, t: torch.Tensor):
+        if _keep(t) or t.numel() == 0 or t.numel() * t.element_size() < min_bytes:
             return t
         path = os.path.join(self._directory(), f"{next(self.names)}.bin")
         try:

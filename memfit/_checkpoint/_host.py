@@ -1,0 +1,495 @@
+"""Offload of saved tensors to host memory: what is kept, what is copied once, and on which
+stream each copy runs (a side stream with events on accelerators; no-ops, traced, on the CPU)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import weakref
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+
+import torch
+from torch import nn
+
+# [Note: Host offload]
+# What a block saves for backward goes to host memory, except what would not free anything or
+# would cost more to move than to hold. Kept in place (in this order):
+#   1. tensors not on the accelerator (on a CPU-only machine "cpu" offload does nothing), and
+#      tensors that are not plain strided ones (sparse, conjugate/negative views, subclasses
+#      such as DTensor or FakeTensor);
+#   2. parameters and views of parameters: `t`, or the base `t._base` it is a view of, is an
+#      nn.Parameter or a leaf that requires grad (its owner holds it to accumulate .grad, so
+#      it is alive anyway). Linear saves `weight.t()`, a view of the weight: kept;
+#   3. tensors smaller than `min_bytes` (1024 by default, torchtune's `min_offload_size`):
+#      the copies' fixed costs outweigh the bytes;
+#   4. tensors that share storage with a parameter or buffer of the checkpointed module
+#      (`weight.detach()`, BatchNorm's running statistics), when the block is a module.
+# A copy moves the storage region a tensor spans, once, and the tensor comes back as a view of
+# it with its own sizes, strides and offset: channels_last stays channels_last, an expanded
+# (stride 0) tensor moves its small storage, not its expanded size. A tensor whose region has
+# gaps (a strided slice) moves its elements only and comes back dense in the same order.
+# A tensor saved several times, or a view of a region already copied (same storage, same
+# version, inside the region), shares the first copy: one copy out, one copy back.
+#
+# Streams (accelerators; see [Note: Streams and buffer lifetimes] in _shard/_streams.py for
+# the same rules on sharding's streams):
+# - forward: the side stream waits for compute, copies the region into pinned host memory
+#   (non_blocking) and records an event. The source stays referenced in a bounded stash
+#   (`stash` tensors, 5 as in torchtune); the compute stream waits for a copy's event only when
+#   its source leaves the stash (its memory may then be reused by compute), never the host.
+#   A tensor still in the stash when backward needs it is used as it is, not copied back.
+# - backward: the first unpack of a block's group fetches that group if it is not on the
+#   device yet (on demand: only the first block in backward order) and prefetches the group
+#   saved just before it in forward (the next block in backward order) on the side stream, so
+#   that copy overlaps this block's backward. At most these two groups are on the device at
+#   once. Device buffers are allocated on compute (the side stream waits for compute first, as
+#   their memory may have been in use there) and compute waits for the fetch's event before
+#   the first use or before dropping an unused buffer, so no buffer is reused early and no
+#   record_stream is needed. Pinned host buffers are released to torch's host caching
+#   allocator, which holds them until the copies that read them are done.
+# Only a real accelerator runs the streams, pinned memory and asynchronous copies. On the
+# CPU `host_offload_on_cpu()` (memfit.testing) treats CPU tensors as if they were on a device:
+# the same decisions, copies (synchronous) and waits/records, traced, so tests check which
+# bytes move and the ordering rules above without a GPU.
+
+MIN_BYTES = 1024  # tensors below this many bytes are kept (torchtune's min_offload_size)
+STASH = 5  # forward: sources held until their copy to the host is done (torchtune's max_fwd_stash_size)
+
+
+@dataclass
+class OffloadStats:
+    """Counters of host offload in this process (tests); ``reset()`` them."""
+
+    d2h_copies: int = 0
+    d2h_bytes: int = 0
+    h2d_copies: int = 0
+    h2d_bytes: int = 0
+    prefetched: int = 0  # copies back issued before their group's first use
+    on_demand: int = 0  # copies back issued at their group's first use
+    shared: int = 0  # saves that reused an earlier copy
+    from_stash: int = 0  # unpacks served by a source still on the device
+    kept: int = 0  # saves left in place (parameters, small, not on a device)
+
+    def reset(self) -> None:
+        for f in fields(self):
+            setattr(self, f.name, 0)
+
+
+STATS = OffloadStats()
+
+
+class OffloadTrace:
+    """What host offload did with its streams, in order, as tuples (tests).
+
+    ("alloc" | "use" | "free", buffer, stream), ("record", stream, event), ("wait", stream, event).
+    """
+
+    def __init__(self) -> None:
+        self.log: list[tuple] = []
+
+    def violations(self) -> list[str]:
+        """A use on one stream not ordered after the other streams' earlier uses (and the
+        allocation), or a free before the allocating stream waited for every other use."""
+        recorded: dict[object, tuple[str, int]] = {}
+        waited: dict[str, list[tuple[object, int]]] = {}
+        touched: dict[str, list[tuple[str, int]]] = {}
+        owner: dict[str, str] = {}
+        bad = []
+
+        def ordered(src: str, after: int, dst: str, before: int) -> bool:
+            return any(recorded[e][0] == src and recorded[e][1] > after and p < before for e, p in waited.get(dst, []))
+
+        for i, (kind, a, b) in enumerate(self.log):
+            if kind == "record":
+                recorded[b] = (a, i)
+            elif kind == "wait":
+                waited.setdefault(a, []).append((b, i))
+            elif kind == "alloc":
+                owner[a], touched[a] = b, [(b, i)]
+            elif kind == "use":
+                bad += [
+                    f"{a} used on {b} at {i} before waiting for {s} (at {p})"
+                    for s, p in touched[a]
+                    if s != b and not ordered(s, p, b, i)
+                ]
+                touched[a].append((b, i))
+            elif kind == "free":
+                o = owner[a]
+                bad += [
+                    f"{a} freed at {i} before {o} waited for its use on {s} (at {p})"
+                    for s, p in touched.pop(a)
+                    if s != o and not ordered(s, p, o, i)
+                ]
+        return bad
+
+
+_TRACE: OffloadTrace | None = None
+_CPU_AS_DEVICE = False  # tests: CPU tensors take the accelerator path (synchronous copies)
+
+
+@contextlib.contextmanager
+def cpu_as_device() -> Iterator[OffloadTrace]:
+    """Treat CPU tensors as accelerator tensors for "cpu" offload and trace the streams."""
+    global _TRACE, _CPU_AS_DEVICE
+    saved = _TRACE, _CPU_AS_DEVICE
+    _TRACE, _CPU_AS_DEVICE = OffloadTrace(), True
+    _offloaders.clear()
+    try:
+        yield _TRACE
+    finally:
+        _TRACE, _CPU_AS_DEVICE = saved
+        _offloaders.clear()
+
+
+class _Streams:
+    """Compute (the current stream) and one side stream for copies, or no-ops on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.accel = device.type != "cpu"
+        self._ids = itertools.count()
+        if self.accel:  # pragma: no cover (needs an accelerator)
+            self.mod = torch.get_device_module(device.type)
+            self.side = self.mod.Stream(device)
+
+    @contextlib.contextmanager
+    def on_side(self) -> Iterator[None]:
+        if self.accel:  # pragma: no cover (needs an accelerator)
+            with self.mod.stream(self.side):
+                yield
+        else:
+            yield
+
+    def _stream(self, name: str):  # pragma: no cover (needs an accelerator)
+        return self.side if name == "side" else self.mod.current_stream(self.device)
+
+    def record(self, stream: str):
+        event = self._stream(stream).record_event() if self.accel else next(self._ids)
+        if _TRACE is not None:
+            _TRACE.log.append(("record", stream, event))
+        return event
+
+    def wait(self, stream: str, event) -> None:
+        if self.accel:  # pragma: no cover (needs an accelerator)
+            self._stream(stream).wait_event(event)
+        if _TRACE is not None:
+            _TRACE.log.append(("wait", stream, event))
+
+    def after(self, waiter: str, recorder: str) -> None:
+        self.wait(waiter, self.record(recorder))
+
+    @staticmethod
+    def note(kind: str, buffer: str, stream: str) -> None:
+        if _TRACE is not None:
+            _TRACE.log.append((kind, buffer, stream))
+
+
+class _Fetch:
+    """One batch of copies back to the device and the event after them."""
+
+    __slots__ = ("event", "waited")
+
+    def __init__(self, event) -> None:
+        self.event = event
+        self.waited = False  # whether compute has waited for `event`
+
+
+class _Entry:
+    """One storage region copied to the host; on the device again between fetch and last use."""
+
+    __slots__ = (
+        "__weakref__",
+        "copied",
+        "dense",
+        "device_buf",
+        "dtype",
+        "fetch",
+        "host",
+        "live",
+        "name",
+        "off",
+        "ref",
+        "source",
+        "span",
+        "start",
+        "used",
+        "version",
+    )
+
+    def __init__(self, off: _HostOffload, t: torch.Tensor, start: int, span: int, dense: bool) -> None:
+        self.off, self.name = off, f"#{next(off.names)}"
+        self.start, self.span, self.dense, self.dtype = start, span, dense, t.dtype
+        self.version = t._version
+        self.ref = weakref.ref(t)  # alive: the storage is too, so its address names it
+        self.source: torch.Tensor | None = t  # the device tensor, until its copy is done
+        self.host: torch.Tensor | None = None
+        self.copied = None  # the copy-out's event
+        self.device_buf: torch.Tensor | None = None
+        self.fetch: _Fetch | None = None
+        self.live = 0  # saved-tensor handles alive
+        self.used: set[int] = set()  # of those, the ones unpacked since the last fetch (ids)
+
+    def covers(self, t: torch.Tensor, start: int, span: int) -> bool:
+        held = self.ref()
+        return (
+            self.dense
+            and held is not None
+            and held._version == self.version == t._version
+            and self.start <= start
+            and start + span <= self.start + self.span
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return self.span * self.dtype.itemsize
+
+
+class _Saved:
+    """What autograd holds for one offloaded saved tensor."""
+
+    __slots__ = ("entry", "group", "offset", "size", "stride")
+
+    def __init__(self, entry: _Entry, group: _Group, t: torch.Tensor) -> None:
+        self.entry, self.group = entry, group
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        entry.live += 1
+
+    def __del__(self) -> None:
+        entry = self.entry
+        entry.live -= 1
+        entry.used.discard(id(self))
+        if len(entry.used) >= entry.live:
+            entry.off.done(entry)
+
+
+class _Group:
+    """The tensors one block call offloaded to one device: fetched together in backward."""
+
+    __slots__ = ("__weakref__", "entries", "prefetched", "seq")
+
+    def __init__(self, seq: int) -> None:
+        self.seq = seq
+        self.entries: list[_Entry] = []
+        self.prefetched = False  # whether its first unpack has prefetched the group before it
+
+
+def _region(t: torch.Tensor) -> tuple[int, int]:
+    """(first element, number of elements) of the storage region ``t`` spans."""
+    span = 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride()))
+    return t.storage_offset(), span
+
+
+def _is_param(t: torch.Tensor) -> bool:
+    return isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
+
+
+@functools.cache
+def _accelerator() -> str | None:
+    acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return acc.type if acc is not None else None
+
+
+def offloadable(t: torch.Tensor, min_bytes: int) -> bool:
+    """Rules 1-3 of [Note: Host offload] (rule 4 needs the module: `_HostHooks`)."""
+    on_device = t.device.type == _accelerator() or (_CPU_AS_DEVICE and t.device.type == "cpu")
+    if not on_device or type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided:
+        return False
+    if t.is_conj() or t.is_neg() or _is_param(t) or (t._base is not None and _is_param(t._base)):
+        return False
+    nbytes = t.numel() * t.element_size()
+    return nbytes > 0 and nbytes >= min_bytes
+
+
+class _HostOffload:
+    """Host offload of one device: its streams, forward stash, index of copies and groups."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.streams = _Streams(device)
+        self.device = device
+        self.names = itertools.count()
+        self.stash: deque[_Entry] = deque()  # entries whose source is held, oldest first
+        self.index: dict[tuple, weakref.ref] = {}  # (storage address, dtype) -> newest entry
+        self.groups: list[weakref.ref] = []  # in forward order
+        self.seq = itertools.count()
+
+    def new_group(self) -> _Group:
+        group = _Group(next(self.seq))
+        if len(self.groups) > 64:
+            self.groups = [g for g in self.groups if g() is not None]
+        self.groups.append(weakref.ref(group))
+        return group
+
+    # -- forward -------------------------------------------------------------------------
+
+    def pack(self, group: _Group, t: torch.Tensor, stash: int) -> _Saved:
+        start, span = _region(t)
+        dense = span <= t.numel()
+        key = (t.untyped_storage().data_ptr(), t.dtype)
+        if len(self.index) > 4096:
+            self.index = {k: r for k, r in self.index.items() if r() is not None}
+        found = self.index.get(key)
+        entry = found() if found is not None else None
+        if entry is not None and entry.covers(t, start, span):
+            STATS.shared += 1
+        else:
+            entry = self._copy_out(t, start, span, dense, stash)
+            group.entries.append(entry)
+            if dense:
+                self.index[key] = weakref.ref(entry)
+        return _Saved(entry, group, t)
+
+    def _copy_out(self, t: torch.Tensor, start: int, span: int, dense: bool, stash: int) -> _Entry:
+        entry = _Entry(self, t, start, span if dense else t.numel(), dense)
+        s = self.streams
+        s.note("alloc", f"src{entry.name}", "compute")
+        s.after("side", "compute")  # t was written on compute
+        with s.on_side():
+            region = t.as_strided((span,), (1,), start) if dense else t
+            host = torch.empty(entry.span, dtype=t.dtype, pin_memory=s.accel)
+            (host if dense else host.view(t.size())).copy_(region, non_blocking=True)
+            s.note("use", f"src{entry.name}", "side")
+            entry.copied = s.record("side")
+        entry.host = host
+        STATS.d2h_copies += 1
+        STATS.d2h_bytes += entry.nbytes
+        self.stash.append(entry)
+        self._trim(stash)
+        return entry
+
+    def _trim(self, stash: int) -> None:
+        held = [e for e in self.stash if e.source is not None]
+        self.stash = deque(held)
+        while len(self.stash) > stash:
+            self.release_source(self.stash.popleft())
+
+    def release_source(self, entry: _Entry) -> None:
+        """Drop the device source: compute waits for its copy first (its memory may be reused)."""
+        if entry.source is not None:
+            self.streams.wait("compute", entry.copied)
+            entry.source = None
+            self.streams.note("free", f"src{entry.name}", "compute")
+
+    # -- backward ------------------------------------------------------------------------
+
+    def unpack(self, saved: _Saved) -> torch.Tensor:
+        entry, group = saved.entry, saved.group
+        src = entry.source
+        if src is not None and src._version == entry.version:
+            STATS.from_stash += 1
+            out = src.as_strided(saved.size, saved.stride, saved.offset)
+            self._prefetch_once(group)
+        else:
+            if entry.device_buf is None:  # on demand: the first group in backward order
+                self._fetch([entry, *group.entries], prefetch=False)
+            self._prefetch_once(group)
+            if not entry.fetch.waited:
+                self.streams.wait("compute", entry.fetch.event)
+                entry.fetch.waited = True
+            if entry.dense:
+                out = entry.device_buf.as_strided(saved.size, saved.stride, saved.offset - entry.start)
+            else:
+                out = entry.device_buf.view(saved.size)
+            self.streams.note("use", f"dev{entry.name}", "compute")
+        entry.used.add(id(saved))
+        if len(entry.used) >= entry.live:
+            self.done(entry)
+        return out
+
+    def _prefetch_once(self, group: _Group) -> None:
+        """At a group's first unpack: copy back the group saved before it (next in backward)."""
+        if not group.prefetched:
+            group.prefetched = True
+            before = self._group_before(group)
+            if before is not None:
+                self._fetch(before.entries, prefetch=True)
+
+    def _group_before(self, group: _Group) -> _Group | None:
+        for ref in reversed(self.groups):
+            g = ref()
+            if g is not None and g.seq < group.seq and g.entries:
+                return g
+        return None
+
+    def _fetch(self, entries: list[_Entry], prefetch: bool) -> None:
+        todo = list({id(e): e for e in entries if e.live and e.device_buf is None and e.source is None}.values())
+        if not todo:
+            return
+        s = self.streams
+        bufs = [torch.empty(e.span, dtype=e.dtype, device=self.device) for e in todo]  # on compute
+        for e in todo:
+            s.note("alloc", f"dev{e.name}", "compute")
+        s.after("side", "compute")  # the buffers' memory may have been in use on compute
+        with s.on_side():
+            for e, buf in zip(todo, bufs):
+                buf.copy_(e.host, non_blocking=True)
+                s.note("use", f"dev{e.name}", "side")
+            fetch = _Fetch(s.record("side"))
+        for e, buf in zip(todo, bufs):
+            e.device_buf, e.fetch = buf, fetch
+            e.used.clear()
+            STATS.h2d_bytes += e.nbytes
+        STATS.h2d_copies += len(todo)
+        if prefetch:
+            STATS.prefetched += len(todo)
+        else:
+            STATS.on_demand += len(todo)
+
+    def done(self, entry: _Entry) -> None:
+        """Every live handle of ``entry`` has its tensor: drop the device copy and the source
+        (the unpacked tensors keep their memory as long as autograd needs them)."""
+        if entry.device_buf is not None:
+            if not entry.fetch.waited:  # fetched but never used: compute must not reuse it early
+                self.streams.wait("compute", entry.fetch.event)
+                entry.fetch.waited = True
+            entry.device_buf = None
+            self.streams.note("free", f"dev{entry.name}", "compute")
+        entry.used.clear()
+        if entry.live == 0:
+            self.release_source(entry)
+
+
+_offloaders: dict[torch.device, _HostOffload] = {}
+
+
+def _offloader(device: torch.device) -> _HostOffload:
+    off = _offloaders.get(device)
+    if off is None:
+        off = _offloaders[device] = _HostOffload(device)
+    return off
+
+
+class HostHooks(torch.autograd.graph.saved_tensors_hooks):
+    """Saved-tensor hooks of one block call that offload to host memory (a group per device)."""
+
+    def __init__(self, min_bytes: int, stash: int, module: nn.Module | None) -> None:
+        self.min_bytes, self.stash, self.module = min_bytes, stash, module
+        self.groups: dict[torch.device, _Group] = {}
+        self.module_storages: set[int] | None = None
+        super().__init__(self.pack, _unpack)
+
+    def _module_state(self, t: torch.Tensor) -> bool:
+        if self.module is None:
+            return False
+        if self.module_storages is None:
+            tensors = itertools.chain(self.module.parameters(), self.module.buffers())
+            self.module_storages = {p.untyped_storage().data_ptr() for p in tensors} - {0}
+        return t.untyped_storage().data_ptr() in self.module_storages
+
+    def pack(self, t: torch.Tensor):
+        if not offloadable(t, self.min_bytes) or self._module_state(t):
+            STATS.kept += 1
+            return t
+        off = _offloader(t.device)
+        group = self.groups.get(t.device)
+        if group is None:
+            group = self.groups[t.device] = off.new_group()
+        return off.pack(group, t, self.stash)
+
+
+def _unpack(packed):
+    if isinstance(packed, _Saved):
+        return packed.entry.off.unpack(packed)
+    return packed

@@ -1,0 +1,271 @@
+"""offload="cpu" on the CPU harness (memfit.testing.host_offload_on_cpu: CPU tensors take the
+accelerator path, copies run synchronously, stream waits/records are traced): what is kept,
+what is copied (bytes), strides, tensors saved twice, the stash bound, prefetch order, and
+gradients bitwise equal to plain checkpointing. Only a GPU runs the real streams."""
+
+import copy
+from typing import ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+import memfit.testing
+from tests._parity import assert_same, grads
+
+F32 = 4
+
+
+@pytest.fixture
+def harness():
+    stats = memfit.testing.offload_stats()
+    stats.reset()
+    with memfit.testing.host_offload_on_cpu() as trace:
+        yield stats, trace
+    assert trace.violations() == []
+
+
+def _blocks(n=6, h=64):
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(h, h), nn.Tanh()) for _ in range(n)])
+
+
+def _run(model, leaf, shape):
+    model(shape(leaf)).square().sum().backward()
+    return grads(model), leaf.grad
+
+
+def _parity(build, leaf, save, offload, shape=lambda x: x):
+    """Gradients (parameters and input) of offloaded vs plain checkpointed blocks, bitwise."""
+    ref = build()
+    model = copy.deepcopy(ref)
+    memfit.apply_activation_checkpointing(ref, lambda m: m in list(ref), save=save)
+    memfit.apply_activation_checkpointing(model, lambda m: m in list(model), save=save, offload=offload)
+    g_ref, gx_ref = _run(ref, leaf.detach().clone().requires_grad_(), shape)
+    g, gx = _run(model, leaf, shape)
+    assert_same(g, g_ref)
+    assert_same([gx], [gx_ref])
+
+
+def _conv_blocks():
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Conv2d(8, 8, 3, padding=1), nn.ReLU()) for _ in range(3)])
+    return blocks.to(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("save", [None, "all"])
+def test_linear_blocks_bitwise(harness, save):
+    stats, _ = harness
+    x = torch.randn(32, 64, requires_grad=True)
+    _parity(_blocks, x, save, memfit.Offload("cpu", stash=1))
+    assert stats.d2h_copies > 0 and stats.h2d_copies > 0  # the copy path ran
+
+
+@pytest.mark.parametrize("save", [None, "all"])
+def test_channels_last_conv_bitwise(harness, save):
+    stats, _ = harness
+    x = torch.randn(2, 8, 8, 8).to(memory_format=torch.channels_last).requires_grad_()
+    _parity(_conv_blocks, x, save, memfit.Offload("cpu", stash=1))
+    assert stats.d2h_copies > 0
+
+
+def test_expanded_input_bitwise(harness):
+    stats, _ = harness
+    row = torch.randn(1, 64, requires_grad=True)
+    # stride 0: 64 elements of storage, saved by the first Linear
+    _parity(_blocks, row, "all", memfit.Offload("cpu", stash=1), shape=lambda r: (r * 1).expand(32, 64))
+    assert stats.d2h_copies > 0
+
+
+class _Probe(torch.autograd.Function):
+    """Saves its inputs; backward records how the saved tensors came back."""
+
+    seen: ClassVar[list] = []
+
+    @staticmethod
+    def forward(ctx, *xs):
+        ctx.save_for_backward(*xs)
+        return xs[0].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _Probe.seen[:] = [
+            (x.stride(), x.storage_offset(), x.untyped_storage().data_ptr(), x.clone()) for x in ctx.saved_tensors
+        ]
+        return (g,) + (None,) * (len(ctx.saved_tensors) - 1)
+
+
+def _probe_round_trip(base, make, offload):
+    def fn(b):
+        return _Probe.apply(*make(b * 1)).sum()
+
+    memfit.checkpoint(fn, base, save="all", offload=offload).backward()
+    return _Probe.seen
+
+
+@pytest.mark.parametrize(
+    ("make", "stored", "exact"),
+    [
+        (lambda b: b.to(memory_format=torch.channels_last), 2 * 8 * 4 * 4, True),
+        (lambda b: b[:1, :1].expand(2, 8, 4, 4), 4 * 4, True),  # the expanded size is never copied
+        (lambda b: b.permute(0, 2, 3, 1), 2 * 8 * 4 * 4, True),
+        (lambda b: b[1:], 8 * 4 * 4, True),  # the region from the offset on
+        (lambda b: b[:, ::2], 2 * 4 * 4 * 4, False),  # gaps: only the elements move, back dense
+    ],
+)
+def test_strides_survive_the_round_trip(harness, make, stored, exact):
+    stats, _ = harness
+    base = torch.randn(2, 8, 4, 4, requires_grad=True)
+    ((stride, _, _, value),) = _probe_round_trip(base, lambda b: (make(b),), memfit.Offload("cpu", min_bytes=0))
+    expected = make(base.detach() * 1)
+    assert stats.d2h_bytes == stored * F32
+    assert torch.equal(value, expected)
+    assert stride == expected.stride() if exact else value.is_contiguous()
+
+
+def test_views_of_one_region_come_back_as_views_of_one_copy(harness):
+    stats, _ = harness
+    base = torch.randn(2, 8, 4, 4, requires_grad=True)
+    (_, o0, p0, v0), (s1, o1, p1, v1) = _probe_round_trip(
+        base, lambda b: (b, b[1:, 2:].transpose(1, 2)), memfit.Offload("cpu", min_bytes=0)
+    )
+    assert (stats.d2h_copies, stats.shared) == (1, 1)
+    expected = base.detach()[1:, 2:].transpose(1, 2)
+    assert torch.equal(v0, base.detach()) and torch.equal(v1, expected)
+    assert p0 == p1 and (s1, o1 - o0) == (expected.stride(), expected.storage_offset())
+
+
+@pytest.mark.parametrize("as_module", [True, False])
+def test_linear_save_all_moves_no_weight_bytes(harness, as_module):
+    stats, _ = harness
+    lin = nn.Linear(64, 32)
+    x = torch.randn(16, 64, requires_grad=True) * 1  # not a leaf: an activation
+    # Linear saves its input and weight.t(), a view of the weight: only the input moves
+    # (kept as a view of a parameter, and, for the module, as sharing the module's storage).
+    block = lin if as_module else (lambda t: nn.functional.linear(t, lin.weight, lin.bias))
+    memfit.checkpoint(block, x, save="all", offload="cpu").sum().backward()
+    assert (stats.d2h_copies, stats.d2h_bytes) == (1, 16 * 64 * F32)
+    assert stats.kept >= 1
+
+
+def test_a_tensor_saved_twice_is_copied_once(harness):
+    stats, _ = harness
+    x = torch.randn(16, 64, requires_grad=True)
+
+    def fn(t):
+        t = t * 2
+        # t saved by mul twice, t.t() and t by mm; exp's output pushes t out of the stash
+        return (t * t).sum() + (t.t() @ t).sum() + t.exp().sum()
+
+    ref = x.detach().clone().requires_grad_()
+    memfit.checkpoint(fn, x, save="all", offload=memfit.Offload("cpu", stash=1)).backward()
+    fn(ref).backward()
+    assert torch.equal(x.grad, ref.grad)
+    assert (stats.d2h_copies, stats.d2h_bytes) == (2, 2 * 16 * 64 * F32)  # t and exp(t)
+    assert stats.shared == 3
+    assert (stats.h2d_copies, stats.h2d_bytes) == (1, 16 * 64 * F32)  # t back once too
+
+
+def test_small_tensors_stay(harness):
+    stats, _ = harness
+    x = torch.randn(4, 16, requires_grad=True)  # 256 bytes
+    memfit.checkpoint(torch.tanh, x, save="all", offload="cpu").sum().backward()
+    assert stats.d2h_copies == 0  # under the default 1024 bytes
+    memfit.checkpoint(torch.tanh, x, save="all", offload=memfit.Offload("cpu", min_bytes=0)).sum().backward()
+    assert stats.d2h_copies == 1
+    assert memfit.Offload("cpu").min_bytes == 1024 and memfit.Offload("disk").min_bytes == 0
+
+
+class _Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("scale", torch.randn(16, 64))
+
+    def forward(self, x):
+        return (x * self.scale).tanh()  # mul saves the buffer, tanh its output
+
+
+def test_module_buffers_stay(harness):
+    stats, _ = harness
+    block = memfit.checkpoint_module(_Scaled(), save="all", offload="cpu")
+    x = torch.randn(16, 64, requires_grad=True) * 1
+    block(x).sum().backward()
+    assert (stats.d2h_copies, stats.d2h_bytes) == (1, 16 * 64 * F32)  # tanh's output; not the buffer
+
+
+def _outstanding(log, prefix):
+    live, most = set(), 0
+    for kind, name, _ in log:
+        if isinstance(name, str) and name.startswith(prefix):
+            if kind == "alloc":
+                live.add(name)
+            elif kind == "free":
+                live.discard(name)
+            most = max(most, len(live))
+    return most, live
+
+
+@pytest.mark.parametrize("save", [None, "all"])
+def test_prefetch_stash_and_stream_order(harness, save):
+    stats, trace = harness
+    n = 6
+    model = _blocks(n)
+    memfit.apply_activation_checkpointing(
+        model, lambda m: m in list(model), save=save, offload=memfit.Offload("cpu", stash=2)
+    )
+    x = torch.randn(32, 64, requires_grad=True)
+    out = model(x).sum()
+    assert _outstanding(trace.log, "src")[0] <= 2 + 1  # stash, plus the copy being issued
+    out.backward()
+    # Each block's tensors were copied back while the block after it ran its backward: the
+    # last blocks' were still on the device (stash), none was fetched on demand.
+    assert stats.on_demand == 0
+    assert stats.prefetched == stats.h2d_copies == stats.d2h_copies - 2
+    assert stats.from_stash >= 2
+    # At most two blocks' tensors on the device at once; everything released at the end.
+    per_block = stats.d2h_copies // (n - 1) if save else 1
+    most, left = _outstanding(trace.log, "dev")
+    assert most <= 2 * max(per_block, 1) and not left
+    assert not _outstanding(trace.log, "src")[1]
+    uses = [(i, e) for i, e in enumerate(trace.log) if e[0] == "use" and e[1].startswith("dev")]
+    for i, (_, name, stream) in uses:
+        if stream == "compute":  # the copy back was issued before the use
+            assert any(j < i and n2 == name and s == "side" for j, (_, n2, s) in uses)
+
+
+def test_trace_checker_catches_early_free_and_unordered_use():
+    trace = memfit.testing.OffloadTrace()
+    trace.log = [("alloc", "b", "compute"), ("use", "b", "side"), ("free", "b", "compute")]
+    assert len(trace.violations()) == 2  # used on side without a wait; freed before compute waited
+    trace.log = [
+        ("alloc", "b", "compute"),
+        ("record", "compute", 0),
+        ("wait", "side", 0),
+        ("use", "b", "side"),
+        ("record", "side", 1),
+        ("wait", "compute", 1),
+        ("free", "b", "compute"),
+    ]
+    assert trace.violations() == []
+
+
+def test_retained_graph_backward_twice(harness):
+    stats, _ = harness
+    model = _blocks(3)
+    memfit.apply_activation_checkpointing(model, lambda m: m in list(model), offload=memfit.Offload("cpu", stash=1))
+    x = torch.randn(32, 64, requires_grad=True)
+    out = model(x).sum()
+    out.backward(retain_graph=True)
+    first, copies = grads(model), stats.h2d_copies
+    model.zero_grad()
+    out.backward()
+    assert_same(grads(model), first)
+    assert stats.h2d_copies == 2 * copies  # the host copies stayed: the second pass copies back again
+
+
+def test_bad_offload_options():
+    with pytest.raises(ValueError, match="min_bytes must be an integer >= 0"):
+        memfit.Offload("cpu", min_bytes=-1)
+    with pytest.raises(ValueError, match="stash must be an integer >= 1"):
+        memfit.Offload("cpu", stash=0)
