@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--budget", help="memory budget of the planned strategy, e.g. 300MB (default: halfway)")
     b.add_argument("--compare", action="store_true", help="add torch.utils.checkpoint (with --world-size: FSDP2)")
     b.add_argument("--world-size", type=int, default=1, help="N > 1: DDP vs memfit sharding on N spawned ranks")
+    _device_flag(b)
     _shape_flags(b)
     b.add_argument("--warmup", type=int, default=2)
     b.add_argument("--repeats", type=int, default=5)
@@ -113,6 +114,16 @@ def _train_flags(t: argparse.ArgumentParser, models: str) -> None:
     t.add_argument("--metrics", help="append metrics here as JSON lines, as the run goes")
     t.add_argument("--tensorboard", help="TensorBoard log directory (needs the tensorboard package)")
     t.add_argument("--json", help="write the log and a digest of the final parameters here")
+    _device_flag(t)
+
+
+def _device_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="cuda: GPU LOCAL_RANK with NCCL; cpu: gloo; auto: cuda when there is a GPU (default: auto)",
+    )
 
 
 def _shape_flags(p: argparse.ArgumentParser, batch_note: str = "") -> None:

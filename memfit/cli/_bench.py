@@ -3,7 +3,9 @@
 Single process: every strategy trains its own copy of the same randomly initialised model on
 the same tokens (the standard library's sources, byte-level); timed steps interleave the
 strategies; then one MemoryMeter step each gives the peak. With --world-size N, DDP against
-memfit sharding on N spawned gloo ranks (memfit.cli._bench_dist), the same loop across ranks.
+memfit sharding on N spawned ranks (memfit.cli._bench_dist), the same loop across ranks.
+``--device`` (auto: CUDA when there is a GPU) places the models and batches; spawned ranks use
+NCCL on CUDA and gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from torch import nn
 import memfit
 from memfit.cli._bench_dist import run_distributed
 from memfit.cli._data import batch_at
-from memfit.cli._launch import warn_world_size
+from memfit.cli._launch import choose_device, warn_world_size
 from memfit.cli._measure import Result, run
 from memfit.cli._output import Output, plot, write_json
 from memfit.models import PRESETS, Preset
@@ -35,7 +37,8 @@ class BenchConfig:
     strategies: tuple[str, ...] | None = None  # one process only; None: all of STRATEGIES
     budget: str | None = None  # for "planned" (one process); default: halfway between "full" and "none"
     compare: bool = False  # add torch.utils.checkpoint (with --world-size: torch FSDP2)
-    world_size: int = 1  # > 1: DDP vs memfit sharding on spawned gloo ranks
+    world_size: int = 1  # > 1: DDP vs memfit sharding on spawned ranks
+    device: str = "auto"  # auto (CUDA when there is a GPU), cpu or cuda
     layers: int | None = None  # shape overrides
     hidden: int | None = None
     seq: int | None = None
@@ -60,6 +63,8 @@ class BenchConfig:
             raise ValueError(f"memfit bench: unknown strategies {bad}; choose from {list(STRATEGIES)}")
         if self.world_size < 1:
             raise ValueError("memfit bench: --world-size must be >= 1")
+        # --device cuda without a GPU, or more ranks than GPUs, fails here
+        choose_device(self.device, env={"LOCAL_RANK": str(self.world_size - 1)}, where="memfit bench")
         if self.warmup < 1 or self.repeats < 1:
             raise ValueError("memfit bench: --warmup and --repeats must be >= 1")
         if self.budget is not None:
@@ -92,8 +97,9 @@ def bench(cfg: BenchConfig, console=None) -> list[dict]:
 def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     """One process: every strategy (plus "none", the baseline) on its own copy of one model."""
     preset = cfg.preset
-    batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
-    base = preset.build()
+    device = choose_device(cfg.device, where="memfit bench").device
+    batch = {k: v.to(device) for k, v in batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0).items()}
+    base = preset.build().to(device)
     names = [x for x in cfg.strategies if x != "planned"] + (list(COMPARE) if cfg.compare else [])
     if "none" not in names:
         names.insert(0, "none")
@@ -140,8 +146,8 @@ def _distributed_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     """N spawned ranks: DDP (the baseline), memfit sharding and, with --compare, torch FSDP2."""
     warn_world_size(cfg.world_size)
     strategies = ("DDP", "memfit", *(("torch FSDP2",) if cfg.compare else ()))
-    out.say(f"{cfg.world_size} spawned gloo ranks: {', '.join(strategies)}")
-    results = run_distributed(cfg.preset, cfg.world_size, strategies, cfg.warmup, cfg.repeats)
+    out.say(f"{cfg.world_size} spawned ranks: {', '.join(strategies)}")
+    results = run_distributed(cfg.preset, cfg.world_size, strategies, cfg.warmup, cfg.repeats, cfg.device)
     rows = [_row(r, breakdown_rank0=r.breakdown) for r in results]
     return _with_ratios(rows, rows[0])
 

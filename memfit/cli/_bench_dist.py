@@ -1,4 +1,7 @@
-"""Data parallel strategies on N spawned gloo ranks: DDP, memfit sharding, torch FSDP2.
+"""Data parallel strategies on N spawned ranks: DDP, memfit sharding, torch FSDP2.
+
+Rank r computes where ``--device`` says (memfit.cli._launch.choose_device): on GPU r with
+NCCL, or on the CPU with gloo.
 
 Each rank builds every strategy's model from the same random init (the preset's
 architecture and shape, per-rank batches) and runs the measurement loop of `memfit bench`
@@ -17,16 +20,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
 from memfit.cli._data import batch_at
-from memfit.cli._launch import spawn
+from memfit.cli._launch import choose_device, spawn
 from memfit.cli._measure import Result, run
 from memfit.models import Preset
 
 STRATEGIES = ("DDP", "memfit", "torch FSDP2")
 
 
-def _wrap(strategy: str, model: torch.nn.Module, layer: type) -> torch.nn.Module:
+def _wrap(strategy: str, model: torch.nn.Module, layer: type, device: torch.device) -> torch.nn.Module:
     if strategy == "DDP":
-        return DDP(model)
+        return DDP(model, device_ids=[device] if device.type == "cuda" else None)
     if strategy == "torch FSDP2":
         from torch.distributed.fsdp import fully_shard
 
@@ -37,16 +40,19 @@ def _wrap(strategy: str, model: torch.nn.Module, layer: type) -> torch.nn.Module
     return memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer})
 
 
-def _worker(rank: int, world: int, preset: Preset, strategies: tuple[str, ...], warmup: int, repeats: int):
-    base = preset.build()
+def _worker(rank: int, world: int, preset: Preset, strategies: tuple[str, ...], warmup: int, repeats: int, device: str):
+    dev = choose_device(device, env={"LOCAL_RANK": str(rank)}).device  # as spawn placed this rank
+    base = preset.build().to(dev)
     base.train()
-    batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=rank)
-    models = {s: _wrap(s, copy.deepcopy(base), preset.layer_class()) for s in strategies}
+    batch = {k: v.to(dev) for k, v in batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=rank).items()}
+    models = {s: _wrap(s, copy.deepcopy(base), preset.layer_class(), dev) for s in strategies}
     del base
     return run(models, batch, warmup, repeats, progress=lambda msg: None, across_ranks=True)
 
 
-def run_distributed(preset: Preset, world: int, strategies: tuple[str, ...], warmup: int, repeats: int) -> list[Result]:
+def run_distributed(
+    preset: Preset, world: int, strategies: tuple[str, ...], warmup: int, repeats: int, device: str = "cpu"
+) -> list[Result]:
     """One result per strategy, as rank 0 saw it (its step times, breakdown and first loss),
-    with the peak the maximum over ranks."""
-    return spawn(_worker, world, preset, strategies, warmup, repeats)
+    with the peak the maximum over ranks. ``device``: as ``--device``."""
+    return spawn(_worker, world, preset, strategies, warmup, repeats, device, device=device, where="memfit bench")

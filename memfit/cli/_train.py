@@ -27,7 +27,7 @@ import torch.distributed as dist
 import memfit
 from memfit.cli import _checkpoints
 from memfit.cli._data import Tokens, load_tokens, window_batch
-from memfit.cli._launch import init_process_group, pg_timeout
+from memfit.cli._launch import choose_device, init_process_group, pg_timeout
 from memfit.cli._log import RunLog
 from memfit.cli._output import write_json
 from memfit.models._spec import ModelSpec, layer_class, loss_of, resolve, vocab_size
@@ -65,8 +65,10 @@ class TrainConfig:
     metrics: str | None = None  # a JSONL file, one line per logged step and evaluation
     tensorboard: str | None = None  # a TensorBoard log directory (needs the tensorboard package)
     json: str | None = None
+    device: str = "auto"  # auto (CUDA on GPU LOCAL_RANK with NCCL when there is a GPU), cpu (gloo) or cuda
 
     def __post_init__(self) -> None:
+        choose_device(self.device, where="memfit train")  # --device cuda without a GPU fails here
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"memfit train: unknown checkpointing {self.checkpointing!r}; choose from {CHECKPOINTING}")
         if self.resume not in ("no", "yes", "auto"):
@@ -115,7 +117,7 @@ def _digest(model: torch.nn.Module) -> str:
     with memfit.summon_full_params(model, writeback=False):
         for name, p in model.named_parameters():
             h.update(name.encode())
-            h.update(p.detach().clone().numpy().tobytes())
+            h.update(p.detach().to("cpu", copy=True).numpy().tobytes())
     return h.hexdigest()
 
 
@@ -134,9 +136,10 @@ class _Run:
     seq: int
     batch: int
     params: int  # parameters of the whole model (not this rank's shard)
+    device: torch.device  # where this rank computes (--device)
 
 
-def _build(cfg: TrainConfig) -> _Run:
+def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     rank, world = dist.get_rank(), dist.get_world_size()
     spec = cfg.spec()
     seq, batch = cfg.seq or spec.seq, cfg.batch or spec.batch
@@ -152,7 +155,8 @@ def _build(cfg: TrainConfig) -> _Run:
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
     memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
-    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={block})
+    on_gpu = {"device_id": device} if device.type != "cpu" else {}
+    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={block}, **on_gpu)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
@@ -161,7 +165,7 @@ def _build(cfg: TrainConfig) -> _Run:
         f"global batch {batch * cfg.accumulate * world} sequences of {seq} tokens "
         f"({cfg.accumulate} x {batch} per rank), {cfg.steps} steps; data: {tokens.source}"
     )
-    return _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params)
+    return _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device)
 
 
 def _step(run: _Run, step: int, measure: bool) -> dict:
@@ -172,7 +176,7 @@ def _step(run: _Run, step: int, measure: bool) -> dict:
         group["lr"] = cfg.lr_at(step)
     rows = run.batch * cfg.accumulate
     whole = window_batch(run.tokens.train, run.spec.arch, rows * run.world, run.seq, step, cfg.seed, run.tokens.mask_id)
-    mine = {k: v[run.rank * rows : (run.rank + 1) * rows] for k, v in whole.items()}
+    mine = {k: v[run.rank * rows : (run.rank + 1) * rows].to(run.device) for k, v in whole.items()}
     micro = [{k: v.split(run.batch)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
     torch.manual_seed(cfg.seed * 1_000_003 + step * run.world + run.rank)
     meter = memfit.MemoryMeter(model=model, optimizer=opt) if measure else None
@@ -186,7 +190,7 @@ def _step(run: _Run, step: int, measure: bool) -> dict:
         norm = memfit.clip_grad_norm_(model, cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    mean = torch.tensor([total])
+    mean = torch.tensor([total], device=run.device)
     dist.all_reduce(mean)
     entry = {
         "step": step + 1,
@@ -204,10 +208,10 @@ def _step(run: _Run, step: int, measure: bool) -> dict:
 def _evaluate(run: _Run, step: int) -> dict:
     """The mean loss on the held-out tokens: the same --eval-batches windows every time."""
     run.model.eval()
-    total = torch.zeros(1)
+    total = torch.zeros(1, device=run.device)
     for i in range(run.cfg.eval_batches):
         whole = window_batch(run.tokens.val, run.spec.arch, run.batch * run.world, run.seq, i, -1, run.tokens.mask_id)
-        mine = {k: v[run.rank * run.batch : (run.rank + 1) * run.batch] for k, v in whole.items()}
+        mine = {k: v[run.rank * run.batch : (run.rank + 1) * run.batch].to(run.device) for k, v in whole.items()}
         total += loss_of(run.model, mine).float()
     dist.all_reduce(total)
     run.model.train()
@@ -233,8 +237,8 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -
     """
     # A collective (or the mesh set-up of a restarted group) that outlives the timeout fails,
     # so that torchrun can restart the job instead of waiting for ever.
-    init_process_group(timeout=pg_timeout())
-    run = _build(cfg)
+    placement = init_process_group(timeout=pg_timeout(), device=cfg.device, where="memfit train")
+    run = _build(cfg, placement.device)
     start = _resume(cfg, run.model, run.opt, run.log)
     if start >= cfg.steps:
         run.log.say(f"the run is finished: the checkpoint is at step {start} of --steps {cfg.steps}; nothing to train")
