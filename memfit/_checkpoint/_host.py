@@ -37,9 +37,12 @@ from torch import nn
 # Streams (accelerators; see [Note: Streams and buffer lifetimes] in _shard/_streams.py for
 # the same rules on sharding's streams):
 # - forward: the side stream waits for compute, copies the region into pinned host memory
-#   (non_blocking) and records an event. The source stays referenced in a bounded stash
-#   (`stash` tensors, 5 as in torchtune); the compute stream waits for a copy's event only when
-#   its source leaves the stash (its memory may then be reused by compute), never the host.
+#   (non_blocking) and records an event. The source stays referenced in a bounded stash: at
+#   most `stash` tensors (5, as torchtune's), and only from this block and the one before (a
+#   block's copies have had the next block's forward to finish; a checkpointed block offloads
+#   one input, so a count alone would keep the last 5 blocks' inputs on the device). The
+#   compute stream waits for a copy's event only when its source leaves the stash (its memory
+#   may then be reused by compute), never the host.
 #   A tensor still in the stash when backward needs it is used as it is, not copied back.
 # - backward: the first unpack of a block's group fetches that group if it is not on the
 #   device yet (on demand: only the first block in backward order) and prefetches the group
@@ -212,6 +215,7 @@ class _Entry:
         "name",
         "off",
         "ref",
+        "seq",
         "source",
         "span",
         "start",
@@ -219,8 +223,8 @@ class _Entry:
         "version",
     )
 
-    def __init__(self, off: _HostOffload, t: torch.Tensor, start: int, span: int, dense: bool) -> None:
-        self.off, self.name = off, f"#{next(off.names)}"
+    def __init__(self, off: _HostOffload, t: torch.Tensor, start: int, span: int, dense: bool, seq: int) -> None:
+        self.off, self.name, self.seq = off, f"#{next(off.names)}", seq  # seq: its group's
         self.start, self.span, self.dense, self.dtype = start, span, dense, t.dtype
         self.version = t._version
         self.ref = weakref.ref(t)  # alive: the storage is too, so its address names it
@@ -317,6 +321,9 @@ class _HostOffload:
 
     def new_group(self) -> _Group:
         group = _Group(next(self.seq))
+        for entry in self.stash:  # copies of blocks before the previous one are done by now
+            if entry.seq < group.seq - 1:
+                self.release_source(entry)
         if len(self.groups) > 64:
             self.groups = [g for g in self.groups if g() is not None]
         self.groups.append(weakref.ref(group))
@@ -335,14 +342,14 @@ class _HostOffload:
         if entry is not None and entry.covers(t, start, span):
             STATS.shared += 1
         else:
-            entry = self._copy_out(t, start, span, dense, stash)
+            entry = self._copy_out(t, start, span, dense, stash, group.seq)
             group.entries.append(entry)
             if dense:
                 self.index[key] = weakref.ref(entry)
         return _Saved(entry, group, t)
 
-    def _copy_out(self, t: torch.Tensor, start: int, span: int, dense: bool, stash: int) -> _Entry:
-        entry = _Entry(self, t, start, span if dense else t.numel(), dense)
+    def _copy_out(self, t: torch.Tensor, start: int, span: int, dense: bool, stash: int, seq: int) -> _Entry:
+        entry = _Entry(self, t, start, span if dense else t.numel(), dense, seq)
         s = self.streams
         s.note("alloc", f"src{entry.name}", "compute")
         s.after("side", "compute")  # t was written on compute

@@ -52,8 +52,9 @@ class Offload:
         min_bytes: tensors smaller than this stay where they are (default: 1024 for
             ``"cpu"``, as torchtune's ``OffloadActivations``; 0 for ``"disk"``).
         stash: for ``"cpu"``: how many offloaded tensors forward keeps on the device until
-            their copy to the host is done (default 5, as torchtune); the compute stream
-            waits for a copy only when its tensor leaves the stash.
+            their copy to the host is done (default 5, as torchtune; only from the current
+            and the previous block); the compute stream waits for a copy only when its
+            tensor leaves the stash.
     """
 
     target: str

@@ -234,6 +234,19 @@ def test_prefetch_stash_and_stream_order(harness, save):
             assert any(j < i and n2 == name and s == "side" for j, (_, n2, s) in uses)
 
 
+def test_forward_releases_the_inputs_of_blocks_before_the_previous_one(harness):
+    stats, trace = harness
+    model = _blocks(6)
+    memfit.apply_activation_checkpointing(model, lambda m: m in list(model), offload="cpu")  # stash 5
+    out = model(torch.randn(32, 64, requires_grad=True)).sum()
+    # Five block inputs offloaded (x is a leaf: kept); only the last two blocks' still held.
+    assert stats.d2h_copies == 5
+    most, held = _outstanding(trace.log, "src")
+    assert most == 2 and len(held) == 2
+    out.backward()
+    assert stats.from_stash == 2 and stats.prefetched == 3
+
+
 def test_trace_checker_catches_early_free_and_unordered_use():
     trace = memfit.testing.OffloadTrace()
     trace.log = [("alloc", "b", "compute"), ("use", "b", "side"), ("free", "b", "compute")]
