@@ -3,6 +3,7 @@ accelerator path, copies run synchronously, stream waits/records are traced): wh
 what is copied (bytes), strides, tensors saved twice, the stash bound, prefetch order, and
 gradients bitwise equal to plain checkpointing. Only a GPU runs the real streams."""
 
+import contextlib
 import copy
 from typing import ClassVar
 
@@ -282,3 +283,24 @@ def test_bad_offload_options():
         memfit.Offload("cpu", min_bytes=-1)
     with pytest.raises(ValueError, match="stash must be an integer >= 1"):
         memfit.Offload("cpu", stash=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real streams, pinned memory, async copies")
+@pytest.mark.parametrize("save", [None, "all"])
+def test_on_cuda_same_gradients_and_bytes_as_the_cpu_harness(save):
+    """Not run on the CPU-only machine this suite was written on (see the README)."""
+    stats = memfit.testing.offload_stats()
+    counts = []
+    for device, harness in (("cpu", memfit.testing.host_offload_on_cpu), ("cuda", contextlib.nullcontext)):
+        model = _blocks(6).to(device)
+        blocks = list(model)
+        memfit.apply_activation_checkpointing(model, lambda m, b=blocks: m in b, save=save, offload="cpu")
+        x = torch.randn(32, 64, device=device, requires_grad=True)
+        stats.reset()
+        with harness():
+            model(x).square().sum().backward()
+        counts.append((stats.d2h_bytes, stats.h2d_bytes, stats.on_demand))
+        ref = _blocks(6).to(device)
+        ref(x.detach().requires_grad_()).square().sum().backward()
+        assert_same([g.cpu() for g in grads(model)], [g.cpu() for g in grads(ref)])
+    assert counts[0] == counts[1]
