@@ -44,10 +44,10 @@ from torch import nn
 #   compute stream waits for a copy's event only when its source leaves the stash (its memory
 #   may then be reused by compute), never the host.
 #   A tensor still in the stash when backward needs it is used as it is, not copied back.
-# - backward: the first unpack of a block's group fetches that group if it is not on the
-#   device yet (on demand: only the first block in backward order) and prefetches the group
-#   saved just before it in forward (the next block in backward order) on the side stream, so
-#   that copy overlaps this block's backward. At most these two groups are on the device at
+# - backward: the first unpack of a block's group fetches what of that group is not on the
+#   device yet (only the first block in backward order has any: its first tensors usually
+#   come from the stash) and prefetches the group saved just before it in forward (the next
+#   block in backward order) on the side stream, so that copy overlaps this block's backward. At most these two groups are on the device at
 #   once. Device buffers are allocated on compute (the side stream waits for compute first, as
 #   their memory may have been in use there) and compute waits for the fetch's event before
 #   the first use or before dropping an unused buffer, so no buffer is reused early and no
@@ -406,9 +406,11 @@ class _HostOffload:
         return out
 
     def _prefetch_once(self, group: _Group) -> None:
-        """At a group's first unpack: copy back the group saved before it (next in backward)."""
+        """At a group's first unpack: copy back the rest of the group (its first tensors may
+        come from the stash) and the group saved before it (next in backward order)."""
         if not group.prefetched:
             group.prefetched = True
+            self._fetch(group.entries, prefetch=True)
             before = self._group_before(group)
             if before is not None:
                 self._fetch(before.entries, prefetch=True)
