@@ -47,10 +47,11 @@ from torch import nn
 # - backward: the first unpack of a block's group fetches what of that group is not on the
 #   device yet (only the first block in backward order has any: its first tensors usually
 #   come from the stash) and prefetches the group saved just before it in forward (the next
-#   block in backward order) on the side stream, so that copy overlaps this block's backward. At most these two groups are on the device at
-#   once. Device buffers are allocated on compute (the side stream waits for compute first, as
-#   their memory may have been in use there) and compute waits for the fetch's event before
-#   the first use or before dropping an unused buffer, so no buffer is reused early and no
+#   block in backward order) on the side stream, so that copy overlaps this block's backward.
+#   For a sequential model at most these two groups are on the device at once. Device
+#   buffers are allocated on compute (the side stream waits for compute first, as their
+#   memory may have been in use there) and compute waits for the fetch's event before the
+#   first use or before dropping an unused buffer, so no buffer is reused early and no
 #   record_stream is needed. Pinned host buffers are released to torch's host caching
 #   allocator, which holds them until the copies that read them are done.
 # Only a real accelerator runs the streams, pinned memory and asynchronous copies. On the

@@ -87,7 +87,7 @@ def pg_timeout(default: float = 600.0) -> datetime.timedelta:
 
 
 def init_process_group(
-    timeout: datetime.timedelta | None = None, device: str = "auto", where: str = "memfit"
+    timeout: datetime.timedelta | None = None, device: str = "cpu", where: str = "memfit"
 ) -> Placement:
     """Join torchrun's group (from its environment) or, run alone, form a group of one, on
     the device ``--device`` asks for (see :func:`choose_device`); returns that placement.
