@@ -144,7 +144,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     spec = cfg.spec()
     seq, batch = cfg.seq or spec.seq, cfg.batch or spec.batch
     tokens = load_tokens(cfg.data, cfg.tokenizer, cfg.val_fraction, seq)
-    model = spec.build(cfg.seed)
+    model = spec.build(cfg.seed).to(device)  # sharding then computes on --device
     vocab = vocab_size(model)
     needed = max(tokens.vocab, tokens.mask_id + 1) if spec.arch == "bert" else tokens.vocab
     if vocab is not None and needed > vocab:
@@ -155,8 +155,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
     memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
-    on_gpu = {"device_id": device} if device.type != "cpu" else {}
-    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={block}, **on_gpu)
+    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={block})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
