@@ -144,7 +144,9 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     spec = cfg.spec()
     seq, batch = cfg.seq or spec.seq, cfg.batch or spec.batch
     tokens = load_tokens(cfg.data, cfg.tokenizer, cfg.val_fraction, seq)
-    model = spec.build(cfg.seed).to(device)  # sharding then computes on --device
+    model = spec.build(cfg.seed)
+    if device.type != "cpu":  # pragma: no cover (needs a GPU); sharding then computes there
+        model = model.to(device)
     vocab = vocab_size(model)
     needed = max(tokens.vocab, tokens.mask_id + 1) if spec.arch == "bert" else tokens.vocab
     if vocab is not None and needed > vocab:
