@@ -113,6 +113,8 @@ class OffloadTrace:
                 waited.setdefault(a, []).append((b, i))
             elif kind == "alloc":
                 owner[a], touched[a] = b, [(b, i)]
+            elif kind == "use" and a not in touched:
+                bad.append(f"{a} used on {b} at {i} after it was freed")
             elif kind == "use":
                 bad += [
                     f"{a} used on {b} at {i} before waiting for {s} (at {p})"
@@ -120,7 +122,7 @@ class OffloadTrace:
                     if s != b and not ordered(s, p, b, i)
                 ]
                 touched[a].append((b, i))
-            elif kind == "free":
+            elif kind == "free" and a in touched:  # (not one this trace saw allocated)
                 o = owner[a]
                 bad += [
                     f"{a} freed at {i} before {o} waited for its use on {s} (at {p})"
@@ -225,7 +227,7 @@ class _Entry:
     )
 
     def __init__(self, off: _HostOffload, t: torch.Tensor, start: int, span: int, dense: bool, seq: int) -> None:
-        self.off, self.name, self.seq = off, f"#{next(off.names)}", seq  # seq: its group's
+        self.off, self.name, self.seq = off, f"#{next(_names)}", seq  # seq: its group's
         self.start, self.span, self.dense, self.dtype = start, span, dense, t.dtype
         self.version = t._version
         self.ref = weakref.ref(t)  # alive: the storage is too, so its address names it
@@ -236,6 +238,10 @@ class _Entry:
         self.fetch: _Fetch | None = None
         self.live = 0  # saved-tensor handles alive
         self.used: set[int] = set()  # of those, the ones unpacked since the last fetch (ids)
+
+    def __del__(self) -> None:
+        if self.host is not None:  # torch's host allocator holds pinned memory until its copies end
+            _Streams.note("free", f"host{self.name}", "side")
 
     def covers(self, t: torch.Tensor, start: int, span: int) -> bool:
         held = self.ref()
@@ -314,15 +320,14 @@ class _HostOffload:
     def __init__(self, device: torch.device) -> None:
         self.streams = _Streams(device)
         self.device = device
-        self.names = itertools.count()
-        self.stash: deque[_Entry] = deque()  # entries whose source is held, oldest first
+        self.stash: deque[_Entry] = deque()  # the entries whose source is held, oldest first
         self.index: dict[tuple, weakref.ref] = {}  # (storage address, dtype) -> newest entry
         self.groups: list[weakref.ref] = []  # in forward order
         self.seq = itertools.count()
 
     def new_group(self) -> _Group:
         group = _Group(next(self.seq))
-        for entry in self.stash:  # copies of blocks before the previous one are done by now
+        for entry in list(self.stash):  # copies of blocks before the previous one are done by now
             if entry.seq < group.seq - 1:
                 self.release_source(entry)
         if len(self.groups) > 64:
@@ -357,8 +362,10 @@ class _HostOffload:
         with s.on_side():
             region = t.as_strided((span,), (1,), start) if dense else t
             host = torch.empty(entry.span, dtype=t.dtype, pin_memory=s.accel)
+            s.note("alloc", f"host{entry.name}", "side")
             (host if dense else host.view(t.size())).copy_(region, non_blocking=True)
             s.note("use", f"src{entry.name}", "side")
+            s.note("use", f"host{entry.name}", "side")
             entry.copied = s.record("side")
         entry.host = host
         STATS.d2h_copies += 1
@@ -368,10 +375,8 @@ class _HostOffload:
         return entry
 
     def _trim(self, stash: int) -> None:
-        held = [e for e in self.stash if e.source is not None]
-        self.stash = deque(held)
         while len(self.stash) > stash:
-            self.release_source(self.stash.popleft())
+            self.release_source(self.stash[0])
 
     def release_source(self, entry: _Entry) -> None:
         """Drop the device source: compute waits for its copy first (its memory may be reused)."""
@@ -379,6 +384,7 @@ class _HostOffload:
             self.streams.wait("compute", entry.copied)
             entry.source = None
             self.streams.note("free", f"src{entry.name}", "compute")
+            self.stash.remove(entry)
 
     # -- backward ------------------------------------------------------------------------
 
@@ -435,6 +441,7 @@ class _HostOffload:
         with s.on_side():
             for e, buf in zip(todo, bufs):
                 buf.copy_(e.host, non_blocking=True)
+                s.note("use", f"host{e.name}", "side")
                 s.note("use", f"dev{e.name}", "side")
             fetch = _Fetch(s.record("side"))
         for e, buf in zip(todo, bufs):
@@ -462,6 +469,7 @@ class _HostOffload:
 
 
 _offloaders: dict[torch.device, _HostOffload] = {}
+_names = itertools.count()  # of entries, for the trace
 
 
 def _offloader(device: torch.device) -> _HostOffload:

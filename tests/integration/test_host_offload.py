@@ -5,6 +5,7 @@ gradients bitwise equal to plain checkpointing. Only a GPU runs the real streams
 
 import contextlib
 import copy
+import gc
 from typing import ClassVar
 
 import pytest
@@ -229,6 +230,9 @@ def test_prefetch_stash_and_stream_order(harness, save):
     most, left = _outstanding(trace.log, "dev")
     assert most <= 2 * max(per_block, 1) and not left
     assert not _outstanding(trace.log, "src")[1]
+    del out
+    gc.collect()
+    assert not _outstanding(trace.log, "host")[1]  # every host copy freed once autograd let go
     uses = [(i, e) for i, e in enumerate(trace.log) if e[0] == "use" and e[1].startswith("dev")]
     for i, (_, name, stream) in uses:
         if stream == "compute":  # the copy back was issued before the use
@@ -250,8 +254,9 @@ def test_forward_releases_the_inputs_of_blocks_before_the_previous_one(harness):
 
 def test_trace_checker_catches_early_free_and_unordered_use():
     trace = memfit.testing.OffloadTrace()
-    trace.log = [("alloc", "b", "compute"), ("use", "b", "side"), ("free", "b", "compute")]
-    assert len(trace.violations()) == 2  # used on side without a wait; freed before compute waited
+    trace.log = [("alloc", "b", "compute"), ("use", "b", "side"), ("free", "b", "compute"), ("use", "b", "compute")]
+    # used on side without a wait; freed before compute waited; used after it was freed
+    assert len(trace.violations()) == 3
     trace.log = [
         ("alloc", "b", "compute"),
         ("record", "compute", 0),
