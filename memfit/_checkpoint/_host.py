@@ -297,6 +297,12 @@ def _is_param(t: torch.Tensor) -> bool:
     return isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)
 
 
+def parameter_or_view(t: torch.Tensor) -> bool:
+    """Rule 2 of [Note: Host offload]: ``t`` or the base it views is a parameter or a leaf
+    that requires grad (alive anyway)."""
+    return _is_param(t) or (t._base is not None and _is_param(t._base))
+
+
 @functools.cache
 def _accelerator() -> str | None:
     acc = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
@@ -308,7 +314,7 @@ def offloadable(t: torch.Tensor, min_bytes: int) -> bool:
     on_device = t.device.type == _accelerator() or (_CPU_AS_DEVICE and t.device.type == "cpu")
     if not on_device or type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided:
         return False
-    if t.is_conj() or t.is_neg() or _is_param(t) or (t._base is not None and _is_param(t._base)):
+    if t.is_conj() or t.is_neg() or parameter_or_view(t):
         return False
     nbytes = t.numel() * t.element_size()
     return nbytes > 0 and nbytes >= min_bytes

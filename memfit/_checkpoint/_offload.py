@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, _is_param
+from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, parameter_or_view
 
 # [Note: Offload of saved tensors]
 # Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
@@ -115,7 +115,7 @@ def offload_hooks(offload: Offload | None, module: nn.Module | None = None) -> c
 
 def _keep(t: torch.Tensor) -> bool:
     """Parameters and views of parameters (rule 2 of [Note: Host offload])."""
-    return _is_param(t) or (t._base is not None and _is_param(t._base))
+    return parameter_or_view(t)
 
 
 # -- disk ----------------------------------------------------------------------------------
