@@ -22,8 +22,8 @@ from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, parameter_or_v
 # [Note: Offload of saved tensors]
 # Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
 # a checkpointed block, or everything a block saves when it is not recomputed (save="all").
-# Parameters and views of parameters are never offloaded (they stay alive anyway, so moving
-# them would save nothing): Linear saves `weight.t()`, which stays where it is.
+# Parameters, leaves that require grad, and views of either are never offloaded (they stay
+# alive anyway, so moving them would save nothing): Linear saves `weight.t()`, which stays.
 #   "cpu":  accelerator tensors go to pinned host memory on a side stream in forward and come
 #           back in backward, a block's tensors prefetched while the block after it (in
 #           forward order) runs its backward; see [Note: Host offload] in _host.py for what is
