@@ -393,7 +393,9 @@ def checkpoint(
             masks are bitwise identical (autocast is replayed too, and norm layers' running
             statistics are updated once).
         offload: where the kept tensors wait for backward: None (in place), ``"cpu"``,
-            ``"disk"`` or a :class:`memfit.Offload` (parameters are never offloaded).
+            ``"disk"`` or a :class:`memfit.Offload`. Parameters and views of them are never
+            offloaded; ``"cpu"`` also keeps tensors under 1024 bytes, copies a tensor saved
+            twice once and prefetches the next block's tensors in backward (see Offload).
         save: which op outputs to keep instead of recomputing: None (nothing: full
             recompute), ``"linear"`` (the outputs of Linear layers), ``"matmul"`` (every
             matmul, attention and convolution output), ``"all"`` or a callable(aten op) ->

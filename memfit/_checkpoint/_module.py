@@ -64,7 +64,7 @@ def checkpoint_module(
 
     Args:
         offload: where the kept tensors wait for backward: None, ``"cpu"``, ``"disk"`` or a
-            :class:`memfit.Offload` (parameters are never offloaded).
+            :class:`memfit.Offload` (parameters and views of them are never offloaded).
         save: which op outputs to keep instead of recomputing (None: full recompute,
             ``"linear"``, ``"matmul"``, ``"all"`` or a callable(aten op) -> bool), as in
             :func:`memfit.checkpoint`.
