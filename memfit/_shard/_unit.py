@@ -16,6 +16,7 @@ from torch import nn
 
 from memfit._shard import _collectives as comm
 from memfit._shard._checks import StepChecks
+from memfit._shard._device import copy_in, land, wait_host_copies
 from memfit._shard._param import ShardedParam
 from memfit._shard._streams import Streams
 
@@ -101,7 +102,7 @@ class Unit:
         with streams.on("gather"):
             self._release_held(streams)
             send = torch.empty(layout.slot, dtype=layout.wire, device=layout.device)
-            torch._foreach_copy_(layout.send_views(send), [*(p.sharded.detach() for p in layout.order), layout.tail])
+            copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
             out = torch.empty(self.world * layout.slot, dtype=layout.wire, device=layout.device)
             streams.note("alloc", f"{self.name}:gather-out", "gather")
             work = comm.all_gather(out, send, self.group)
@@ -330,9 +331,7 @@ class PendingReduce:
         with streams.on("reduce"):
             comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
             out.div_(unit.world)
-            first = layout.params[0].sharded
-            if out.dtype != first.dtype or out.device != first.device:
-                out = out.to(device=first.device, dtype=first.dtype)  # to host memory when offloaded
+            out = land(out, layout.params[0].sharded, lambda: streams.record("reduce"))  # offloaded: to the host
             streams.record("reduce")
         _send, grads, copied = self.inputs
         if grads:
@@ -350,6 +349,7 @@ class PendingReduce:
                 olds.append(p.sharded.grad)
                 news.append(g)
         if olds:
+            wait_host_copies()  # offloaded: the host adds what the device copied
             torch._foreach_add_(olds, news)
         checks.reduced(unit, layout.params, self.out[layout.flags :], layout.exact)
 
