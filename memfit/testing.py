@@ -174,3 +174,25 @@ def meta_accelerator(world_size: int = 1, rank: int = 0) -> Iterator[object]:
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_allocator(module) -> Iterator[None]:
+    """Make MemoryMeter read allocator peaks from ``module`` (a stand-in for ``torch.cuda``
+    with ``is_available``, ``synchronize``, ``reset_peak_memory_stats``,
+    ``max_memory_allocated`` and ``max_memory_reserved``), whatever the device."""
+    from memfit import memory
+
+    memory._ALLOCATOR_OVERRIDE.append(module)
+    try:
+        yield
+    finally:
+        memory._ALLOCATOR_OVERRIDE.pop()
+
+
+def placed_optimizer_state(value: torch.Tensor, param: torch.Tensor, group: dict, key: str) -> torch.Tensor:
+    """Where load_checkpoint puts a loaded, non-sharded optimizer state tensor (``step``, ...)."""
+    return _checkpoint_files.placed_state(value, param, group, key)
+
+
+__all__ += ["fake_allocator", "placed_optimizer_state"]

@@ -10,6 +10,10 @@ for one collective. ``fn`` must be importable (a module-level function).
 *args)``, in one process group (process start-up is the cost on a small machine) and returns
 {name: failure or None}, a failure naming every rank it happened on.
 
+`MEMFIT_TEST_DEVICE=cuda` runs the ranks on CUDA with NCCL (rank r on GPU r; a world size
+larger than the GPU count is skipped); the default is the CPU with gloo. Cases place their
+models and inputs on `test_device()`.
+
 `Subtests(cases)` is how a test module uses it: one spawned group per world size (and args)
 runs every case once, and each pytest test reports one case from that run:
 
@@ -38,12 +42,29 @@ import torch.distributed as dist
 from memfit.testing import free_port
 
 
+def test_device() -> torch.device:
+    """Where the suite's sharding cases compute: ``MEMFIT_TEST_DEVICE`` (``cpu``, the default,
+    with gloo; ``cuda`` with NCCL, this process's current GPU)."""
+    kind = os.environ.get("MEMFIT_TEST_DEVICE", "cpu")
+    if kind == "cpu":
+        return torch.device("cpu")
+    if kind != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"MEMFIT_TEST_DEVICE={kind!r}: use cpu, or cuda on a machine with a GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+test_device.__test__ = False  # a helper, not a test, where a test module imports it
+
+
 def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results, pg_timeout: float) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
+    cuda = os.environ.get("MEMFIT_TEST_DEVICE", "cpu") == "cuda"
     try:
+        if cuda:
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            "nccl" if cuda else "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -135,6 +156,8 @@ class Subtests:
         """{case name: failure or None} of the group's run (run now if it has not run yet), or
         what made the whole group fail (a rank died or hung)."""
         key = (world_size, *args)
+        if test_device().type == "cuda" and world_size > torch.cuda.device_count():
+            pytest.skip(f"MEMFIT_TEST_DEVICE=cuda: {world_size} ranks need {world_size} GPUs")
         if key not in self._reports:
             try:
                 self._reports[key] = run_subtests(self.cases, world_size, *args, timeout=self.timeout)
