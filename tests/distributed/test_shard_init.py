@@ -36,7 +36,7 @@ def digest(model):
 
 def case_materialize_peak_and_values(rank, world):
     model = on_meta()
-    with memfit.MemoryMeter() as meter:
+    with memfit.MemoryMeter(device=test_device()) as meter:
         model = memfit.FullyShardedDataParallel(model, auto_wrap_policy=nn.Sequential)
         memfit.materialize(model, seed=3)
     units = units_of(model)
@@ -53,8 +53,8 @@ def case_materialize_peak_and_values(rank, world):
         w = model.blocks[0][0].weight
         bound = 1 / 13**0.5  # nn.Linear's init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
         assert w.abs().max() <= bound and w.abs().max() > bound / 2
-        assert torch.equal(model.norm.running_var, torch.ones(3))  # BatchNorm's reset
-    x = torch.randn(4, 6)
+        assert torch.equal(model.norm.running_var.cpu(), torch.ones(3))  # BatchNorm's reset
+    x = torch.randn(4, 6, device=test_device())
     model(x).sum().backward()  # trains
     assert model.inp.weight.grad is not None
 
@@ -62,18 +62,18 @@ def case_materialize_peak_and_values(rank, world):
 def case_forward_before_materialize_is_refused(rank, world):
     model = memfit.FullyShardedDataParallel(on_meta(), auto_wrap_policy=nn.Sequential)
     with pytest.raises(RuntimeError, match=r"built on the meta device .* memfit\.materialize"):
-        model(torch.randn(2, 6))
+        model(torch.randn(2, 6, device=test_device()))
 
 
 def case_streamed_load_from_rank_0(rank, world):
     torch.manual_seed(5)
     plain = MLP()
     model = memfit.FullyShardedDataParallel(on_meta_mlp(), auto_wrap_policy=nn.Sequential)
-    with memfit.MemoryMeter() as meter:
+    with memfit.MemoryMeter(device=test_device()) as meter:
         memfit.load_full_state_dict(model, plain.state_dict() if rank == 0 else None)
     with memfit.summon_full_params(model, writeback=False):
         for n, p in model.named_parameters():
-            assert torch.equal(p, dict(plain.named_parameters())[n]), n
+            assert torch.equal(p.cpu(), dict(plain.named_parameters())[n]), n
     largest_param = max(p.numel() for p in plain.parameters()) * 4
     local = sum(p.numel() * 4 for p in model.parameters())
     if rank != 0:  # rank 0 also holds the state dict it was given
@@ -188,7 +188,7 @@ CASES = [
     case_streamed_load_into_offloaded_shards,
     case_checkpoint_puts_state_where_torch_does,
 ]
-GROUP = Subtests(CASES)
+GROUP = Subtests(CASES, on_test_device=True)  # MEMFIT_TEST_DEVICE=cuda: NCCL on CUDA
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

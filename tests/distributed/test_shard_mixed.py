@@ -98,7 +98,8 @@ def case_fp16_reduce_divides_before_and_after_the_sum(rank, world):
     assert grad.dtype == torch.float32 and torch.equal(grad, torch.full_like(grad, 40960.0)), grad
 
 
-CASES = [case_bf16_matches_reference, case_fp16_reduce_divides_before_and_after_the_sum]  # MixedPrecision's validation: unit/test_mixed_precision.py
+# MixedPrecision's validation: unit/test_mixed_precision.py
+CASES = [case_bf16_matches_reference, case_fp16_reduce_divides_before_and_after_the_sum]
 GROUP = Subtests(CASES)
 
 
