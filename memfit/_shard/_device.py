@@ -21,7 +21,11 @@ import torch.distributed as dist
 # staging buffer and copied to the device in one non-blocking copy on the gather stream;
 # after a reduce-scatter the reduced gradients come back in one non-blocking copy into pinned
 # memory on the reduce stream, and the host waits for the last of those copies once, at the
-# end of backward, before the optimizer (on the host) reads them (FSDP2 does the same).
+# end of backward, before the optimizer (on the host) reads them (FSDP2 does the same; when a
+# gradient accumulates into an existing one the host waits before adding). Unlike FSDP2, which
+# copies each pinned chunk to the device on its own (a launch per parameter), the chunks stay
+# pageable and the host packs them (one memcpy, casting to the wire dtype) so that one copy
+# crosses; keeping the chunks as views of one pinned buffer per unit would save that memcpy too.
 # The host reads device values only through `host_read`, counted in `AUDIT`.
 #
 # Tests see device mistakes without a GPU through a pretend accelerator: the meta device with
@@ -142,10 +146,7 @@ def moved(t: torch.Tensor, device: torch.device, copy: bool = False) -> torch.Te
 def audit() -> Iterator[Audit]:
     """Count the host/device traffic inside this context (tests)."""
     AUDIT.reset()
-    try:
-        yield AUDIT
-    finally:
-        pass
+    yield AUDIT
 
 
 def copy_in(send: torch.Tensor, views_of, srcs: list[torch.Tensor]) -> None:
