@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit._shard._device import device_of_units, host_read
+from memfit._shard._device import device_of_units, fill, host_read
 from memfit._shard._unit import ShardState, units_of
 
 __all__ = ["clip_grad_norm_", "summon_full_params"]
@@ -75,5 +75,5 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
                     for sp in u.params:
                         full = sp.full.detach().reshape(sp.rows, sp.row_numel)
                         start = min(u.rank * sp.chunk_rows, sp.rows)
-                        sp.sharded.detach().view(-1).copy_(full[start : start + sp.local_rows].reshape(-1))
+                        fill(sp.sharded.detach().view(-1), full[start : start + sp.local_rows].reshape(-1))
                 u.reshard()

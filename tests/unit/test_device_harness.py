@@ -186,3 +186,12 @@ def test_memory_meter_reports_the_allocator_peaks_beside_live_bytes():
     with memfit.MemoryMeter(device="cpu") as plain:
         pass
     assert plain.allocator_peak_bytes is None and plain.allocator_reserved_peak_bytes is None
+
+
+def test_summon_full_params_writes_back_to_offloaded_shards():
+    """Full parameters on the device, written back into host shards (outside the hot path)."""
+    with meta_accelerator(2):
+        model = memfit.shard(net(), offload="cpu")
+        with memfit.summon_full_params(model):
+            assert devices(model.parameters()) == {"meta"}
+        assert devices(model.parameters()) == {"cpu"}
