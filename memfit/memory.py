@@ -61,16 +61,19 @@ class MemoryMeter:
     seen, which makes the count deterministic on the CPU.
 
     Args:
-        device: the device to measure (default: the device of ``model``'s first parameter,
-            else the CPU).
+        device: the device to measure (default: where ``model`` computes: its first
+            parameter's device, for a sharded model the device its units gather on, even when
+            the shards are offloaded to host memory; else the CPU).
         model: its parameters, buffers and gradients are counted from the start and named in
             :meth:`breakdown`.
         optimizer: its state tensors are counted from the start and named in :meth:`breakdown`.
 
     After the block: ``peak_bytes`` (int), :meth:`breakdown` (bytes per category at the peak),
-    ``current_bytes`` (what is still alive of what it saw) and, on CUDA,
-    ``allocator_peak_bytes`` (``torch.cuda.max_memory_allocated`` during the block, which
-    includes allocator rounding and kernel scratch space; None elsewhere).
+    ``current_bytes`` (what is still alive of what it saw) and, on CUDA, the caching
+    allocator's peaks during the block beside the live tensor bytes: ``allocator_peak_bytes``
+    (``torch.cuda.max_memory_allocated``: allocator rounding and kernel scratch space
+    included) and ``allocator_reserved_peak_bytes`` (``max_memory_reserved``: what the
+    allocator held from the driver, cached free blocks included); None elsewhere.
     """
 
     def __init__(
@@ -80,14 +83,12 @@ class MemoryMeter:
         model: nn.Module | None = None,
         optimizer: torch.optim.Optimizer | None = None,
     ) -> None:
-        if device is None:
-            first = next(model.parameters(), None) if model is not None else None
-            device = first.device if first is not None else "cpu"
-        self.device = torch.device(device)
+        self.device = torch.device(device) if device is not None else _default_device(model)
         self.model = model
         self.optimizer = optimizer
         self.peak_bytes = 0
         self.allocator_peak_bytes: int | None = None
+        self.allocator_reserved_peak_bytes: int | None = None
         self._peak_breakdown = dict.fromkeys(CATEGORIES, 0)
         self._live: dict[int, tuple[StorageWeakRef, int]] = {}  # storage key -> (ref, bytes)
         self._total = 0  # bytes in _live, freed entries included until the next sweep
@@ -214,13 +215,10 @@ class MemoryMeter:
         if self.optimizer is not None:
             self._track_all(v for s in self.optimizer.state.values() for v in s.values())
         self._update_peak()
-        self._accel = self.device.type != "cpu" and hasattr(
-            torch.get_device_module(self.device.type), "max_memory_allocated"
-        )
-        if self._accel:
-            mod = torch.get_device_module(self.device.type)
-            mod.synchronize(self.device)
-            mod.reset_peak_memory_stats(self.device)
+        self._allocator = allocator_of(self.device)
+        if self._allocator is not None:  # outside the measured region: syncs are fine here
+            self._allocator.synchronize(self.device)
+            self._allocator.reset_peak_memory_stats(self.device)
         self._mode = _Mode(self)
         self._mode.__enter__()
         self._orig_resize = torch.UntypedStorage.resize_
@@ -239,11 +237,46 @@ class MemoryMeter:
         torch.UntypedStorage.resize_ = self._orig_resize
         self._mode.__exit__(*exc)
         self._mode = None
-        if self._accel:
-            mod = torch.get_device_module(self.device.type)
-            mod.synchronize(self.device)
-            self.allocator_peak_bytes = int(mod.max_memory_allocated(self.device))
+        if self._allocator is not None:
+            self._allocator.synchronize(self.device)
+            self.allocator_peak_bytes = int(self._allocator.max_memory_allocated(self.device))
+            self.allocator_reserved_peak_bytes = int(self._allocator.max_memory_reserved(self.device))
 
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in self.breakdown().items())
-        return f"MemoryMeter(device={self.device}, peak={self.peak_bytes / 2**20:.2f}MiB: {parts})"
+        alloc = ""
+        if self.allocator_peak_bytes is not None:
+            alloc = (
+                f"; allocator peaks: allocated={self.allocator_peak_bytes / 2**20:.2f}MiB, "
+                f"reserved={self.allocator_reserved_peak_bytes / 2**20:.2f}MiB"
+            )
+        return f"MemoryMeter(device={self.device}, peak={self.peak_bytes / 2**20:.2f}MiB: {parts}{alloc})"
+
+
+_ALLOCATOR_OVERRIDE: list = []  # tests: a stand-in for the accelerator's device module (memfit.testing)
+
+
+def allocator_of(device: torch.device):
+    """The device module whose caching allocator keeps peak statistics for ``device``
+    (``torch.cuda`` on CUDA), or None (the CPU, the meta device, no accelerator)."""
+    if _ALLOCATOR_OVERRIDE:
+        return _ALLOCATOR_OVERRIDE[-1]
+    if device.type in ("cpu", "meta"):
+        return None
+    module = getattr(torch, device.type, None)
+    needed = ("is_available", "synchronize", "reset_peak_memory_stats", "max_memory_allocated", "max_memory_reserved")
+    if module is None or not all(hasattr(module, f) for f in needed) or not module.is_available():
+        return None
+    return module
+
+
+def _default_device(model: nn.Module | None) -> torch.device:
+    """The device ``model`` computes on: its first parameter's, or for a sharded model its
+    full parameters' (the compute device, even when the shards live in host memory)."""
+    from memfit._shard._param import shard_of  # memory.py is imported before sharding
+
+    first = next(model.parameters(), None) if model is not None else None
+    if first is None:
+        return torch.device("cpu")
+    sp = shard_of(first)
+    return sp.full.device if sp is not None else first.device

@@ -150,3 +150,63 @@ def checkpoint_checksums(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _checkpoint_files._CHECKSUMS = before
+
+
+# The meta test device: device mistakes made visible on a CPU-only machine.
+# See [Note: Devices and the meta test device] in memfit/_shard/_device.py.
+from memfit._shard._device import Audit  # noqa: E402
+from memfit._shard._device import audit as device_audit  # noqa: E402
+
+__all__ += ["Audit", "device_audit", "meta_accelerator"]
+
+_META_BACKEND = "memfit_meta"
+
+
+@contextlib.contextmanager
+def meta_accelerator(world_size: int = 1, rank: int = 0) -> Iterator[object]:
+    """A default process group that, like NCCL, takes tensors of one device only: ``meta``,
+    the pretend accelerator (yields the group). Collectives do nothing (no process meets
+    another: ``world_size`` ranks are simulated in this one) and meta tensors hold no values,
+    so it checks where tensors are, not what they hold: a CPU tensor in a collective fails
+    with NCCL's "No backend type associated with device type cpu", an op mixing CPU and meta
+    tensors fails as one mixing CPU and CUDA tensors does, and a host read of a device value
+    fails unless it goes through memfit's one counted read. Streams, pinned memory, the
+    overlap of copies and allocator peaks need a real GPU."""
+    import torch.distributed as dist
+    from torch._C._distributed_c10d import FakeProcessGroup
+
+    if dist.is_initialized():
+        raise RuntimeError("memfit.testing.meta_accelerator: a default process group exists already; destroy it first")
+    if _META_BACKEND.upper() not in dist.Backend._plugins:
+
+        def create(common, backend_options):
+            return FakeProcessGroup._create_internal(common.group_rank, common.group_size, backend_options)
+
+        dist.Backend.register_backend(_META_BACKEND, create, extended_api=True, devices=["meta"])
+    dist.init_process_group(_META_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def fake_allocator(module) -> Iterator[None]:
+    """Make MemoryMeter read allocator peaks from ``module`` (a stand-in for ``torch.cuda``
+    with ``is_available``, ``synchronize``, ``reset_peak_memory_stats``,
+    ``max_memory_allocated`` and ``max_memory_reserved``), whatever the device."""
+    from memfit import memory
+
+    memory._ALLOCATOR_OVERRIDE.append(module)
+    try:
+        yield
+    finally:
+        memory._ALLOCATOR_OVERRIDE.pop()
+
+
+def placed_optimizer_state(value: torch.Tensor, param: torch.Tensor, group: dict, key: str) -> torch.Tensor:
+    """Where load_checkpoint puts a loaded, non-sharded optimizer state tensor (``step``, ...)."""
+    return _checkpoint_files.placed_state(value, param, group, key)
+
+
+__all__ += ["fake_allocator", "placed_optimizer_state"]

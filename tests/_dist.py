@@ -10,6 +10,11 @@ for one collective. ``fn`` must be importable (a module-level function).
 *args)``, in one process group (process start-up is the cost on a small machine) and returns
 {name: failure or None}, a failure naming every rank it happened on.
 
+`MEMFIT_TEST_DEVICE=cuda` runs the ranks of the modules that opt in (`Subtests(...,
+on_test_device=True)`) on CUDA with NCCL, rank r on GPU r (a world size larger than the GPU
+count is skipped); their cases put models and inputs on `test_device()`. Every other module,
+and every module by default, runs on the CPU with gloo.
+
 `Subtests(cases)` is how a test module uses it: one spawned group per world size (and args)
 runs every case once, and each pytest test reports one case from that run:
 
@@ -38,12 +43,30 @@ import torch.distributed as dist
 from memfit.testing import free_port
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, results, pg_timeout: float) -> None:
+def test_device() -> torch.device:
+    """Where the suite's sharding cases compute: ``MEMFIT_TEST_DEVICE`` (``cpu``, the default,
+    with gloo; ``cuda`` with NCCL, this process's current GPU)."""
+    kind = os.environ.get("MEMFIT_TEST_DEVICE", "cpu")
+    if kind == "cpu" or (dist.is_initialized() and dist.get_backend() != "nccl"):
+        return torch.device("cpu")  # the default, and a module that runs on gloo
+    if kind != "cuda" or not torch.cuda.is_available():
+        raise RuntimeError(f"MEMFIT_TEST_DEVICE={kind!r}: use cpu, or cuda on a machine with a GPU")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+test_device.__test__ = False  # a helper, not a test, where a test module imports it
+
+
+def _worker(
+    fn: Callable, rank: int, world_size: int, port: int, args: tuple, results, pg_timeout: float, cuda: bool
+) -> None:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     torch.set_num_threads(1)
     try:
+        if cuda:
+            torch.cuda.set_device(rank)
         dist.init_process_group(
-            "gloo",
+            "nccl" if cuda else "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
@@ -58,12 +81,20 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, args: tuple, re
             dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout: float = 300.0, pg_timeout: float = 60.0) -> list:
+def run_ranks(
+    fn: Callable,
+    world_size: int,
+    *args,
+    timeout: float = 300.0,
+    pg_timeout: float = 60.0,
+    on_test_device: bool = False,
+) -> list:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
+    cuda = on_test_device and os.environ.get("MEMFIT_TEST_DEVICE", "cpu") == "cuda"
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, pg_timeout), daemon=True)
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, results, pg_timeout, cuda), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
@@ -108,9 +139,11 @@ def _run_cases(rank: int, world_size: int, cases: list[Callable], args: tuple) -
     return report
 
 
-def run_subtests(cases: list[Callable], world_size: int, *args, timeout: float = 300.0) -> dict[str, str | None]:
+def run_subtests(
+    cases: list[Callable], world_size: int, *args, timeout: float = 300.0, on_test_device: bool = False
+) -> dict[str, str | None]:
     """Run ``case(rank, world_size, *args)`` for each case in one group; {case name: failure or None}."""
-    reports = run_ranks(_run_cases, world_size, cases, args, timeout=timeout)
+    reports = run_ranks(_run_cases, world_size, cases, args, timeout=timeout, on_test_device=on_test_device)
     merged: dict[str, str | None] = {}
     for case in cases:
         errors = [f"rank {r}:\n{rep[case.__name__]}" for r, rep in enumerate(reports) if rep[case.__name__]]
@@ -126,18 +159,24 @@ def case_id(case: Callable) -> str:
 class Subtests:
     """``cases`` run in one spawned group per (world size, args), the first time a test asks."""
 
-    def __init__(self, cases: list[Callable], timeout: float = 300.0) -> None:
+    def __init__(self, cases: list[Callable], timeout: float = 300.0, on_test_device: bool = False) -> None:
         self.cases = cases
         self.timeout = timeout
+        self.on_test_device = on_test_device  # MEMFIT_TEST_DEVICE=cuda runs these cases on NCCL
         self._reports: dict[tuple, dict[str, str | None] | str] = {}  # a str: the group failed as a whole
 
     def report(self, world_size: int, *args) -> dict[str, str | None] | str:
         """{case name: failure or None} of the group's run (run now if it has not run yet), or
         what made the whole group fail (a rank died or hung)."""
         key = (world_size, *args)
+        cuda = self.on_test_device and test_device().type == "cuda"
+        if cuda and world_size > torch.cuda.device_count():
+            pytest.skip(f"MEMFIT_TEST_DEVICE=cuda: {world_size} ranks need {world_size} GPUs")
         if key not in self._reports:
             try:
-                self._reports[key] = run_subtests(self.cases, world_size, *args, timeout=self.timeout)
+                self._reports[key] = run_subtests(
+                    self.cases, world_size, *args, timeout=self.timeout, on_test_device=self.on_test_device
+                )
             except AssertionError as e:
                 self._reports[key] = f"the group of {world_size} ranks failed as a whole: {e}"
         return self._reports[key]

@@ -14,15 +14,16 @@ from memfit._shard._compat import (
     strategy_to_reshard,
     wrap_policy_of,
 )
+from memfit._shard._device import compute_device
 from memfit._shard._export import SavePretrained
 from memfit._shard._init import (
-    allocate_meta_buffers,
-    broadcast_from_rank0,
+    broadcast_buffers,
     check_one_device_and_dtype,
     claim_parameters,
     ensure_optimizer_check,
     managed_modules,
     new_unit,
+    place_buffers,
     post_order,
     pre_forward_with_lazy_init,
     shard_parameters,
@@ -58,9 +59,9 @@ class FullyShardedDataParallel(ShardedModule):
             (ZeRO-2-like: less communication, more memory). The root always keeps them.
         sync_module_states: broadcast parameters and buffers from rank 0 first, so ranks
             start equal.
-        device: where the chunks of parameters built on the meta device are allocated
-            (default the CPU); fill them with :func:`materialize` or
-            :func:`load_full_state_dict`.
+        device: the compute device (see :func:`shard`; default: the accelerator the
+            parameters are on, else the process group's: the current CUDA device with NCCL,
+            the CPU with gloo).
         mixed_precision: a :class:`MixedPrecision`: gather and compute in a lower precision,
             while the shards the optimizer updates keep their own dtype (fp32).
         offload: ``"cpu"`` keeps the shards, their gradients and the optimizer state in host
@@ -194,14 +195,19 @@ def shard(
             less communication, more memory). The root always keeps them.
         sync_module_states: broadcast parameters and buffers from rank 0 first, so ranks start
             equal.
-        device: where the chunks of parameters built on the meta device are allocated (default
-            the CPU); fill them with :func:`materialize` or :func:`load_full_state_dict`, so
-            the full model never exists on one rank (deferred initialisation).
+        device: the compute device: full parameters, buffers, collectives and the chunks
+            (unless offloaded) live there. Default: the accelerator the parameters are on,
+            else the process group's device (the current CUDA device with NCCL, as torchrun's
+            LOCAL_RANK setup makes it; the CPU with gloo), as FSDP2 does. Parameters and
+            buffers built elsewhere are moved there (each parameter's chunk only: the full
+            parameter is not). Chunks of parameters built on the meta device are allocated
+            there; fill them with :func:`materialize` or :func:`load_full_state_dict`, so the
+            full model never exists on one rank (deferred initialisation).
         mixed_precision: a :class:`MixedPrecision`: gather and compute in a lower precision,
             while the shards the optimizer updates keep their own dtype (fp32).
         offload: ``"cpu"`` keeps the shards, their gradients and so the optimizer state in host
             memory (the optimizer steps on the CPU); a unit's full parameters are gathered on
-            the compute device (``device``, default the module's) for its forward and backward,
+            the compute device (``device``) for its forward and backward,
             and gradients come back to the host after the reduce-scatter. With an accelerator
             that saves its memory; on a CPU-only machine the compute device is the CPU too, so
             the copies are host-to-host: the logic is tested here, the savings need a GPU.
@@ -213,13 +219,13 @@ def shard(
     group = _checked_group(module, group)
     managed = managed_modules(module)
     owned = claim_parameters(module, managed)
-    compute, host = _devices(device, check_one_device_and_dtype(module, owned), offload)
-    allocate_meta_buffers(managed, compute)
+    compute, host = _devices(device, check_one_device_and_dtype(module, owned), offload, group)
+    place_buffers(managed, compute)  # See [Note: Devices and the meta test device]
     if sync_module_states:
-        broadcast_from_rank0(owned, managed, group)
+        broadcast_buffers(managed, group)
     if mixed_precision is not None:
         mixed_precision.prepare([m for _, m in managed])
-    params = shard_parameters(owned, group, compute, mixed_precision, host)
+    params = shard_parameters(owned, group, compute, mixed_precision, host, sync_module_states)
     unit = new_unit(module, params, owned, managed, group, reshard_after_forward, mixed_precision)
     ensure_optimizer_check()
     _install(module, unit)  # See [Note: One sharded training step]
@@ -242,15 +248,19 @@ def _checked_group(module: nn.Module, group: dist.ProcessGroup | None) -> dist.P
 
 
 def _devices(
-    device: torch.device | str | None, found: torch.device | None, offload: str | None
+    device: torch.device | str | None, found: torch.device | None, offload: str | None, group
 ) -> tuple[torch.device, torch.device | None]:
-    """The device the unit computes on, and the device its shards live on when offloaded."""
+    """The device the unit computes on, and the device its shards live on when offloaded:
+    ``device``, else the accelerator the parameters are on, else the process group's device
+    (NCCL: the current CUDA device; gloo: the CPU), as FSDP2 does."""
     if offload not in (None, "cpu"):
         raise ValueError(f"memfit.shard: offload must be None or 'cpu', got {offload!r}")
     if device is not None:
         compute = torch.device(device)
+    elif found is not None and found.type != "cpu":
+        compute = found
     else:
-        compute = found if found is not None else torch.device("cpu")
+        compute = compute_device(group)
     return compute, torch.device("cpu") if offload == "cpu" else None
 
 

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from memfit._shard._device import device_of_units, moved
 from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule
 
@@ -144,12 +145,15 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if bad:
         raise TypeError(f"memfit.save_checkpoint: extra values {bad} are neither tensors nor JSON-serialisable")
     state.update({f"extra/{k}": v for k, v in extra.items() if torch.is_tensor(v)})
+    # Tensors of `extra` saved from an accelerator load onto the compute device, the others
+    # (an RNG state) into host memory.
+    on_device = sorted(k for k, v in extra.items() if torch.is_tensor(v) and v.device.type != "cpu")
     meta = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
     checksums = _checksums(tmp, meta, group) if _CHECKSUMS else None
     dist.barrier(group=group)
     if rank == 0:
         with open(os.path.join(tmp, _JSON), "w") as f:
-            info = {"version": _VERSION, "optimizer_groups": groups, "extra": plain}
+            info = {"version": _VERSION, "optimizer_groups": groups, "extra": plain, "on_device": on_device}
             json.dump({**info, "checksums": checksums} if checksums is not None else info, f)
             f.flush()
             os.fsync(f.fileno())
@@ -406,12 +410,29 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
             v = state[f"model/{name}"]
             t.copy_(v.to_local().reshape(t.shape) if isinstance(v, DTensor) else v)
     if optimizer is not None:
+        for group_state, saved in zip(optimizer.param_groups, info["optimizer_groups"]):
+            group_state.update({k: v for k, v in saved.items() if k != "params"})
+        groups = {id(p): g for g in optimizer.param_groups for p in g["params"]}
         for key, (p, k) in opt_keys.items():
             v = state[key]
             v = v.to_local().reshape(p.shape) if isinstance(v, DTensor) else v
-            optimizer.state[p][k] = v.clone()
-        for group_state, saved in zip(optimizer.param_groups, info["optimizer_groups"]):
-            group_state.update({k: v for k, v in saved.items() if k != "params"})
+            optimizer.state[p][k] = placed_state(v, p, groups[id(p)], k)
     extra = dict(info["extra"])
-    extra.update({k[len("extra/") :]: state[k] for k in extra_keys})
+    device = device_of_units([sp.owner for sp in shards.values()]) if shards else torch.device("cpu")
+    on_device = set(info.get("on_device", []))
+    for key in extra_keys:
+        name = key[len("extra/") :]
+        extra[name] = moved(state[key], device) if name in on_device else state[key]
     return extra
+
+
+def placed_state(value: torch.Tensor, param: torch.Tensor, group: dict, key: str) -> torch.Tensor:
+    """A loaded optimizer state tensor (a copy), where and as torch's ``Optimizer.load_state_dict``
+    puts it: ``step`` on the parameter's device as fp32 for fused and capturable optimizers (they
+    read it on the device), else in host memory as saved (read on the host without a sync);
+    any other tensor on the parameter's device (in host memory for offloaded shards)."""
+    if key == "step":
+        if group.get("fused") or group.get("capturable"):
+            return value.to(dtype=torch.float32, device=param.device, copy=True)
+        return value.clone()
+    return moved(value, param.device, copy=True)

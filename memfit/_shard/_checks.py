@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from memfit._shard._device import host_read
+
 if TYPE_CHECKING:
     from memfit._shard._param import ShardedParam
     from memfit._shard._unit import Unit
@@ -68,6 +70,9 @@ class StepChecks:
             return
         parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
         values = _read(parts)
+        if values is None:  # the meta test device holds no values (See [Note: Devices and the meta test device])
+            self._clear()
+            return
         pos = 0
         for unit, ids in self._gathers:
             got = values[pos : pos + ids.numel()]
@@ -100,7 +105,7 @@ class StepChecks:
         self._gathers, self._reduces, self._fresh = [], [], {}
 
 
-def _read(parts: list[torch.Tensor]) -> list[float]:
+def _read(parts: list[torch.Tensor]) -> list[float] | None:
     """The values of ``parts``, concatenated, in one transfer (the step's one host sync); a
     few ops whatever the number of parts: one concatenation and one cast per dtype."""
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -108,7 +113,9 @@ def _read(parts: list[torch.Tensor]) -> list[float]:
         by_dtype.setdefault(t.dtype, []).append(i)
     groups = list(by_dtype.values())
     flat = [torch.cat([parts[i] for i in g]).to(torch.float64) for g in groups]
-    values = (torch.cat(flat) if len(flat) > 1 else flat[0]).tolist()
+    values = host_read(torch.cat(flat) if len(flat) > 1 else flat[0])
+    if values is None:
+        return None
     out: list[list[float]] = [[] for _ in parts]
     pos = 0
     for g in groups:

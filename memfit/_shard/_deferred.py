@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memfit._shard._device import device_of_units, fill, moved
 from memfit._shard._unit import units_of
 
 __all__ = ["load_full_state_dict", "materialize"]
@@ -49,10 +50,12 @@ def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = Non
 @torch.no_grad()
 def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] | None) -> nn.Module:
     """Load full tensors held by rank 0 (``state_dict``; other ranks pass None) into a sharded
-    model, streamed one tensor at a time: rank 0 broadcasts it, every rank keeps its rows. No
-    rank holds more than its chunks plus one full tensor beyond what rank 0 already has."""
+    model, streamed one tensor at a time: rank 0 broadcasts it on the compute device (where
+    NCCL takes it), every rank keeps its rows. No rank holds more than its chunks plus one
+    full tensor beyond what rank 0 already has."""
     units = units_of(model)
     group = units[0].group
+    device = device_of_units(units)
     src = dist.get_global_rank(group, 0)
     shards = {id(sp.sharded): sp for u in units for sp in u.params}
     rank = dist.get_rank(group)
@@ -69,7 +72,10 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
         done.add(id(t))
         sp = shards.get(id(t))
         shape = sp.shape if sp is not None else t.shape
-        buf = state_dict[name].detach().to(t.dtype).clone() if rank == 0 else torch.empty(shape, dtype=t.dtype)
+        if rank == 0:
+            buf = moved(state_dict[name].detach().to(t.dtype), device, copy=True)
+        else:
+            buf = torch.empty(shape, dtype=t.dtype, device=device)
         if rank == 0 and tuple(buf.shape) != tuple(shape):
             raise RuntimeError(
                 f"memfit.load_full_state_dict: '{name}' is {list(buf.shape)}, the model has {list(shape)}"
@@ -79,7 +85,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
             sp.keep_rows(buf, dist.get_rank(group))
             sp.deferred = False
         else:
-            t.copy_(buf)
+            fill(t, buf)
     return model
 
 

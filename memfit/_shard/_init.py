@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memfit._shard import _runtime
+from memfit._shard._device import moved, same_device
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._param import ShardedParam, shard_of, sharded_as
 from memfit._shard._unit import ShardedModule, Unit, user_class
@@ -202,45 +203,49 @@ def check_one_device_and_dtype(module: nn.Module, owned: Ownership) -> torch.dev
     return next(iter(devices), None)
 
 
-def allocate_meta_buffers(managed: list[tuple[str, nn.Module]], device: torch.device) -> None:
-    """Allocate the buffers built on the meta device, zeroed, on ``device``; materialize fills them."""
+def place_buffers(managed: list[tuple[str, nn.Module]], device: torch.device) -> None:
+    """Put the managed modules' buffers on the compute ``device``: those built on the meta
+    device allocated there, zeroed (materialize fills them), the others moved there."""
     for _, m in managed:
         for name, b in m._buffers.items():
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros_like(b, device=device)
+            elif b is not None and not same_device(b.device, device):
+                m._buffers[name] = b.to(device)
 
 
 @torch.no_grad()
-def broadcast_from_rank0(owned: Ownership, managed: list[tuple[str, nn.Module]], group) -> None:
-    """Copy rank 0's new parameters and the managed buffers to every rank, so the ranks start equal."""
+def broadcast_buffers(managed: list[tuple[str, nn.Module]], group) -> None:
+    """Copy rank 0's buffers of the managed modules to every rank (they are on the compute device)."""
     if dist.get_world_size(group) <= 1:
         return
-    for p, _ in owned.new:
-        if not p.is_meta:
-            dist.broadcast(p.data, src=dist.get_global_rank(group, 0), group=group)
     for _, m in managed:
         for b in m._buffers.values():
             if b is not None:
                 dist.broadcast(b, src=dist.get_global_rank(group, 0), group=group)
 
 
+@torch.no_grad()
 def shard_parameters(
     owned: Ownership,
     group,
     device: torch.device,
     mixed_precision: MixedPrecision | None,
     shard_device: torch.device | None,
+    sync: bool = False,
 ) -> list[ShardedParam]:
-    """Replace each new parameter, wherever it is registered, by this rank's chunk of it."""
-    # See [Note: Sharded parameter layout]
+    """Replace each new parameter, wherever it is registered, by this rank's chunk of it; with
+    ``sync``, of rank 0's values, broadcast one parameter at a time on the compute device."""
+    # See [Note: Sharded parameter layout] and [Note: Devices and the meta test device]
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     params = []
     for p, p_uses in owned.new:
         dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
-        sp = ShardedParam(p, p_uses, owned.paths[p], rank, world, device, dtype, shard_device)
-        if shard_device is not None:
-            sp.move_full(device)  # computes on the device
-        params.append(sp)
+        values = None
+        if sync and world > 1 and not p.is_meta:
+            values = moved(p.detach(), device)  # a temporary copy when p is not on the device
+            dist.broadcast(values, src=dist.get_global_rank(group, 0), group=group)
+        params.append(ShardedParam(p, p_uses, owned.paths[p], rank, world, device, dtype, shard_device, values))
     return params
 
 

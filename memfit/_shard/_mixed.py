@@ -76,3 +76,17 @@ def _cast(obj, dtype: torch.dtype):
 
 def _to_fp32(module: nn.Module, args: tuple):
     return _cast(args, torch.float32)
+
+
+def gradient_divide_factors(reduce_dtype: torch.dtype, world: int) -> tuple[float, float]:
+    """(pre, post): a unit's gradients are divided by ``pre`` before the sum over the ``world``
+    ranks and by ``post`` after it (``pre * post == world``), so that a 16-bit sum does not
+    overflow (fp16 tops out at 65504) nor the quotient underflow. Chosen as FSDP2 does
+    (``_get_gradient_divide_factors``): ``pre`` the power of two nearest sqrt(world) that
+    divides it. In fp32 and fp64 the sum comes first, whole, as without mixed precision."""
+    if reduce_dtype in (torch.float32, torch.float64) or world <= 1:
+        return 1.0, float(world)
+    factor = 1
+    while world % factor == 0 and world / factor > factor:
+        factor *= 2
+    return float(factor), world / factor

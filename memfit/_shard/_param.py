@@ -8,6 +8,8 @@ import weakref
 import torch
 from torch import nn
 
+from memfit._shard._device import fill, moved
+
 # [Note: Sharded parameter layout]
 # A parameter of shape (d0, ...) is split like torch.chunk(p, W, dim=0): every rank's chunk has
 # c = ceil(d0 / W) rows except the last non-empty one, and ranks past the end hold an empty
@@ -43,6 +45,7 @@ class ShardedParam:
         device: torch.device | None = None,
         compute_dtype: torch.dtype | None = None,
         shard_device: torch.device | None = None,
+        values: torch.Tensor | None = None,
     ):
         self.fqn = fqn  # path of its first registration, for errors and state dicts
         self.uses = uses  # every (module, attribute) that registers it
@@ -56,18 +59,20 @@ class ShardedParam:
         start = min(rank * self.chunk_rows, self.rows)
         self.local_rows = min(start + self.chunk_rows, self.rows) - start
         local_shape = (self.local_rows, *param.shape[1:]) if param.dim() > 0 else (self.local_rows,)
-        # A parameter on the meta device has no values yet: its chunk is allocated on `device`
-        # and filled by memfit.materialize or memfit.load_full_state_dict (deferred init).
+        # The chunk lives on the compute device `device`, or in host memory (`shard_device`,
+        # CPU offload); the full tensor always on the compute device. A parameter on the meta
+        # device has no values yet: its chunk is filled by memfit.materialize or
+        # memfit.load_full_state_dict (deferred init). Otherwise the chunk is copied from
+        # `values` (rank 0's, after sync_module_states; default the parameter) straight to
+        # where it lives: the full parameter never moves (See [Note: Devices and the meta test device]).
+        device = device if device is not None else (param.device if not param.is_meta else torch.device("cpu"))
+        home = shard_device or device
         self.deferred = param.is_meta
         if self.deferred:
-            device = device or torch.device("cpu")
-            local = torch.empty(local_shape, dtype=param.dtype, device=device)
+            local = torch.empty(local_shape, dtype=param.dtype, device=home)
         else:
-            device = param.device
-            data = param.detach().reshape(self.rows, self.row_numel)[start : start + self.local_rows]
-            local = data.clone().reshape(local_shape)
-        if shard_device is not None:  # CPU offload: the chunk lives in host memory
-            local = local.to(shard_device)
+            src = (values if values is not None else param).detach().reshape(self.rows, self.row_numel)
+            local = moved(src[start : start + self.local_rows], home, copy=True).reshape(local_shape)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
         self.owner = None  # the Unit that gathers this parameter; set when a unit takes it
         param._memfit_sharded_as = self  # the replaced parameter knows what replaced it
@@ -124,7 +129,7 @@ class ShardedParam:
         """Copy this rank's rows of a full tensor (shaped like the parameter) into the chunk."""
         start = min(rank * self.chunk_rows, self.rows)
         rows = full.detach().reshape(self.rows, self.row_numel)[start : start + self.local_rows]
-        self.sharded.detach().view(-1).copy_(rows.reshape(-1))
+        fill(self.sharded.detach().view(-1), rows.reshape(-1))  # from the device to the host when offloaded
 
     @property
     def padded_numel(self) -> int:

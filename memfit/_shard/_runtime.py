@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit._checkpoint import is_recomputing
 from memfit._shard._checks import StepChecks
+from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
 from memfit._shard._unit import TrainingState, Unit
 
@@ -139,6 +140,7 @@ def finish_backward(state: RootState) -> None:
         unit.pending_backward = 0
         unit.reduce_at_end = False
     state.callback_queued = False
+    wait_host_copies()  # offloaded gradients are in host memory before the optimizer reads them
     state.checks.settle()  # the step's one host sync
 
 

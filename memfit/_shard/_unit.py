@@ -16,6 +16,8 @@ from torch import nn
 
 from memfit._shard import _collectives as comm
 from memfit._shard._checks import StepChecks
+from memfit._shard._device import copy_in, land, wait_host_copies
+from memfit._shard._mixed import gradient_divide_factors
 from memfit._shard._param import ShardedParam
 from memfit._shard._streams import Streams
 
@@ -101,7 +103,7 @@ class Unit:
         with streams.on("gather"):
             self._release_held(streams)
             send = torch.empty(layout.slot, dtype=layout.wire, device=layout.device)
-            torch._foreach_copy_(layout.send_views(send), [*(p.sharded.detach() for p in layout.order), layout.tail])
+            copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
             out = torch.empty(self.world * layout.slot, dtype=layout.wire, device=layout.device)
             streams.note("alloc", f"{self.name}:gather-out", "gather")
             work = comm.all_gather(out, send, self.group)
@@ -221,6 +223,8 @@ class Unit:
                 send.zero_()  # a parameter without a gradient here adds zeros to the others' sum
             dsts, srcs = layout.copy_lists(send, grads)
             torch._foreach_copy_([*dsts, send[:, layout.flags :]], [*srcs, layout.tail(have)])
+            if layout.pre != 1:  # 16-bit sums: divide before and after (See gradient_divide_factors)
+                send.div_(layout.pre)
             streams.note("use", f"{self.name}:full-grads", "reduce")
             copied = streams.record("reduce")
             out = torch.empty(layout.slot, dtype=layout.dtype, device=layout.device)
@@ -288,6 +292,7 @@ class ReduceLayout:
         self.slot = self.flags + len(trainable) + 2
         self._tails: dict[tuple[bool, ...], torch.Tensor] = {}
         self.exact = self.dtype in (torch.float32, torch.float64)  # sums of squares round in 16-bit floats
+        self.pre, self.post = gradient_divide_factors(self.dtype, unit.world)  # by W, before and after the sum
 
     def tail(self, have: tuple[bool, ...]) -> torch.Tensor:
         """The flags and check values every rank's slot ends with, for this pattern of gradients."""
@@ -329,10 +334,8 @@ class PendingReduce:
         streams = unit._streams()
         with streams.on("reduce"):
             comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
-            out.div_(unit.world)
-            first = layout.params[0].sharded
-            if out.dtype != first.dtype or out.device != first.device:
-                out = out.to(device=first.device, dtype=first.dtype)  # to host memory when offloaded
+            out.div_(layout.post)
+            out = land(out, layout.params[0].sharded, lambda: streams.record("reduce"))  # offloaded: to the host
             streams.record("reduce")
         _send, grads, copied = self.inputs
         if grads:
@@ -350,6 +353,7 @@ class PendingReduce:
                 olds.append(p.sharded.grad)
                 news.append(g)
         if olds:
+            wait_host_copies()  # offloaded: the host adds what the device copied
             torch._foreach_add_(olds, news)
         checks.reduced(unit, layout.params, self.out[layout.flags :], layout.exact)
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memfit._shard._device import device_of_units, fill, host_read
 from memfit._shard._unit import ShardState, units_of
 
 __all__ = ["clip_grad_norm_", "summon_full_params"]
@@ -19,28 +20,42 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """Clip the gradients of a sharded model by their global norm over all ranks and units.
 
     Returns the total norm before clipping, the same float on every rank, equal to what
-    ``torch.nn.utils.clip_grad_norm_`` returns for the unsharded model.
+    ``torch.nn.utils.clip_grad_norm_`` returns for the unsharded model. The norm is reduced
+    on the compute device (where NCCL takes it, even when the shards are offloaded) and read
+    on the host once: the call's one host sync (the inf-norm included).
     """
     units = units_of(model)
     grads = [sp.sharded.grad for u in units for sp in u.params if sp.sharded.grad is not None]
     group = units[0].group
     norm_type = float(norm_type)
-    device = units[0].params[0].sharded.device if units[0].params else torch.device("cpu")
+    device = device_of_units(units)  # See [Note: Devices and the meta test device]
     if norm_type == float("inf"):
-        local = max((g.abs().max() for g in grads if g.numel()), default=torch.tensor(0.0, device=device))
-        total = local.to(device=device, dtype=torch.float32).clone()
+        parts = _by_device([g for g in grads if g.numel()])
+        maxima = [torch.stack([g.abs().amax().float() for g in part]).amax().to(device) for part in parts]
+        total = torch.stack(maxima).amax() if maxima else torch.zeros((), device=device)
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
-        local = sum((g.double().abs().pow(norm_type).sum() for g in grads), torch.zeros((), dtype=torch.float64))
-        total = local.to(device)
+        total = torch.zeros((), dtype=torch.float64, device=device)
+        for part in _by_device(grads):
+            local = sum((g.double().abs().pow(norm_type).sum() for g in part), torch.zeros((), dtype=torch.float64))
+            total += local.to(device)
         dist.all_reduce(total, group=group)
         total = total.pow(1.0 / norm_type)
-    total_f = float(total)
+    total_f = host_read(total)
+    total_f = float("nan") if total_f is None else total_f  # the meta test device has no values
     coef = max_norm / (total_f + 1e-6)
     if coef < 1.0:
         for g in grads:
             g.mul_(coef)
     return total_f
+
+
+def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` grouped by device, in order (offloaded and on-device units can mix)."""
+    groups: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault(t.device, []).append(t)
+    return list(groups.values())
 
 
 @contextlib.contextmanager
@@ -60,5 +75,5 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
                     for sp in u.params:
                         full = sp.full.detach().reshape(sp.rows, sp.row_numel)
                         start = min(u.rank * sp.chunk_rows, sp.rows)
-                        sp.sharded.detach().view(-1).copy_(full[start : start + sp.local_rows].reshape(-1))
+                        fill(sp.sharded.detach().view(-1), full[start : start + sp.local_rows].reshape(-1))
                 u.reshard()

@@ -1,6 +1,11 @@
-"""Deferred initialisation: build on the meta device, shard, then fill only the local chunks."""
+"""Deferred initialisation: build on the meta device, shard, then fill only the local chunks;
+and where a sharded model's tensors live (compute device, host offload), on test_device()
+(MEMFIT_TEST_DEVICE; device placement without a GPU: tests/unit/test_device_harness.py)."""
 
 import hashlib
+import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -9,7 +14,7 @@ from torch import nn
 
 import memfit
 from memfit.testing import sharded_units as units_of
-from tests._dist import Subtests, case_id
+from tests._dist import Subtests, case_id, test_device
 from tests._models import MLP
 
 
@@ -25,13 +30,13 @@ def digest(model):
     h = hashlib.sha256()
     with memfit.summon_full_params(model, writeback=False):
         for n, p in model.named_parameters():
-            h.update(n.encode() + p.detach().clone().numpy().tobytes())
+            h.update(n.encode() + p.detach().cpu().clone().numpy().tobytes())
     return h.hexdigest()
 
 
 def case_materialize_peak_and_values(rank, world):
     model = on_meta()
-    with memfit.MemoryMeter() as meter:
+    with memfit.MemoryMeter(device=test_device()) as meter:
         model = memfit.FullyShardedDataParallel(model, auto_wrap_policy=nn.Sequential)
         memfit.materialize(model, seed=3)
     units = units_of(model)
@@ -48,8 +53,8 @@ def case_materialize_peak_and_values(rank, world):
         w = model.blocks[0][0].weight
         bound = 1 / 13**0.5  # nn.Linear's init: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
         assert w.abs().max() <= bound and w.abs().max() > bound / 2
-        assert torch.equal(model.norm.running_var, torch.ones(3))  # BatchNorm's reset
-    x = torch.randn(4, 6)
+        assert torch.equal(model.norm.running_var.cpu(), torch.ones(3))  # BatchNorm's reset
+    x = torch.randn(4, 6, device=test_device())
     model(x).sum().backward()  # trains
     assert model.inp.weight.grad is not None
 
@@ -57,18 +62,18 @@ def case_materialize_peak_and_values(rank, world):
 def case_forward_before_materialize_is_refused(rank, world):
     model = memfit.FullyShardedDataParallel(on_meta(), auto_wrap_policy=nn.Sequential)
     with pytest.raises(RuntimeError, match=r"built on the meta device .* memfit\.materialize"):
-        model(torch.randn(2, 6))
+        model(torch.randn(2, 6, device=test_device()))
 
 
 def case_streamed_load_from_rank_0(rank, world):
     torch.manual_seed(5)
     plain = MLP()
     model = memfit.FullyShardedDataParallel(on_meta_mlp(), auto_wrap_policy=nn.Sequential)
-    with memfit.MemoryMeter() as meter:
+    with memfit.MemoryMeter(device=test_device()) as meter:
         memfit.load_full_state_dict(model, plain.state_dict() if rank == 0 else None)
     with memfit.summon_full_params(model, writeback=False):
         for n, p in model.named_parameters():
-            assert torch.equal(p, dict(plain.named_parameters())[n]), n
+            assert torch.equal(p.cpu(), dict(plain.named_parameters())[n]), n
     largest_param = max(p.numel() for p in plain.parameters()) * 4
     local = sum(p.numel() * 4 for p in model.parameters())
     if rank != 0:  # rank 0 also holds the state dict it was given
@@ -84,27 +89,94 @@ def on_meta_mlp():
         return MLP()
 
 
+def train(model, rank, steps=3, clip=None, micro=1):
+    """AdamW steps on rank-dependent data, ``micro`` backwards per step (accumulated), clipped."""
+    dev = test_device()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    norms = []
+    for step in range(steps):
+        for m in range(micro):
+            g = torch.Generator().manual_seed(step * 10 + m * 100 + rank)
+            x, y = torch.randn(4, 6, generator=g).to(dev), torch.randn(4, 3, generator=g).to(dev)
+            nn.functional.mse_loss(model(x), y).backward()
+        if clip is not None:
+            norms.append(memfit.clip_grad_norm_(model, 0.05, norm_type=clip))
+        opt.step()
+        opt.zero_grad()
+    return opt, norms
+
+
 def case_cpu_offload_logic(rank, world):
-    # On this machine the compute device is the CPU too: this checks the offload paths (host
-    # shards, gradients returned to the host, optimizer on the host) give the same training;
-    # the memory saving needs an accelerator.
+    # On the CPU the compute device is the CPU too: this checks the offload paths (host shards,
+    # gradients returned to the host, optimizer on the host) give the same training, bitwise;
+    # the memory saving needs an accelerator (MEMFIT_TEST_DEVICE=cuda runs it there).
     results = []
     for offload in (None, "cpu"):
         torch.manual_seed(0)
         model = memfit.FullyShardedDataParallel(MLP(), auto_wrap_policy=nn.Sequential, offload=offload)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        for step in range(3):
-            g = torch.Generator().manual_seed(step * 10 + rank)
-            x, y = torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-        assert all(p.device.type == "cpu" for p in model.parameters())
-        assert all(v.device.type == "cpu" for s in opt.state.values() for v in s.values())
+        opt, _ = train(model, rank)
+        home = "cpu" if offload else test_device().type
+        assert all(p.device.type == home for p in model.parameters())
+        assert all(v.device.type == home for s in opt.state.values() for v in s.values() if v.dim())
+        assert all(b.device.type == test_device().type for b in model.buffers())
         results.append(digest(model))
     assert results[0] == results[1]
     with pytest.raises(ValueError, match="offload must be None or 'cpu'"):
         memfit.shard(MLP(), offload="disk")
+
+
+def case_offload_with_clipping_and_accumulation(rank, world):
+    # Points 1, 3, 8 of the devices issue with values: a model built on the host, shards
+    # offloaded or not, gradients accumulated over two backwards (the host adds what the
+    # device copied back) and clipped by the 2-norm and the inf-norm: the same training.
+    for clip in (2.0, float("inf")):
+        results = []
+        for offload in (None, "cpu"):
+            torch.manual_seed(0)
+            model = memfit.FullyShardedDataParallel(MLP(), auto_wrap_policy=nn.Sequential, offload=offload)
+            _, norms = train(model, rank, steps=2, clip=clip, micro=2)
+            results.append((digest(model), norms))
+        assert results[0] == results[1], clip
+        assert all(n > 0.05 for n in results[0][1])  # clipping took effect
+
+
+def case_streamed_load_into_offloaded_shards(rank, world):
+    # Point 2 with values: rank 0's tensors broadcast on the compute device land in host shards.
+    torch.manual_seed(5)
+    plain = MLP()
+    model = memfit.FullyShardedDataParallel(on_meta_mlp(), auto_wrap_policy=nn.Sequential, offload="cpu")
+    memfit.load_full_state_dict(model, plain.state_dict() if rank == 0 else None)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    with memfit.summon_full_params(model, writeback=False):
+        for n, p in model.named_parameters():
+            assert torch.equal(p.cpu(), dict(plain.named_parameters())[n]), n
+
+
+def case_checkpoint_puts_state_where_torch_does(rank, world):
+    # Point 6: a loaded `step` goes where torch's load_state_dict puts it (the device for
+    # fused/capturable optimizers), tensors of `extra` back where they were saved from.
+    box = [tempfile.mkdtemp(prefix="memfit-device-") if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    path = os.path.join(box[0], "ckpt")
+    dev = test_device()
+    for fused in (False, True):
+        torch.manual_seed(0)
+        model = memfit.FullyShardedDataParallel(MLP(), auto_wrap_policy=nn.Sequential)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2, fused=fused)
+        nn.functional.mse_loss(model(torch.randn(4, 6).to(dev)), torch.zeros(4, 3).to(dev)).backward()
+        opt.step()
+        rng, on_dev = torch.get_rng_state(), torch.arange(3.0).to(dev)
+        memfit.save_checkpoint(path, model, opt, rng=rng, on_dev=on_dev)
+        opt.state.clear()
+        extra = memfit.load_checkpoint(path, model, opt)
+        assert extra["rng"].device.type == "cpu" and torch.equal(extra["rng"], rng)
+        assert extra["on_dev"].device.type == dev.type and torch.equal(extra["on_dev"], on_dev)
+        for s in opt.state.values():
+            assert s["step"].device.type == (dev.type if fused else "cpu"), fused
+            assert s["exp_avg"].device.type == dev.type
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(box[0], ignore_errors=True)
 
 
 CASES = [
@@ -112,8 +184,11 @@ CASES = [
     case_forward_before_materialize_is_refused,
     case_streamed_load_from_rank_0,
     case_cpu_offload_logic,
+    case_offload_with_clipping_and_accumulation,
+    case_streamed_load_into_offloaded_shards,
+    case_checkpoint_puts_state_where_torch_does,
 ]
-GROUP = Subtests(CASES)
+GROUP = Subtests(CASES, on_test_device=True)  # MEMFIT_TEST_DEVICE=cuda: NCCL on CUDA
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])

@@ -9,7 +9,7 @@ from torch import nn
 
 import memfit
 from memfit.testing import NORM_LAYERS
-from tests._dist import Subtests, case_id
+from tests._dist import Subtests, case_id, test_device
 
 
 class Net(nn.Module):
@@ -86,7 +86,20 @@ def case_bf16_matches_reference(rank, world):
     assert bn.weight.dtype == torch.float32 and bn.running_var.dtype == torch.float32
 
 
-CASES = [case_bf16_matches_reference]  # MixedPrecision's validation: unit/test_mixed_precision.py
+def case_fp16_reduce_divides_before_and_after_the_sum(rank, world):
+    # Every rank's gradient is 40960 (exact in bf16 and fp16); summed over 2 ranks it would be
+    # 81920, past fp16's 65504 (inf). Divided by 2 before the sum and by W/2 after it (FSDP2's
+    # factors), the mean, 40960, comes out exactly. fp32 keeps one division after the sum.
+    dev = test_device()
+    mp = memfit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float16)
+    model = memfit.shard(nn.Linear(4, 2, bias=False).to(dev), mixed_precision=mp)
+    (model(torch.ones(1, 4, device=dev)).float().sum() * 40960).backward()
+    grad = model.weight.grad
+    assert grad.dtype == torch.float32 and torch.equal(grad, torch.full_like(grad, 40960.0)), grad
+
+
+# MixedPrecision's validation: unit/test_mixed_precision.py
+CASES = [case_bf16_matches_reference, case_fp16_reduce_divides_before_and_after_the_sum]
 GROUP = Subtests(CASES)
 
 

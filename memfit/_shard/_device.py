@@ -1,0 +1,193 @@
+"""Where sharding's tensors live and how they cross between host and device: the compute
+device a process group implies, host<->device copies, and reads of device values on the host.
+Every such choice and transfer goes through here, so one place decides and one log audits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# [Note: Devices and the meta test device]
+# A unit computes on one device: the accelerator of its process group's backend (NCCL: the
+# current CUDA device, as FSDP2 and torchrun's LOCAL_RANK setup expect), the CPU for gloo, or
+# what `device=` says. Its collectives run there, and so do broadcasts of initial values.
+# With `offload="cpu"` the shards, their gradients and the optimizer state live in host
+# memory: before an all-gather the unit's chunks are packed on the host into one pinned
+# staging buffer and copied to the device in one non-blocking copy on the gather stream;
+# after a reduce-scatter the reduced gradients come back in one non-blocking copy into pinned
+# memory on the reduce stream, and the host waits for the last of those copies once, at the
+# end of backward, before the optimizer (on the host) reads them (FSDP2 does the same; when a
+# gradient accumulates into an existing one the host waits before adding). Unlike FSDP2, which
+# copies each pinned chunk to the device on its own (a launch per parameter), the chunks stay
+# pageable and the host packs them (one memcpy, casting to the wire dtype) so that one copy
+# crosses; keeping the chunks as views of one pinned buffer per unit would save that memcpy too.
+# The host reads device values only through `host_read`, counted in `AUDIT`.
+#
+# Tests see device mistakes without a GPU through a pretend accelerator: the meta device with
+# a process group backend that supports only it (memfit.testing.meta_accelerator). torch's own
+# rules then refuse what CUDA and NCCL refuse: a CPU tensor in a collective fails with NCCL's
+# "No backend type associated with device type cpu", an op mixing CPU and device tensors
+# fails as on CUDA, and any host read of a device value fails ("Cannot copy out of meta
+# tensor"), so a hidden host sync cannot pass. Meta tensors hold no values: `host_read`
+# returns None for them and `to_host` returns an unfilled host tensor; values are checked by
+# the gloo parity tests. Streams, pinned memory, copy overlap and allocator peaks need a real
+# GPU (not run here).
+
+
+@dataclass
+class Audit:
+    """What crossed between host and device (tests read it through memfit.testing)."""
+
+    host_reads: int = 0  # device values read on the host (each one a host sync)
+    to_device: list[tuple[int, bool, bool]] = field(default_factory=list)  # (bytes, pinned source, non_blocking)
+    to_host: list[tuple[int, bool, bool]] = field(default_factory=list)  # (bytes, pinned target, non_blocking)
+    host_waits: int = 0  # host waits for copies to the host (one per step at most)
+
+    def reset(self) -> None:
+        self.host_reads = self.host_waits = 0
+        self.to_device.clear()
+        self.to_host.clear()
+
+
+AUDIT = Audit()
+_pending_host_copy = None  # the event after the last copy to the host, not waited for yet
+
+
+def compute_device(group: dist.ProcessGroup) -> torch.device:
+    """The device ``group``'s backend communicates on: the CPU for gloo (and any backend that
+    takes CPU tensors), else its accelerator, on this process's current device (NCCL: CUDA)."""
+    types = [d.type for d in group._device_types]
+    if not types or dist.get_backend(group) == "gloo" or "cpu" in types:
+        return torch.device("cpu")
+    kind = types[0]
+    module = getattr(torch, kind, None)
+    if module is not None and hasattr(module, "current_device") and module.is_available():
+        return torch.device(kind, module.current_device())
+    return torch.device(kind)
+
+
+def pinning() -> bool:
+    """Whether host memory can be pinned (page-locked): only with an accelerator present."""
+    return torch.accelerator.is_available()
+
+
+def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor, pinned where an accelerator can copy from it asynchronously."""
+    return torch.empty(shape, dtype=dtype, pin_memory=pinning())
+
+
+def to_device(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Copy host tensor ``src`` into device tensor ``dst``, without blocking the host when
+    ``src`` is pinned (queued on the current stream)."""
+    pinned = src.is_pinned() if pinning() else False
+    AUDIT.to_device.append((src.numel() * src.element_size(), pinned, True))
+    dst.copy_(src, non_blocking=True)
+
+
+def to_host(src: torch.Tensor, dtype: torch.dtype, stream_event=None) -> torch.Tensor:
+    """``src`` in host memory as ``dtype``: one copy into pinned memory, non-blocking on the
+    current stream; the host waits for it in :func:`wait_host_copies`. ``stream_event`` records
+    an event after the copy (the caller's stream's ``record``)."""
+    global _pending_host_copy  # noqa: PLW0603 (one pending copy per process)
+    if src.device.type == "cpu":
+        return src.to(dtype)  # computing on the CPU: nothing crosses
+    if src.dtype != dtype:
+        src = src.to(dtype)  # on the device: half the bytes cross for a bf16 -> fp32 gradient
+    dst = host_empty(src.shape, dtype)
+    AUDIT.to_host.append((dst.numel() * dst.element_size(), pinning(), True))
+    if not src.is_meta:  # See [Note: Devices and the meta test device]
+        dst.copy_(src, non_blocking=True)
+    if stream_event is not None:
+        _pending_host_copy = stream_event()
+    return dst
+
+
+def wait_host_copies() -> None:
+    """Block the host until the copies to the host queued so far have landed (once per step:
+    they run in order on one stream, so the last one's event covers them all)."""
+    global _pending_host_copy
+    event, _pending_host_copy = _pending_host_copy, None
+    if event is None:
+        return
+    AUDIT.host_waits += 1
+    if hasattr(event, "synchronize"):  # pragma: no cover (a CUDA event: needs a GPU)
+        event.synchronize()
+
+
+def host_read(t: torch.Tensor) -> list | None:
+    """The values of ``t`` on the host (a host sync when ``t`` is on a device); None for a
+    tensor of the meta test device, which has none."""
+    AUDIT.host_reads += 1
+    if t.is_meta:  # See [Note: Devices and the meta test device]
+        return None
+    return t.tolist()
+
+
+def same_device(a: torch.device, b: torch.device) -> bool:
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
+
+
+def moved(t: torch.Tensor, device: torch.device, copy: bool = False) -> torch.Tensor:
+    """``t`` on ``device`` (a copy when ``copy`` or when it is elsewhere); outside the hot path
+    (initialisation, loading). From the meta test device to the host: an unfilled tensor."""
+    if same_device(t.device, device):
+        return t.clone() if copy else t
+    if t.is_meta:  # See [Note: Devices and the meta test device]
+        return torch.empty_like(t, device=device)
+    return t.to(device)
+
+
+@contextlib.contextmanager
+def audit() -> Iterator[Audit]:
+    """Count the host/device traffic inside this context (tests)."""
+    AUDIT.reset()
+    yield AUDIT
+
+
+def copy_in(send: torch.Tensor, views_of, srcs: list[torch.Tensor]) -> None:
+    """Fill the buffer ``send``: ``views_of(buffer)`` lists where each of ``srcs`` goes.
+    Sources in host memory while ``send`` is on an accelerator (offloaded shards) are packed on
+    the host into one pinned staging buffer laid out like ``send``, which crosses in one
+    non-blocking copy; the rest are copied on the device (one launch each way, whatever the
+    number of parameters). See [Note: Devices and the meta test device]."""
+    views = views_of(send)
+    host = [i for i, s in enumerate(srcs) if s.device.type == "cpu"]
+    if send.device.type == "cpu" or not host:
+        torch._foreach_copy_(views, srcs)
+        return
+    staging = host_empty(send.shape, send.dtype)
+    staged = views_of(staging)
+    torch._foreach_copy_([staged[i] for i in host], [srcs[i] for i in host])
+    to_device(staging, send)
+    rest = [i for i in range(len(srcs)) if srcs[i].device.type != "cpu"]
+    if rest:
+        torch._foreach_copy_([views[i] for i in rest], [srcs[i] for i in rest])
+
+
+def land(out: torch.Tensor, like: torch.Tensor, record) -> torch.Tensor:
+    """Reduced gradients ``out`` where and as the shard ``like`` keeps them: cast on the device,
+    or, for shards in host memory, one non-blocking copy into pinned memory whose event
+    (``record()``) the host waits for once, in :func:`wait_host_copies`."""
+    if same_device(out.device, like.device):
+        return out if out.dtype == like.dtype else out.to(like.dtype)
+    return to_host(out, like.dtype, record)
+
+
+def device_of_units(units) -> torch.device:
+    """Where a sharded model computes: its full parameters' device (even when the shards are
+    offloaded), else its process group's."""
+    full = next((sp.full.device for u in units for sp in u.params), None)
+    return full if full is not None else compute_device(units[0].group)
+
+
+def fill(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` across devices, outside the hot path (initialisation, loading); a meta
+    ``src`` has no values to give a host ``dst`` (See [Note: Devices and the meta test device])."""
+    if src.is_meta and not dst.is_meta:
+        return
+    dst.copy_(src)

@@ -1,0 +1,197 @@
+"""Where sharding puts tensors and how they cross between host and device, checked without a
+GPU on the meta test device (memfit.testing.meta_accelerator): a pretend accelerator whose
+process group, like NCCL, takes only its tensors, whose ops refuse CPU operands as CUDA's do,
+and whose values cannot be read on the host except through memfit's one counted read. One
+process simulates the ranks; nothing is computed (meta tensors hold no values): the values
+are checked by the gloo parity tests (tests/distributed/test_shard_device.py).
+
+Only a real GPU covers: CUDA streams and events, pinned host memory (False here: no
+accelerator to pin for), the overlap of copies with compute, and the allocator's peaks.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memfit
+from memfit.testing import device_audit, fake_allocator, meta_accelerator, placed_optimizer_state, sharded_units
+
+META = torch.device("meta")
+
+
+def net(device="cpu"):
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)).to(device)
+
+
+def sharded(model, **kw):
+    memfit.shard(model[0], **kw)
+    return memfit.shard(model, **kw)
+
+
+def train_step(model, opt):
+    model(torch.randn(3, 4, device=META)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def devices(tensors):
+    return {t.device.type for t in tensors}
+
+
+def test_the_meta_accelerator_refuses_what_nccl_and_cuda_refuse():
+    with meta_accelerator(2):
+        with pytest.raises(RuntimeError, match="No backend type associated with device type cpu"):
+            dist.broadcast(torch.zeros(2), src=0)
+        with pytest.raises(RuntimeError, match="expected device"):
+            torch.zeros(2) + torch.zeros(2, device=META)
+        with pytest.raises(RuntimeError, match="meta"):
+            torch.zeros((), device=META).item()  # a hidden host sync cannot pass
+
+
+def test_deferred_init_defaults_to_the_process_groups_accelerator():
+    """Point 5: a model built on the meta device gets its chunks and buffers on the device
+    the process group communicates on (NCCL: the current GPU), not the CPU."""
+    with meta_accelerator(2):
+        model = sharded(net(META))
+        assert devices(model.parameters()) == {"meta"} and devices(model.buffers()) == {"meta"}
+        memfit.materialize(model)
+        train_step(model, torch.optim.AdamW(model.parameters()))
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_a_model_built_on_the_host_moves_to_the_compute_device(explicit):
+    """Point 4: parameters (their chunks) and buffers built on the CPU go to the compute
+    device (``device=`` or the group's), and sync_module_states broadcasts them there."""
+    with meta_accelerator(2):
+        model = sharded(net(), **({"device": META} if explicit else {}))
+        assert devices(model.parameters()) == {"meta"} and devices(model.buffers()) == {"meta"}
+        train_step(model, torch.optim.AdamW(model.parameters()))
+
+
+def test_offload_of_a_model_built_on_the_host():
+    """Point 1: shards in host memory, copied from the parameters' rows (never from a freed
+    full tensor), full parameters and buffers on the compute device, and a training step."""
+    with meta_accelerator(2, rank=1):
+        model = sharded(net(), offload="cpu", sync_module_states=False)
+        assert devices(model.parameters()) == {"cpu"} and devices(model.buffers()) == {"meta"}
+        assert {sp.full.device.type for u in sharded_units(model) for sp in u.params} == {"meta"}
+        train_step(model, torch.optim.AdamW(model.parameters()))
+        assert devices(p.grad for p in model.parameters() if p.grad is not None) <= {"cpu"}
+
+
+def test_offload_keeps_the_values_of_the_host_parameters():
+    """Point 1: each rank's chunk holds its rows of the parameter it replaced."""
+    torch.manual_seed(0)
+    full = {k: v.clone() for k, v in net().state_dict().items()}
+    with meta_accelerator(2, rank=1):
+        torch.manual_seed(0)
+        model = memfit.shard(net(), offload="cpu", sync_module_states=False)
+        for name, p in model.named_parameters():
+            assert torch.equal(p, full[name].chunk(2)[1]), name
+
+
+def test_offloaded_shards_cross_once_each_way_per_unit_and_the_host_waits_once():
+    """Point 8: one non-blocking host-to-device copy per gather (the unit's chunks packed into
+    one staging buffer, whatever its parameter count), one device-to-host copy of each unit's
+    reduced gradients, one host wait for them and one host read per step."""
+    with meta_accelerator(2):
+        model = sharded(net(), offload="cpu")
+        opt = torch.optim.AdamW(model.parameters())
+        train_step(model, opt)
+        with device_audit() as audit:
+            train_step(model, opt)
+        # forward gathers the root and the block; backward gathers the block again (the root kept its)
+        assert len(audit.to_device) == 3 and all(nb for _, _, nb in audit.to_device)
+        assert len(audit.to_host) == 2 and all(nb for _, _, nb in audit.to_host)
+        assert audit.host_waits == 1 and audit.host_reads == 1
+
+
+def test_load_full_state_dict_broadcasts_on_the_compute_device():
+    """Point 2: NCCL refuses host tensors, so rank 0's tensors travel on the compute device."""
+    for offload in (None, "cpu"):
+        with meta_accelerator(2):
+            model = sharded(net(META), offload=offload)
+            memfit.load_full_state_dict(model, net().state_dict())
+            assert not any(sp.deferred for u in sharded_units(model) for sp in u.params)
+
+
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_clip_grad_norm_reduces_on_the_compute_device_with_one_host_read(norm_type, offload):
+    """Point 3: the all-reduce runs on the compute device even when the shards are offloaded
+    or the root owns no parameter, and the norm is read on the host once (inf-norm too)."""
+    with meta_accelerator(2):
+        model = nn.Sequential(net())  # the root owns no parameter
+        memfit.shard(model[0][0], offload=offload)
+        memfit.shard(model[0], offload=offload)
+        memfit.shard(model, offload=offload)
+        model(torch.randn(3, 4, device=META)).sum().backward()
+        with device_audit() as audit:
+            memfit.clip_grad_norm_(model, 1.0, norm_type=norm_type)
+        assert audit.host_reads == 1
+
+
+def test_loaded_optimizer_state_goes_where_torch_puts_it():
+    """Point 6: ``step`` on the parameter's device (fp32) for fused and capturable optimizers,
+    in host memory for the others (read there without a sync); other state on the parameter's
+    device."""
+    p = torch.zeros(3, device=META)
+    step = torch.tensor(4.0)
+    for flags in ({"fused": True}, {"capturable": True}):
+        got = placed_optimizer_state(step, p, flags, "step")
+        assert got.device == META and got.dtype == torch.float32
+    assert placed_optimizer_state(step, p, {}, "step").device.type == "cpu"
+    assert placed_optimizer_state(torch.ones(2), p, {}, "max_exp_avg_sq").device == META
+
+
+def test_memory_meter_measures_the_compute_device_of_an_offloaded_model():
+    """Point 11: the default device is where the units gather, not the host shards'."""
+    with meta_accelerator(1):
+        model = memfit.shard(net(), offload="cpu")
+        assert memfit.MemoryMeter(model=model).device == META
+
+
+class FakeAllocator:
+    """Stands in for torch.cuda's allocator statistics."""
+
+    def __init__(self):
+        self.calls = []
+
+    def is_available(self):
+        return True
+
+    def synchronize(self, device):
+        self.calls.append("synchronize")
+
+    def reset_peak_memory_stats(self, device):
+        self.calls.append("reset")
+
+    def max_memory_allocated(self, device):
+        return 3 << 20
+
+    def max_memory_reserved(self, device):
+        return 8 << 20
+
+
+def test_memory_meter_reports_the_allocator_peaks_beside_live_bytes():
+    """Point 11: allocated and reserved peaks, read after syncs outside the region."""
+    fake = FakeAllocator()
+    with fake_allocator(fake), memfit.MemoryMeter(device="cpu") as meter:
+        torch.ones(1024)
+    assert meter.peak_bytes == 4096
+    assert (meter.allocator_peak_bytes, meter.allocator_reserved_peak_bytes) == (3 << 20, 8 << 20)
+    assert fake.calls == ["synchronize", "reset", "synchronize"]
+    assert "reserved=8.00MiB" in repr(meter)
+    with memfit.MemoryMeter(device="cpu") as plain:
+        pass
+    assert plain.allocator_peak_bytes is None and plain.allocator_reserved_peak_bytes is None
+
+
+def test_summon_full_params_writes_back_to_offloaded_shards():
+    """Full parameters on the device, written back into host shards (outside the hot path)."""
+    with meta_accelerator(2):
+        model = memfit.shard(net(), offload="cpu")
+        with memfit.summon_full_params(model):
+            assert devices(model.parameters()) == {"meta"}
+        assert devices(model.parameters()) == {"cpu"}
