@@ -231,7 +231,10 @@ class _Entry:
         self.start, self.span, self.dense, self.dtype = start, span, dense, t.dtype
         self.version = t._version
         self.ref = weakref.ref(t)  # alive: the storage is too, so its address names it
-        self.source: torch.Tensor | None = t  # the device tensor, until its copy is done
+        # The device memory, until its copy is done: detached, as `t` may be the output of the
+        # op saving it, whose grad_fn holds this entry (a cycle through C++ that would keep the
+        # whole graph alive after the user drops it, until the stash let go).
+        self.source: torch.Tensor | None = t.detach()
         self.host: torch.Tensor | None = None
         self.copied = None  # the copy-out's event
         self.device_buf: torch.Tensor | None = None

@@ -6,6 +6,7 @@ gradients bitwise equal to plain checkpointing. Only a GPU runs the real streams
 import contextlib
 import copy
 import gc
+import weakref
 from typing import ClassVar
 
 import pytest
@@ -309,3 +310,18 @@ def test_on_cuda_same_gradients_and_bytes_as_the_cpu_harness(save):
         ref(x.detach().requires_grad_()).square().sum().backward()
         assert_same([g.cpu() for g in grads(model)], [g.cpu() for g in grads(ref)])
     assert counts[0] == counts[1]
+
+
+def test_a_dropped_graph_is_freed_without_backward(harness):
+    """Forward only (a skipped step, an OOM retry): dropping the output frees the graph at
+    once, as without offload. The stash must not hold a saved output (tanh's) with its
+    grad_fn, a cycle through autograd's C++ graph that only the next forward broke."""
+    _, trace = harness
+    model = _blocks(3)
+    memfit.apply_activation_checkpointing(model, lambda m: m in list(model), save="all", offload="cpu")
+    out = model(torch.randn(32, 64, requires_grad=True))
+    alive = weakref.ref(out)
+    del out
+    gc.collect()
+    assert alive() is None
+    assert not _outstanding(trace.log, "src")[1] and not _outstanding(trace.log, "host")[1]
