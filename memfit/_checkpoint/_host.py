@@ -34,6 +34,10 @@ from torch import nn
 # A tensor saved several times, or a view of a region already copied (same storage, same
 # version, inside the region), shares the first copy: one copy out, one copy back.
 #
+# A tensor modified in place after it was saved fails in backward with autograd's error, as
+# without offload: saved-tensor hooks turn autograd's own version check off, so every handle
+# (kept ones too) records the version it was saved at and checks it on unpack (SavedVersion).
+#
 # Streams (accelerators; see [Note: Streams and buffer lifetimes] in _shard/_streams.py for
 # the same rules on sharding's streams):
 # - forward: the side stream waits for compute, copies the region into pinned host memory
@@ -261,14 +265,58 @@ class _Entry:
         return self.span * self.dtype.itemsize
 
 
+class SavedVersion:
+    """The version a tensor had when it was saved for backward, checked when it is unpacked.
+
+    Behind saved-tensor hooks autograd checks no version counter, so a tensor modified in
+    place after it was saved would silently give the gradient of other values (or, on an
+    accelerator, race with its copy to the host). Offload raises autograd's error instead.
+    The counter is read from the tensor (or the base it views) while it is alive: once nothing
+    but the offloaded copy is left, nothing can modify it either.
+    """
+
+    __slots__ = ("dtype", "ref", "shape", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t if t._base is None else t._base)  # a view shares its base's counter
+        self.version, self.shape, self.dtype = t._version, tuple(t.shape), t.dtype
+
+    def check(self, source: torch.Tensor | None = None) -> None:
+        """Raise if the tensor, or ``source`` (an alias on the same counter), was modified."""
+        held = self.ref()
+        now = held._version if held is not None else source._version if source is not None else self.version
+        if now != self.version:
+            raise RuntimeError(
+                "memfit offload: one of the variables needed for gradient computation has been "
+                f"modified by an inplace operation: {str(self.dtype).removeprefix('torch.')}"
+                f"{list(self.shape)} is at version {now}; expected version {self.version} "
+                "instead (autograd raises the same error without offload). Clone the tensor "
+                "before modifying it in place."
+            )
+
+
+class Kept:
+    """A saved tensor left in place, and its version (checked on unpack: see SavedVersion)."""
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.version = t, SavedVersion(t)
+
+    def unpack(self) -> torch.Tensor:
+        self.version.check()
+        return self.t
+
+
 class _Saved:
     """What autograd holds for one offloaded saved tensor."""
 
-    __slots__ = ("entry", "group", "offset", "size", "stride")
+    __slots__ = ("entry", "group", "offset", "size", "stride", "version")
 
     def __init__(self, entry: _Entry, group: _Group, t: torch.Tensor) -> None:
         self.entry, self.group = entry, group
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.version = SavedVersion(t)
         entry.live += 1
 
     def __del__(self) -> None:
@@ -400,7 +448,11 @@ class _HostOffload:
     def unpack(self, saved: _Saved) -> torch.Tensor:
         entry, group = saved.entry, saved.group
         src = entry.source
-        if src is not None and src._version == entry.version:
+        saved.version.check(src)
+        if src is not None and src._version != entry.version:  # (a tensor on another counter)
+            self.release_source(entry)  # the host copy holds the values saved
+            src = None
+        if src is not None:
             STATS.from_stash += 1
             out = src.as_strided(saved.size, saved.stride, saved.offset)
             self._prefetch_once(group)
@@ -508,7 +560,7 @@ class HostHooks(torch.autograd.graph.saved_tensors_hooks):
     def pack(self, t: torch.Tensor):
         if not offloadable(t, self.min_bytes) or self._module_state(t):
             STATS.kept += 1
-            return t
+            return Kept(t)
         off = _offloader(t.device)
         group = self.groups.get(t.device)
         if group is None:
@@ -519,4 +571,4 @@ class HostHooks(torch.autograd.graph.saved_tensors_hooks):
 def _unpack(packed):
     if isinstance(packed, _Saved):
         return packed.entry.off.unpack(packed)
-    return packed
+    return packed.unpack()

@@ -325,3 +325,38 @@ def test_a_dropped_graph_is_freed_without_backward(harness):
     gc.collect()
     assert alive() is None
     assert not _outstanding(trace.log, "src")[1] and not _outstanding(trace.log, "host")[1]
+
+
+def _modify_after_save(offload, save):
+    x = torch.randn(32, 64, requires_grad=True)
+    h = x * 1
+    y = memfit.checkpoint(torch.sigmoid, h, save=save, offload=offload)  # saves h, or sigmoid's output
+    loss = (y * 2).sum()
+    (h if save is None else y).mul_(3)  # autograd refuses this at backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("save", [None, "all"])
+@pytest.mark.parametrize("stash", [1, 5])
+def test_modified_in_place_after_offload_fails_as_autograd_does(harness, save, stash):
+    _modify_after_save(memfit.Offload("cpu", stash=stash, min_bytes=0), save)
+
+
+@pytest.mark.parametrize("save", [None, "all"])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_modified_in_place_after_save_fails_for_kept_tensors(save, offload):
+    # Without the harness "cpu" keeps every CPU tensor in place; saved-tensor hooks turn off
+    # autograd's own version check, so offload must check itself.
+    _modify_after_save(offload, save)
+
+
+@pytest.mark.parametrize("offload", [None, "cpu", "disk"])
+def test_weight_modified_after_save_fails_with_every_target(offload):
+    lin = nn.Linear(64, 64)  # saves weight.t(), a view of the weight: kept by every target
+    x = torch.randn(8, 64, requires_grad=True) * 1
+    loss = memfit.checkpoint(lin, x, save="all", offload=offload).sum()
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
