@@ -265,6 +265,16 @@ class _Entry:
         return self.span * self.dtype.itemsize
 
 
+def _modified(t: torch.Tensor | tuple, now: int, saved: int) -> RuntimeError:
+    shape, dtype = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+    return RuntimeError(
+        "memfit offload: one of the variables needed for gradient computation has been modified "
+        f"by an inplace operation: {str(dtype).removeprefix('torch.')}{list(shape)} is at version "
+        f"{now}; expected version {saved} instead (autograd raises the same error without "
+        "offload). Clone the tensor before modifying it in place."
+    )
+
+
 class SavedVersion:
     """The version a tensor had when it was saved for backward, checked when it is unpacked.
 
@@ -286,13 +296,7 @@ class SavedVersion:
         held = self.ref()
         now = held._version if held is not None else source._version if source is not None else self.version
         if now != self.version:
-            raise RuntimeError(
-                "memfit offload: one of the variables needed for gradient computation has been "
-                f"modified by an inplace operation: {str(self.dtype).removeprefix('torch.')}"
-                f"{list(self.shape)} is at version {now}; expected version {self.version} "
-                "instead (autograd raises the same error without offload). Clone the tensor "
-                "before modifying it in place."
-            )
+            raise _modified((self.shape, self.dtype), now, self.version)
 
 
 class Kept:
@@ -301,10 +305,11 @@ class Kept:
     __slots__ = ("t", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.version = t, SavedVersion(t)
+        self.t, self.version = t, t._version
 
     def unpack(self) -> torch.Tensor:
-        self.version.check()
+        if self.t._version != self.version:
+            raise _modified(self.t, self.t._version, self.version)
         return self.t
 
 
