@@ -234,7 +234,9 @@ class _Entry:
         self.off, self.name, self.seq = off, f"#{next(_names)}", seq  # seq: its group's
         self.start, self.span, self.dense, self.dtype = start, span, dense, t.dtype
         self.version = t._version
-        self.ref = weakref.ref(t)  # alive: the storage is too, so its address names it
+        # alive: the storage is too, so its address names it (the base of a view: ops save
+        # views they make inside, which nothing holds once saved, of the tensors they were given)
+        self.ref = weakref.ref(t if t._base is None else t._base)
         # The device memory, until its copy is done: detached, as `t` may be the output of the
         # op saving it, whose grad_fn holds this entry (a cycle through C++ that would keep the
         # whole graph alive after the user drops it, until the stash let go).
@@ -252,6 +254,8 @@ class _Entry:
 
     def covers(self, t: torch.Tensor, start: int, span: int) -> bool:
         held = self.ref()
+        if held is None:
+            held = self.source  # in the stash: its storage is alive
         return (
             self.dense
             and held is not None

@@ -360,3 +360,23 @@ def test_weight_modified_after_save_fails_with_every_target(offload):
         lin.weight.mul_(2)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("stash", [1, 5])
+def test_a_view_an_op_made_inside_shares_its_base_copy(harness, stash):
+    stats, _ = harness
+    x = torch.randn(16, 64, requires_grad=True)
+    w = torch.randn(1, 16 * 64, requires_grad=True)
+
+    def fn(b):
+        t = b * 2
+        # saves t.view(1, -1): a view nothing holds once saved; then t itself, after tanh's
+        # output has pushed the view's copy out of a one-tensor stash
+        s = (t.view(1, -1) * w).sum() + t.tanh().sum()
+        return s + (t * t).sum()
+
+    memfit.checkpoint(fn, x, save="all", offload=memfit.Offload("cpu", stash=stash)).backward()
+    ref = x.detach().clone().requires_grad_()
+    fn(ref).backward()
+    assert torch.equal(x.grad, ref.grad)
+    assert (stats.d2h_copies, stats.shared) == (2, 2)  # t (and its view), tanh(t)
