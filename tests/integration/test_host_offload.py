@@ -327,20 +327,24 @@ def test_a_dropped_graph_is_freed_without_backward(harness):
     assert not _outstanding(trace.log, "src")[1] and not _outstanding(trace.log, "host")[1]
 
 
-def _modify_after_save(offload, save):
+def _modify_after_save(offload, save, later_blocks=0):
     x = torch.randn(32, 64, requires_grad=True)
     h = x * 1
     y = memfit.checkpoint(torch.sigmoid, h, save=save, offload=offload)  # saves h, or sigmoid's output
     loss = (y * 2).sum()
+    for _ in range(later_blocks):  # their copies push h's or y's out of the stash
+        loss = loss + memfit.checkpoint(torch.sigmoid, x * 2, save=save, offload=offload).sum()
     (h if save is None else y).mul_(3)  # autograd refuses this at backward
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
 
 
 @pytest.mark.parametrize("save", [None, "all"])
-@pytest.mark.parametrize("stash", [1, 5])
-def test_modified_in_place_after_offload_fails_as_autograd_does(harness, save, stash):
-    _modify_after_save(memfit.Offload("cpu", stash=stash, min_bytes=0), save)
+@pytest.mark.parametrize(("stash", "later_blocks"), [(1, 0), (5, 0), (5, 3)])
+def test_modified_in_place_after_offload_fails_as_autograd_does(harness, save, stash, later_blocks):
+    stats, _ = harness
+    _modify_after_save(memfit.Offload("cpu", stash=stash, min_bytes=0), save, later_blocks)
+    assert stats.d2h_copies == 1 + later_blocks
 
 
 @pytest.mark.parametrize("save", [None, "all"])
