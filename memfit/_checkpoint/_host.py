@@ -286,7 +286,8 @@ class SavedVersion:
     place after it was saved would silently give the gradient of other values (or, on an
     accelerator, race with its copy to the host). Offload raises autograd's error instead.
     The counter is read from the tensor (or the base it views) while it is alive: once nothing
-    but the offloaded copy is left, nothing can modify it either.
+    but the offloaded copy is left, nothing can modify it either; a modification made before
+    the tensor was dropped is then not seen (backward uses the values saved).
     """
 
     __slots__ = ("dtype", "ref", "shape", "version")
