@@ -225,6 +225,7 @@ class _Entry:
         "seq",
         "source",
         "span",
+        "stale",
         "start",
         "used",
         "version",
@@ -243,6 +244,7 @@ class _Entry:
         self.source: torch.Tensor | None = t.detach()
         self.host: torch.Tensor | None = None
         self.copied = None  # the copy-out's event
+        self.stale: int | None = None  # the source's version when released, if modified after the save
         self.device_buf: torch.Tensor | None = None
         self.fetch: _Fetch | None = None
         self.live = 0  # saved-tensor handles alive
@@ -286,8 +288,10 @@ class SavedVersion:
     place after it was saved would silently give the gradient of other values (or, on an
     accelerator, race with its copy to the host). Offload raises autograd's error instead.
     The counter is read from the tensor (or the base it views) while it is alive: once nothing
-    but the offloaded copy is left, nothing can modify it either; a modification made before
-    the tensor was dropped is then not seen (backward uses the values saved).
+    but the offloaded copy is left, nothing can modify it either. A modification made while the
+    stash held the source (when an accelerator's copy may still have been reading it) is seen
+    through the source (``stale``); one made after that, before the tensor was dropped, is not
+    (backward then uses the values saved).
     """
 
     __slots__ = ("dtype", "ref", "shape", "version")
@@ -296,10 +300,12 @@ class SavedVersion:
         self.ref = weakref.ref(t if t._base is None else t._base)  # a view shares its base's counter
         self.version, self.shape, self.dtype = t._version, tuple(t.shape), t.dtype
 
-    def check(self, source: torch.Tensor | None = None) -> None:
-        """Raise if the tensor, or ``source`` (an alias on the same counter), was modified."""
+    def check(self, source: torch.Tensor | None = None, stale: int | None = None) -> None:
+        """Raise if the tensor, or ``source`` (an alias on the same counter), was modified, or
+        if the copy's source was (``stale``: its version when it was released)."""
         held = self.ref()
         now = held._version if held is not None else source._version if source is not None else self.version
+        now = stale if now == self.version and stale is not None else now
         if now != self.version:
             raise _modified((self.shape, self.dtype), now, self.version)
 
@@ -448,6 +454,8 @@ class _HostOffload:
     def release_source(self, entry: _Entry) -> None:
         """Drop the device source: compute waits for its copy first (its memory may be reused)."""
         if entry.source is not None:
+            if entry.source._version != entry.version:  # modified while its copy may have run
+                entry.stale = entry.source._version
             self.streams.wait("compute", entry.copied)
             entry.source = None
             self.streams.note("free", f"src{entry.name}", "compute")
@@ -458,7 +466,7 @@ class _HostOffload:
     def unpack(self, saved: _Saved) -> torch.Tensor:
         entry, group = saved.entry, saved.group
         src = entry.source
-        saved.version.check(src)
+        saved.version.check(src, entry.stale)
         if src is not None and src._version != entry.version:  # (a tensor on another counter)
             self.release_source(entry)  # the host copy holds the values saved
             src = None

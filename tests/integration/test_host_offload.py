@@ -384,3 +384,23 @@ def test_a_view_an_op_made_inside_shares_its_base_copy(harness, stash):
     fn(ref).backward()
     assert torch.equal(x.grad, ref.grad)
     assert (stats.d2h_copies, stats.shared) == (2, 2)  # t (and its view), tanh(t)
+
+
+@pytest.mark.parametrize("later_blocks", [0, 3])
+def test_modified_in_place_then_dropped_while_in_the_stash_fails(harness, later_blocks):
+    # On a GPU the copy to the host may still be running when compute modifies the tensor:
+    # the values saved are unknown. The stash still holds it: the change is seen there.
+    w = torch.randn(32, 64, requires_grad=True)
+
+    def fn(b):
+        t = b * 2
+        s = (t * w).sum()  # saves t
+        t.mul_(3)
+        return s  # t is dropped here
+
+    x = torch.randn(32, 64, requires_grad=True)
+    loss = memfit.checkpoint(fn, x, save="all", offload=memfit.Offload("cpu", min_bytes=0))
+    for _ in range(later_blocks):  # their copies push t's out of the stash
+        loss = loss + memfit.checkpoint(torch.sigmoid, x * 2, save="all", offload="cpu").sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
