@@ -311,12 +311,18 @@ class SavedVersion:
 
 
 class Kept:
-    """A saved tensor left in place, and its version (checked on unpack: see SavedVersion)."""
+    """A saved tensor left in place, and its version (checked on unpack: see SavedVersion).
+
+    Held detached when it has a grad_fn: the op saving it may be the one that made it, whose
+    node would then hold its own output through this object, a cycle through autograd's C++
+    graph that keeps the graph alive for ever once the user drops it without a backward.
+    (Autograd rebuilds the unpacked tensor's history itself.)
+    """
 
     __slots__ = ("t", "version")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.t, self.version = t, t._version
+        self.t, self.version = t if t.grad_fn is None else t.detach(), t._version
 
     def unpack(self) -> torch.Tensor:
         if self.t._version != self.version:

@@ -404,3 +404,16 @@ def test_modified_in_place_then_dropped_while_in_the_stash_fails(harness, later_
         loss = loss + memfit.checkpoint(torch.sigmoid, x * 2, save="all", offload="cpu").sum()
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("harness_on", [False, True])
+def test_a_dropped_graph_is_freed_with_kept_outputs(harness_on):
+    # tanh's output, under min_bytes (or, off the harness, on the CPU): kept. Kept as it is, it
+    # would hold its own grad_fn, a cycle through C++ that the garbage collector never frees.
+    x = torch.randn(4, 16, requires_grad=True)
+    with memfit.testing.host_offload_on_cpu() if harness_on else contextlib.nullcontext():
+        out = memfit.checkpoint(lambda t: torch.tanh(t * 2), x, save="all", offload="cpu")
+        alive = weakref.ref(out)
+        del out
+        gc.collect()
+        assert alive() is None
