@@ -417,3 +417,27 @@ def test_a_dropped_graph_is_freed_with_kept_outputs(harness_on):
         del out
         gc.collect()
         assert alive() is None
+
+
+@pytest.mark.parametrize("harness_on", [False, True])
+def test_double_backward_through_kept_and_offloaded_tensors(harness_on):
+    # Kept outputs (tanh's) and weight views are held detached: autograd must still rebuild
+    # their history for a gradient of a gradient.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+    x0 = torch.randn(8, 16)
+
+    def run(offload):
+        model.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        y = memfit.checkpoint(model, x * 1, save="all", offload=offload)
+        (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        g.square().sum().backward()
+        return [*grads(model), x.grad]
+
+    ref = run(None)
+    stats = memfit.testing.offload_stats()
+    stats.reset()
+    with memfit.testing.host_offload_on_cpu() if harness_on else contextlib.nullcontext():
+        assert_same(run(memfit.Offload("cpu", min_bytes=256)), ref)
+    assert stats.kept > 0 and (stats.d2h_copies > 0) == harness_on  # some kept, some copied
