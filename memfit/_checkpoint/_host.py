@@ -34,6 +34,10 @@ from torch import nn
 # A tensor saved several times, or a view of a region already copied (same storage, same
 # version, inside the region), shares the first copy: one copy out, one copy back.
 #
+# A tensor modified in place after it was saved fails in backward with autograd's error, as
+# without offload: saved-tensor hooks turn autograd's own version check off, so every handle
+# (kept ones too) records the version it was saved at and checks it on unpack (SavedVersion).
+#
 # Streams (accelerators; see [Note: Streams and buffer lifetimes] in _shard/_streams.py for
 # the same rules on sharding's streams):
 # - forward: the side stream waits for compute, copies the region into pinned host memory
@@ -221,6 +225,7 @@ class _Entry:
         "seq",
         "source",
         "span",
+        "stale",
         "start",
         "used",
         "version",
@@ -230,10 +235,16 @@ class _Entry:
         self.off, self.name, self.seq = off, f"#{next(_names)}", seq  # seq: its group's
         self.start, self.span, self.dense, self.dtype = start, span, dense, t.dtype
         self.version = t._version
-        self.ref = weakref.ref(t)  # alive: the storage is too, so its address names it
-        self.source: torch.Tensor | None = t  # the device tensor, until its copy is done
+        # alive: the storage is too, so its address names it (the base of a view: ops save
+        # views they make inside, which nothing holds once saved, of the tensors they were given)
+        self.ref = weakref.ref(t if t._base is None else t._base)
+        # The device memory, until its copy is done: detached, as `t` may be the output of the
+        # op saving it, whose grad_fn holds this entry (a cycle through C++ that would keep the
+        # whole graph alive after the user drops it, until the stash let go).
+        self.source: torch.Tensor | None = t.detach()
         self.host: torch.Tensor | None = None
         self.copied = None  # the copy-out's event
+        self.stale: int | None = None  # the source's version when released, if modified after the save
         self.device_buf: torch.Tensor | None = None
         self.fetch: _Fetch | None = None
         self.live = 0  # saved-tensor handles alive
@@ -245,6 +256,8 @@ class _Entry:
 
     def covers(self, t: torch.Tensor, start: int, span: int) -> bool:
         held = self.ref()
+        if held is None:
+            held = self.source  # in the stash: its storage is alive
         return (
             self.dense
             and held is not None
@@ -258,14 +271,74 @@ class _Entry:
         return self.span * self.dtype.itemsize
 
 
+def _modified(t: torch.Tensor | tuple, now: int, saved: int) -> RuntimeError:
+    shape, dtype = (tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else t
+    return RuntimeError(
+        "memfit offload: one of the variables needed for gradient computation has been modified "
+        f"by an inplace operation: {str(dtype).removeprefix('torch.')}{list(shape)} is at version "
+        f"{now}; expected version {saved} instead (autograd raises the same error without "
+        "offload). Clone the tensor before modifying it in place."
+    )
+
+
+class SavedVersion:
+    """The version a tensor had when it was saved for backward, checked when it is unpacked.
+
+    Behind saved-tensor hooks autograd checks no version counter, so a tensor modified in
+    place after it was saved would silently give the gradient of other values (or, on an
+    accelerator, race with its copy to the host). Offload raises autograd's error instead.
+    The counter is read from the tensor (or the base it views) while it is alive: once nothing
+    but the offloaded copy is left, nothing can modify it either. A modification made while the
+    stash held the source (when an accelerator's copy may still have been reading it) is seen
+    through the source (``stale``); one made after that, before the tensor was dropped, is not
+    (backward then uses the values saved).
+    """
+
+    __slots__ = ("dtype", "ref", "shape", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ref = weakref.ref(t if t._base is None else t._base)  # a view shares its base's counter
+        self.version, self.shape, self.dtype = t._version, tuple(t.shape), t.dtype
+
+    def check(self, source: torch.Tensor | None = None, stale: int | None = None) -> None:
+        """Raise if the tensor, or ``source`` (an alias on the same counter), was modified, or
+        if the copy's source was (``stale``: its version when it was released)."""
+        held = self.ref()
+        now = held._version if held is not None else source._version if source is not None else self.version
+        now = stale if now == self.version and stale is not None else now
+        if now != self.version:
+            raise _modified((self.shape, self.dtype), now, self.version)
+
+
+class Kept:
+    """A saved tensor left in place, and its version (checked on unpack: see SavedVersion).
+
+    Held detached when it has a grad_fn: the op saving it may be the one that made it, whose
+    node would then hold its own output through this object, a cycle through autograd's C++
+    graph that keeps the graph alive for ever once the user drops it without a backward.
+    (Autograd rebuilds the unpacked tensor's history itself.)
+    """
+
+    __slots__ = ("t", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t, self.version = t if t.grad_fn is None else t.detach(), t._version
+
+    def unpack(self) -> torch.Tensor:
+        if self.t._version != self.version:
+            raise _modified(self.t, self.t._version, self.version)
+        return self.t
+
+
 class _Saved:
     """What autograd holds for one offloaded saved tensor."""
 
-    __slots__ = ("entry", "group", "offset", "size", "stride")
+    __slots__ = ("entry", "group", "offset", "size", "stride", "version")
 
     def __init__(self, entry: _Entry, group: _Group, t: torch.Tensor) -> None:
         self.entry, self.group = entry, group
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.version = SavedVersion(t)
         entry.live += 1
 
     def __del__(self) -> None:
@@ -387,6 +460,8 @@ class _HostOffload:
     def release_source(self, entry: _Entry) -> None:
         """Drop the device source: compute waits for its copy first (its memory may be reused)."""
         if entry.source is not None:
+            if entry.source._version != entry.version:  # modified while its copy may have run
+                entry.stale = entry.source._version
             self.streams.wait("compute", entry.copied)
             entry.source = None
             self.streams.note("free", f"src{entry.name}", "compute")
@@ -397,7 +472,11 @@ class _HostOffload:
     def unpack(self, saved: _Saved) -> torch.Tensor:
         entry, group = saved.entry, saved.group
         src = entry.source
-        if src is not None and src._version == entry.version:
+        saved.version.check(src, entry.stale)
+        if src is not None and src._version != entry.version:  # (a tensor on another counter)
+            self.release_source(entry)  # the host copy holds the values saved
+            src = None
+        if src is not None:
             STATS.from_stash += 1
             out = src.as_strided(saved.size, saved.stride, saved.offset)
             self._prefetch_once(group)
@@ -505,7 +584,7 @@ class HostHooks(torch.autograd.graph.saved_tensors_hooks):
     def pack(self, t: torch.Tensor):
         if not offloadable(t, self.min_bytes) or self._module_state(t):
             STATS.kept += 1
-            return t
+            return Kept(t)
         off = _offloader(t.device)
         group = self.groups.get(t.device)
         if group is None:
@@ -516,4 +595,4 @@ class HostHooks(torch.autograd.graph.saved_tensors_hooks):
 def _unpack(packed):
     if isinstance(packed, _Saved):
         return packed.entry.off.unpack(packed)
-    return packed
+    return packed.unpack()

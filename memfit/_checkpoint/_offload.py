@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, parameter_or_view
+from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, Kept, SavedVersion, parameter_or_view
 
 # [Note: Offload of saved tensors]
 # Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
@@ -124,16 +124,18 @@ def _keep(t: torch.Tensor) -> bool:
 class _OnDisk:
     """A saved tensor written to ``path``; the file goes when this object does."""
 
-    __slots__ = ("__weakref__", "device", "dtype", "nbytes", "path", "shape", "stride")
+    __slots__ = ("__weakref__", "device", "dtype", "nbytes", "path", "shape", "stride", "version")
 
     def __init__(self, t: torch.Tensor, path: str) -> None:
         self.path = path
+        self.version = SavedVersion(t)
         self.shape, self.stride = t.shape, t.stride()
         self.dtype, self.device = t.dtype, t.device
         self.nbytes = t.numel() * t.element_size()
         weakref.finalize(self, _remove, path)
 
     def load(self) -> torch.Tensor:
+        self.version.check()
         raw = torch.from_file(self.path, shared=False, size=self.nbytes, dtype=torch.uint8)
         t = raw.view(self.dtype).reshape(self.shape)
         if t.stride() != self.stride:
@@ -177,7 +179,7 @@ class _DiskStore:
 
     def pack(self, min_bytes: int, t: torch.Tensor):
         if _keep(t) or t.numel() == 0 or t.numel() * t.element_size() < min_bytes:
-            return t
+            return Kept(t)
         path = os.path.join(self._directory(), f"{next(self.names)}.bin")
         try:
             _write(path, t)
@@ -193,4 +195,4 @@ class _DiskStore:
 
 
 def _unpack_disk(packed):
-    return packed.load() if isinstance(packed, _OnDisk) else packed
+    return packed.load() if isinstance(packed, _OnDisk) else packed.unpack()

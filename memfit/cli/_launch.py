@@ -50,7 +50,7 @@ def choose_device(
         raise ValueError(f"{where}: unknown --device {requested!r}; choose from {', '.join(DEVICES)}")
     if cuda_devices is None:
         cuda_devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    local_rank = int(env.get("LOCAL_RANK", "0"))
+    local_rank = _local_rank(env, where)
     if requested == "cpu" or (requested == "auto" and cuda_devices == 0):
         return Placement(torch.device("cpu"), "gloo", local_rank)
     if cuda_devices == 0:
@@ -64,6 +64,20 @@ def choose_device(
             f"device(s) here); start at most {cuda_devices} rank(s) per machine, or pass --device cpu"
         )
     return Placement(torch.device("cuda", local_rank), "nccl", local_rank)
+
+
+def _local_rank(env: Mapping[str, str], where: str) -> int:
+    raw = env.get("LOCAL_RANK", "0")
+    try:
+        rank = int(raw)
+    except ValueError:
+        rank = -1
+    if rank < 0:
+        raise ValueError(
+            f"{where}: LOCAL_RANK={raw!r} is not a rank (an integer >= 0, this process's index on its "
+            "machine, as torchrun sets it); unset LOCAL_RANK or launch with torchrun"
+        )
+    return rank
 
 
 def _join(placement: Placement, **kwargs) -> None:

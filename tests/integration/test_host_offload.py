@@ -6,6 +6,7 @@ gradients bitwise equal to plain checkpointing. Only a GPU runs the real streams
 import contextlib
 import copy
 import gc
+import weakref
 from typing import ClassVar
 
 import pytest
@@ -309,3 +310,134 @@ def test_on_cuda_same_gradients_and_bytes_as_the_cpu_harness(save):
         ref(x.detach().requires_grad_()).square().sum().backward()
         assert_same([g.cpu() for g in grads(model)], [g.cpu() for g in grads(ref)])
     assert counts[0] == counts[1]
+
+
+def test_a_dropped_graph_is_freed_without_backward(harness):
+    """Forward only (a skipped step, an OOM retry): dropping the output frees the graph at
+    once, as without offload. The stash must not hold a saved output (tanh's) with its
+    grad_fn, a cycle through autograd's C++ graph that only the next forward broke."""
+    _, trace = harness
+    model = _blocks(3)
+    memfit.apply_activation_checkpointing(model, lambda m: m in list(model), save="all", offload="cpu")
+    out = model(torch.randn(32, 64, requires_grad=True))
+    alive = weakref.ref(out)
+    del out
+    gc.collect()
+    assert alive() is None
+    assert not _outstanding(trace.log, "src")[1] and not _outstanding(trace.log, "host")[1]
+
+
+def _modify_after_save(offload, save, later_blocks=0):
+    x = torch.randn(32, 64, requires_grad=True)
+    h = x * 1
+    y = memfit.checkpoint(torch.sigmoid, h, save=save, offload=offload)  # saves h, or sigmoid's output
+    loss = (y * 2).sum()
+    for _ in range(later_blocks):  # their copies push h's or y's out of the stash
+        loss = loss + memfit.checkpoint(torch.sigmoid, x * 2, save=save, offload=offload).sum()
+    (h if save is None else y).mul_(3)  # autograd refuses this at backward
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("save", [None, "all"])
+@pytest.mark.parametrize(("stash", "later_blocks"), [(1, 0), (5, 0), (5, 3)])
+def test_modified_in_place_after_offload_fails_as_autograd_does(harness, save, stash, later_blocks):
+    stats, _ = harness
+    _modify_after_save(memfit.Offload("cpu", stash=stash, min_bytes=0), save, later_blocks)
+    assert stats.d2h_copies == 1 + later_blocks
+
+
+@pytest.mark.parametrize("save", [None, "all"])
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_modified_in_place_after_save_fails_for_kept_tensors(save, offload):
+    # Without the harness "cpu" keeps every CPU tensor in place; saved-tensor hooks turn off
+    # autograd's own version check, so offload must check itself.
+    _modify_after_save(offload, save)
+
+
+@pytest.mark.parametrize("offload", [None, "cpu", "disk"])
+def test_weight_modified_after_save_fails_with_every_target(offload):
+    lin = nn.Linear(64, 64)  # saves weight.t(), a view of the weight: kept by every target
+    x = torch.randn(8, 64, requires_grad=True) * 1
+    loss = memfit.checkpoint(lin, x, save="all", offload=offload).sum()
+    with torch.no_grad():
+        lin.weight.mul_(2)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("stash", [1, 5])
+def test_a_view_an_op_made_inside_shares_its_base_copy(harness, stash):
+    stats, _ = harness
+    x = torch.randn(16, 64, requires_grad=True)
+    w = torch.randn(1, 16 * 64, requires_grad=True)
+
+    def fn(b):
+        t = b * 2
+        # saves t.view(1, -1): a view nothing holds once saved; then t itself, after tanh's
+        # output has pushed the view's copy out of a one-tensor stash
+        s = (t.view(1, -1) * w).sum() + t.tanh().sum()
+        return s + (t * t).sum()
+
+    memfit.checkpoint(fn, x, save="all", offload=memfit.Offload("cpu", stash=stash)).backward()
+    ref = x.detach().clone().requires_grad_()
+    fn(ref).backward()
+    assert torch.equal(x.grad, ref.grad)
+    assert (stats.d2h_copies, stats.shared) == (2, 2)  # t (and its view), tanh(t)
+
+
+@pytest.mark.parametrize("later_blocks", [0, 3])
+def test_modified_in_place_then_dropped_while_in_the_stash_fails(harness, later_blocks):
+    # On a GPU the copy to the host may still be running when compute modifies the tensor:
+    # the values saved are unknown. The stash still holds it: the change is seen there.
+    w = torch.randn(32, 64, requires_grad=True)
+
+    def fn(b):
+        t = b * 2
+        s = (t * w).sum()  # saves t
+        t.mul_(3)
+        return s  # t is dropped here
+
+    x = torch.randn(32, 64, requires_grad=True)
+    loss = memfit.checkpoint(fn, x, save="all", offload=memfit.Offload("cpu", min_bytes=0))
+    for _ in range(later_blocks):  # their copies push t's out of the stash
+        loss = loss + memfit.checkpoint(torch.sigmoid, x * 2, save="all", offload="cpu").sum()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("harness_on", [False, True])
+def test_a_dropped_graph_is_freed_with_kept_outputs(harness_on):
+    # tanh's output, under min_bytes (or, off the harness, on the CPU): kept. Kept as it is, it
+    # would hold its own grad_fn, a cycle through C++ that the garbage collector never frees.
+    x = torch.randn(4, 16, requires_grad=True)
+    with memfit.testing.host_offload_on_cpu() if harness_on else contextlib.nullcontext():
+        out = memfit.checkpoint(lambda t: torch.tanh(t * 2), x, save="all", offload="cpu")
+        alive = weakref.ref(out)
+        del out
+        gc.collect()
+        assert alive() is None
+
+
+@pytest.mark.parametrize("harness_on", [False, True])
+def test_double_backward_through_kept_and_offloaded_tensors(harness_on):
+    # Kept outputs (tanh's) and weight views are held detached: autograd must still rebuild
+    # their history for a gradient of a gradient.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+    x0 = torch.randn(8, 16)
+
+    def run(offload):
+        model.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_()
+        y = memfit.checkpoint(model, x * 1, save="all", offload=offload)
+        (g,) = torch.autograd.grad(y.square().sum(), x, create_graph=True)
+        g.square().sum().backward()
+        return [*grads(model), x.grad]
+
+    ref = run(None)
+    stats = memfit.testing.offload_stats()
+    stats.reset()
+    with memfit.testing.host_offload_on_cpu() if harness_on else contextlib.nullcontext():
+        assert_same(run(memfit.Offload("cpu", min_bytes=256)), ref)
+    assert stats.kept > 0 and (stats.d2h_copies > 0) == harness_on  # some kept, some copied

@@ -55,3 +55,11 @@ def test_device_flag_and_defaults(no_cuda):
         BenchConfig(device="gpu")
     with pytest.raises(SystemExit):
         parse_config(["train", "--device", "gpu"])
+
+
+@pytest.mark.parametrize("requested", ["auto", "cpu", "cuda"])
+@pytest.mark.parametrize("raw", ["x", "", "-1", "1.0"])
+def test_bad_local_rank_is_named(requested, raw):
+    # not int()'s bare "invalid literal", nor torch's "Device index must not be negative"
+    with pytest.raises(ValueError, match=rf"memfit train: LOCAL_RANK={raw!r} is not a rank"):
+        choose_device(requested, env={"LOCAL_RANK": raw}, cuda_devices=2, where="memfit train")
