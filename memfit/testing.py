@@ -121,7 +121,11 @@ __all__ += ["debug_collectives"]
 
 # Host offload ("cpu"): counters, and CPU tensors treated as device tensors with traced streams.
 from memfit._checkpoint._host import STATS as _OFFLOAD_STATS  # noqa: E402
-from memfit._checkpoint._host import OffloadStats, OffloadTrace  # noqa: E402
+from memfit._checkpoint._host import (  # noqa: E402
+    OffloadStats,
+    OffloadTrace,
+    offloadable,
+)
 from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu  # noqa: E402
 
 
@@ -131,7 +135,7 @@ def offload_stats() -> OffloadStats:
     return _OFFLOAD_STATS
 
 
-__all__ += ["OffloadStats", "OffloadTrace", "host_offload_on_cpu", "offload_stats"]
+__all__ += ["OffloadStats", "OffloadTrace", "host_offload_on_cpu", "offload_stats", "offloadable"]
 
 
 def checkpoint_chunks(path: str) -> dict[str, tuple[str, int, int]]:

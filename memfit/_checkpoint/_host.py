@@ -159,7 +159,8 @@ class _Streams:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.accel = device.type != "cpu"
+        # A device module without streams (MPS) copies on its one queue, in order, unpinned.
+        self.accel = device.type != "cpu" and hasattr(torch.get_device_module(device.type), "Stream")
         self._ids = itertools.count()
         if self.accel:  # pragma: no cover (needs an accelerator)
             self.mod = torch.get_device_module(device.type)
@@ -389,8 +390,11 @@ def offloadable(t: torch.Tensor, min_bytes: int) -> bool:
         return False
     if t.is_conj() or t.is_neg() or parameter_or_view(t):
         return False
-    nbytes = t.numel() * t.element_size()
-    return nbytes > 0 and nbytes >= min_bytes
+    if t.numel() == 0:
+        return False
+    # The bytes a copy would move: the storage region the tensor spans (an expanded tensor's is small).
+    span = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return min(span, t.numel()) * t.element_size() >= min_bytes
 
 
 class _HostOffload:

@@ -40,7 +40,9 @@ def choose_device(
     where: str = "memfit",
 ) -> Placement:
     """The device and backend for ``--device requested`` ("auto", "cpu" or "cuda"): CUDA on
-    GPU ``LOCAL_RANK`` with NCCL, or the CPU with gloo; auto is CUDA when there is a GPU.
+    GPU ``LOCAL_RANK`` with NCCL (GPU 0 when a process sees one GPU only, as under a scheduler
+    that sets CUDA_VISIBLE_DEVICES per task), or the CPU with gloo; auto is CUDA when there is
+    a GPU.
 
     ``env`` (default ``os.environ``) and ``cuda_devices`` (default: how many GPUs torch sees)
     can be given, for tests. Raises ValueError naming ``--device`` when it cannot be met.
@@ -58,6 +60,8 @@ def choose_device(
             f"{where}: --device cuda, but this torch ({torch.__version__}) sees no CUDA device; "
             "pass --device cpu (or --device auto, which falls back to the CPU)"
         )
+    if cuda_devices == 1:  # one visible GPU per process (a scheduler set CUDA_VISIBLE_DEVICES per task)
+        return Placement(torch.device("cuda", 0), "nccl", local_rank)
     if local_rank >= cuda_devices:
         raise ValueError(
             f"{where}: --device {requested}: local rank {local_rank} has no GPU ({cuda_devices} CUDA "

@@ -180,6 +180,15 @@ def test_small_tensors_stay(harness):
     assert memfit.Offload("cpu").min_bytes == 1024 and memfit.Offload("disk").min_bytes == 0
 
 
+def test_min_bytes_counts_the_bytes_a_copy_moves(harness):
+    # 64 KiB as seen, 256 bytes of storage: a copy would move 256 bytes.
+    ex = torch.randn(1, 64).expand(256, 64)
+    assert not memfit.testing.offloadable(ex, 1024)
+    assert memfit.testing.offloadable(ex, 256)
+    assert memfit.testing.offloadable(torch.randn(256, 64), 1024)
+    assert not memfit.testing.offloadable(torch.randn(0, 64), 0)
+
+
 class _Scaled(nn.Module):
     def __init__(self):
         super().__init__()

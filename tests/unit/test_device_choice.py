@@ -17,6 +17,7 @@ from memfit.cli._launch import choose_device
         ("auto", {"LOCAL_RANK": "3"}, 8, ("cuda:3", "nccl", 3)),
         ("cuda", {"LOCAL_RANK": "1"}, 2, ("cuda:1", "nccl", 1)),
         ("cpu", {"LOCAL_RANK": "1"}, 8, ("cpu", "gloo", 1)),
+        ("cuda", {"LOCAL_RANK": "3"}, 1, ("cuda:0", "nccl", 3)),  # one visible GPU per task
     ],
 )
 def test_device_backend_and_local_rank(requested, env, gpus, want):
