@@ -59,12 +59,15 @@ _pending_host_copy = None  # the event after the last copy to the host, not wait
 
 
 def compute_device(group: dist.ProcessGroup) -> torch.device:
-    """The device ``group``'s backend communicates on: the CPU for gloo (and any backend that
-    takes CPU tensors), else its accelerator, on this process's current device (NCCL: CUDA)."""
+    """The device ``group``'s backend communicates on: the CPU for a backend that takes CPU
+    tensors (gloo, which takes CUDA ones too), else its accelerator, on this process's current
+    device (NCCL: CUDA), also when a host backend sits beside it ("cpu:gloo,cuda:nccl")."""
     types = [d.type for d in group._device_types]
-    if not types or dist.get_backend(group) == "gloo" or "cpu" in types:
+    accelerators = [t for t in types if t != "cpu"]
+    mixed = ":" in str(dist.get_backend(group))  # one backend per device type, named by type
+    if not accelerators or ("cpu" in types and not mixed):
         return torch.device("cpu")
-    kind = types[0]
+    kind = accelerators[0]
     module = getattr(torch, kind, None)
     if module is not None and hasattr(module, "current_device") and module.is_available():
         return torch.device(kind, module.current_device())

@@ -59,6 +59,16 @@ def test_deferred_init_defaults_to_the_process_groups_accelerator():
         train_step(model, torch.optim.AdamW(model.parameters()))
 
 
+def test_a_group_with_a_host_backend_beside_the_accelerators_computes_on_the_accelerator():
+    """Point 5: a group of two backends (``init_process_group("cpu:gloo,cuda:nccl")``, as
+    torchtitan makes for host-side collectives) computes on its accelerator, not the CPU."""
+    with meta_accelerator(with_gloo=True):
+        model = sharded(net())
+        assert devices(model.parameters()) == {"meta"} and devices(model.buffers()) == {"meta"}
+        model = sharded(net(META), offload="cpu")
+        assert {sp.full.device.type for u in sharded_units(model) for sp in u.params} == {"meta"}
+
+
 @pytest.mark.parametrize("explicit", [False, True])
 def test_a_model_built_on_the_host_moves_to_the_compute_device(explicit):
     """Point 4: parameters (their chunks) and buffers built on the CPU go to the compute
