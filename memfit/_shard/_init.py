@@ -184,11 +184,20 @@ def _adopt_ties_between(below: list[Unit], adopted: list[ShardedParam]) -> None:
 
 
 def check_one_device_and_dtype(module: nn.Module, owned: Ownership) -> torch.device | None:
-    """Refuse parameters on several devices or of several dtypes; return their device (None: all on meta)."""
+    """Refuse parameters on several devices or of several dtypes; return their device (None: all
+    on meta). Adopted ties count where their unit computes: the root's own parameters built on
+    the host follow them there (See [Note: Devices and the meta test device])."""
     new, paths = owned.new, owned.paths
-    devices = {p.device for p, _ in new if not p.is_meta} | {sp.sharded.device for sp in owned.adopted}
+    devices = {p.device for p, _ in new if not p.is_meta}
+    below = {sp.full.device for sp in owned.adopted}
+    if below and devices <= {torch.device("cpu")}:
+        devices = below
+    elif below:
+        devices |= below
     if len(devices) > 1:  # needs two real devices: not exercised by the CPU test suite
         by_device = {str(d): [paths[p] for p, _ in new if p.device == d][:3] for d in devices}
+        for sp in owned.adopted:
+            by_device.setdefault(str(sp.full.device), []).append(f"{sp.fqn} (tied, sharded below)")
         raise ValueError(
             f"memfit.shard: the parameters of {type(module).__name__} live on several devices {by_device}; "
             "move the module to one device first."

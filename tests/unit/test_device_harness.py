@@ -79,6 +79,30 @@ def test_a_model_built_on_the_host_moves_to_the_compute_device(explicit):
         train_step(model, torch.optim.AdamW(model.parameters()))
 
 
+class Tied(nn.Module):
+    """A head tied to the embedding, each sharded on its own: the root adopts the tied weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.mid(self.emb(x)))
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_a_root_built_on_the_host_adopts_a_tie_already_on_the_compute_device(offload):
+    """Point 4: the units below moved their chunks to the compute device; the root's own
+    parameters, still on the host, follow them there (not "live on several devices")."""
+    with meta_accelerator(2):
+        model = Tied()
+        for m in (model.emb, model.head, model):
+            memfit.shard(m, offload=offload)
+        assert {sp.full.device.type for u in sharded_units(model) for sp in u.params} == {"meta"}
+        model(torch.zeros(3, dtype=torch.long, device=META)).sum().backward()
+
+
 def test_offload_of_a_model_built_on_the_host():
     """Point 1: shards in host memory, copied from the parameters' rows (never from a freed
     full tensor), full parameters and buffers on the compute device, and a training step."""
