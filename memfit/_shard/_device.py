@@ -100,7 +100,7 @@ def to_host(src: torch.Tensor, dtype: torch.dtype, stream_event=None) -> torch.T
     if src.device.type == "cpu":
         return src.to(dtype)  # computing on the CPU: nothing crosses
     if src.dtype != dtype:
-        src = src.to(dtype)  # on the device: half the bytes cross for a bf16 -> fp32 gradient
+        src = src.to(dtype)  # cast on the device, as FSDP2 does: the host only waits (a bf16 gradient crosses as fp32)
     dst = host_empty(src.shape, dtype)
     AUDIT.to_host.append((dst.numel() * dst.element_size(), pinning(), True))
     if not src.is_meta:  # See [Note: Devices and the meta test device]
