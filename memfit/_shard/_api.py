@@ -18,6 +18,7 @@ from memfit._shard._device import compute_device
 from memfit._shard._export import SavePretrained
 from memfit._shard._init import (
     broadcast_buffers,
+    check_adopted_homes,
     check_one_device_and_dtype,
     claim_parameters,
     ensure_optimizer_check,
@@ -220,6 +221,7 @@ def shard(
     managed = managed_modules(module)
     owned = claim_parameters(module, managed)
     compute, host = _devices(device, check_one_device_and_dtype(module, owned), offload, group)
+    check_adopted_homes(module, owned, compute, host)
     place_buffers(managed, compute)  # See [Note: Devices and the meta test device]
     if sync_module_states:
         broadcast_buffers(managed, group)

@@ -212,6 +212,22 @@ def check_one_device_and_dtype(module: nn.Module, owned: Ownership) -> torch.dev
     return next(iter(devices), None)
 
 
+def check_adopted_homes(module: nn.Module, owned: Ownership, compute: torch.device, host: torch.device | None) -> None:
+    """Refuse tied parameters adopted from units whose shards live elsewhere than this unit's
+    (offloaded there and not here, or the reverse): a unit lands its reduced gradients in one
+    place, so that tie's gradient would reach the wrong device."""
+    home = host or compute
+    elsewhere = {id(sp.sharded) for sp in owned.adopted if sp.sharded.device.type != home.type}
+    if elsewhere:
+        odd = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in elsewhere]
+        here = f"offload={'cpu' if host else None}"
+        raise ValueError(
+            f"memfit.shard: {type(module).__name__} ({here}) takes over tied parameters {odd[:5]} from sharded "
+            "submodules whose shards live elsewhere (a different offload); shard the modules sharing a parameter "
+            "with the same offload."
+        )
+
+
 def place_buffers(managed: list[tuple[str, nn.Module]], device: torch.device) -> None:
     """Put the managed modules' buffers on the compute ``device``: those built on the meta
     device allocated there, zeroed (materialize fills them), the others moved there."""

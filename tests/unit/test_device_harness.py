@@ -3,7 +3,7 @@ GPU on the meta test device (memfit.testing.meta_accelerator): a pretend acceler
 process group, like NCCL, takes only its tensors, whose ops refuse CPU operands as CUDA's do,
 and whose values cannot be read on the host except through memfit's one counted read. One
 process simulates the ranks; nothing is computed (meta tensors hold no values): the values
-are checked by the gloo parity tests (tests/distributed/test_shard_device.py).
+are checked by the gloo parity tests (tests/distributed/test_shard_init.py, test_shard_mixed.py).
 
 Only a real GPU covers: CUDA streams and events, pinned host memory (False here: no
 accelerator to pin for), the overlap of copies with compute, and the allocator's peaks.
@@ -101,6 +101,19 @@ def test_a_root_built_on_the_host_adopts_a_tie_already_on_the_compute_device(off
             memfit.shard(m, offload=offload)
         assert {sp.full.device.type for u in sharded_units(model) for sp in u.params} == {"meta"}
         model(torch.zeros(3, dtype=torch.long, device=META)).sum().backward()
+
+
+@pytest.mark.parametrize("below", [None, "cpu"])
+def test_a_tie_adopted_across_offload_settings_is_refused_when_sharding(below):
+    """A root adopting a tie whose shard lives elsewhere than its own (offloaded below, not
+    here, or the reverse) would land that tie's gradient on the other device in backward:
+    refused by ``shard``, naming the tie."""
+    with meta_accelerator(2):
+        model = Tied()
+        memfit.shard(model.emb, offload=below)
+        memfit.shard(model.head, offload=below)
+        with pytest.raises(ValueError, match=r"emb\.weight.*offload"):
+            memfit.shard(model, offload="cpu" if below is None else None)
 
 
 def test_offload_of_a_model_built_on_the_host():
