@@ -47,6 +47,7 @@ class Audit:
     to_device: list[tuple[int, bool, bool]] = field(default_factory=list)  # (bytes, pinned source, non_blocking)
     to_host: list[tuple[int, bool, bool]] = field(default_factory=list)  # (bytes, pinned target, non_blocking)
     host_waits: int = 0  # host waits for copies to the host (one per step at most)
+    active: bool = False  # recording: only inside `audit()`, so that a long run keeps no log
 
     def reset(self) -> None:
         self.host_reads = self.host_waits = 0
@@ -87,8 +88,9 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
 def to_device(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy host tensor ``src`` into device tensor ``dst``, without blocking the host when
     ``src`` is pinned (queued on the current stream)."""
-    pinned = src.is_pinned() if pinning() else False
-    AUDIT.to_device.append((src.numel() * src.element_size(), pinned, True))
+    if AUDIT.active:
+        pinned = src.is_pinned() if pinning() else False
+        AUDIT.to_device.append((src.numel() * src.element_size(), pinned, True))
     dst.copy_(src, non_blocking=True)
 
 
@@ -102,7 +104,8 @@ def to_host(src: torch.Tensor, dtype: torch.dtype, stream_event=None) -> torch.T
     if src.dtype != dtype:
         src = src.to(dtype)  # cast on the device, as FSDP2 does: the host only waits (a bf16 gradient crosses as fp32)
     dst = host_empty(src.shape, dtype)
-    AUDIT.to_host.append((dst.numel() * dst.element_size(), pinning(), True))
+    if AUDIT.active:
+        AUDIT.to_host.append((dst.numel() * dst.element_size(), pinning(), True))
     if not src.is_meta:  # See [Note: Devices and the meta test device]
         dst.copy_(src, non_blocking=True)
     if stream_event is not None:
@@ -117,7 +120,7 @@ def wait_host_copies() -> None:
     event, _pending_host_copy = _pending_host_copy, None
     if event is None:
         return
-    AUDIT.host_waits += 1
+    AUDIT.host_waits += AUDIT.active
     if hasattr(event, "synchronize"):  # pragma: no cover (a CUDA event: needs a GPU)
         event.synchronize()
 
@@ -125,7 +128,7 @@ def wait_host_copies() -> None:
 def host_read(t: torch.Tensor) -> list | None:
     """The values of ``t`` on the host (a host sync when ``t`` is on a device); None for a
     tensor of the meta test device, which has none."""
-    AUDIT.host_reads += 1
+    AUDIT.host_reads += AUDIT.active
     if t.is_meta:  # See [Note: Devices and the meta test device]
         return None
     return t.tolist()
@@ -149,7 +152,11 @@ def moved(t: torch.Tensor, device: torch.device, copy: bool = False) -> torch.Te
 def audit() -> Iterator[Audit]:
     """Count the host/device traffic inside this context (tests)."""
     AUDIT.reset()
-    yield AUDIT
+    AUDIT.active = True
+    try:
+        yield AUDIT
+    finally:
+        AUDIT.active = False
 
 
 def copy_in(send: torch.Tensor, views_of, srcs: list[torch.Tensor]) -> None:

@@ -154,6 +154,19 @@ def test_offloaded_shards_cross_once_each_way_per_unit_and_the_host_waits_once()
         assert audit.host_waits == 1 and audit.host_reads == 1
 
 
+def test_the_audit_records_only_inside_its_context():
+    """Outside ``device_audit()`` nothing is kept: a long offloaded run must not grow a log of
+    every copy (two or three entries per unit and step)."""
+    with meta_accelerator(2):
+        model = sharded(net(), offload="cpu")
+        opt = torch.optim.AdamW(model.parameters())
+        with device_audit() as audit:
+            train_step(model, opt)
+        seen = (len(audit.to_device), len(audit.to_host), audit.host_waits, audit.host_reads)
+        train_step(model, opt)
+        assert (len(audit.to_device), len(audit.to_host), audit.host_waits, audit.host_reads) == seen
+
+
 def test_load_full_state_dict_broadcasts_on_the_compute_device():
     """Point 2: NCCL refuses host tensors, so rank 0's tensors travel on the compute device."""
     for offload in (None, "cpu"):
