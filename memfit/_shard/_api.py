@@ -14,7 +14,7 @@ from memfit._shard._compat import (
     strategy_to_reshard,
     wrap_policy_of,
 )
-from memfit._shard._device import compute_device
+from memfit._shard._device import compute_device, resolved
 from memfit._shard._export import SavePretrained
 from memfit._shard._init import (
     broadcast_buffers,
@@ -258,7 +258,7 @@ def _devices(
     if offload not in (None, "cpu"):
         raise ValueError(f"memfit.shard: offload must be None or 'cpu', got {offload!r}")
     if device is not None:
-        compute = torch.device(device)
+        compute = resolved(device)  # with its index; refused if this process lacks it
     elif found is not None and found.type != "cpu":
         compute = found
     else:

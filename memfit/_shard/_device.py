@@ -75,6 +75,23 @@ def compute_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device(kind)
 
 
+def resolved(device: torch.device | str) -> torch.device:
+    """``device`` (asked for with ``shard(device=)``) with its index: the current one of its kind
+    when none is given, as :func:`compute_device` picks; refuses an accelerator this process lacks."""
+    device = torch.device(device)
+    module = getattr(torch, device.type, None) if device.type not in ("cpu", "meta") else None
+    if module is None or not hasattr(module, "is_available"):
+        return device
+    if not module.is_available():
+        raise ValueError(
+            f"memfit.shard: device={str(device)!r}, but this process sees no {device.type} device; pass "
+            "device='cpu' (or none: the process group's device)"
+        )
+    if device.index is None and hasattr(module, "current_device"):
+        return torch.device(device.type, module.current_device())
+    return device
+
+
 def pinning() -> bool:
     """Whether host memory can be pinned (page-locked): only with an accelerator present."""
     return torch.accelerator.is_available()

@@ -116,6 +116,11 @@ def test_a_tie_adopted_across_offload_settings_is_refused_when_sharding(below):
             memfit.shard(model, offload="cpu" if below is None else None)
 
 
+def test_a_device_this_process_lacks_is_a_clear_error():
+    with meta_accelerator(1), pytest.raises(ValueError, match=r"memfit.shard: device='cuda', but .* no cuda device"):
+        memfit.shard(net(), device="cuda")
+
+
 def test_offload_of_a_model_built_on_the_host():
     """Point 1: shards in host memory, copied from the parameters' rows (never from a freed
     full tensor), full parameters and buffers on the compute device, and a training step."""
