@@ -181,6 +181,15 @@ def test_load_full_state_dict_broadcasts_on_the_compute_device():
             assert not any(sp.deferred for u in sharded_units(model) for sp in u.params)
 
 
+def test_load_full_state_dict_refuses_tensors_without_values():
+    """A state dict of meta tensors (a model built for deferred init) has nothing to load:
+    refused on every rank, naming the tensors, instead of loading uninitialised memory."""
+    with meta_accelerator(2):
+        model = sharded(net(META))
+        with pytest.raises(RuntimeError, match=r"on the meta device.*'0\.weight'"):
+            memfit.load_full_state_dict(model, net(META).state_dict())
+
+
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
 @pytest.mark.parametrize("offload", [None, "cpu"])
 def test_clip_grad_norm_reduces_on_the_compute_device_with_one_host_read(norm_type, offload):
