@@ -167,9 +167,11 @@ _META_BACKEND = "memfit_meta"
 
 
 @contextlib.contextmanager
-def meta_accelerator(world_size: int = 1, rank: int = 0) -> Iterator[object]:
+def meta_accelerator(world_size: int = 1, rank: int = 0, *, with_gloo: bool = False) -> Iterator[object]:
     """A default process group that, like NCCL, takes tensors of one device only: ``meta``,
-    the pretend accelerator (yields the group). Collectives do nothing (no process meets
+    the pretend accelerator (yields the group). ``with_gloo``: a group of two backends, gloo
+    for host tensors beside the pretend accelerator's, as ``init_process_group("cpu:gloo,
+    cuda:nccl")`` makes one (one rank only: gloo's ranks are real processes). Collectives do nothing (no process meets
     another: ``world_size`` ranks are simulated in this one) and meta tensors hold no values,
     so it checks where tensors are, not what they hold: a CPU tensor in a collective fails
     with NCCL's "No backend type associated with device type cpu", an op mixing CPU and meta
@@ -187,7 +189,10 @@ def meta_accelerator(world_size: int = 1, rank: int = 0) -> Iterator[object]:
             return FakeProcessGroup._create_internal(common.group_rank, common.group_size, backend_options)
 
         dist.Backend.register_backend(_META_BACKEND, create, extended_api=True, devices=["meta"])
-    dist.init_process_group(_META_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    if with_gloo and world_size != 1:
+        raise ValueError("memfit.testing.meta_accelerator: with_gloo needs world_size=1 (gloo ranks are processes)")
+    backend = f"cpu:gloo,meta:{_META_BACKEND}" if with_gloo else _META_BACKEND
+    dist.init_process_group(backend, store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield dist.group.WORLD
     finally:

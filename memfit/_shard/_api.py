@@ -14,10 +14,11 @@ from memfit._shard._compat import (
     strategy_to_reshard,
     wrap_policy_of,
 )
-from memfit._shard._device import compute_device
+from memfit._shard._device import compute_device, resolved
 from memfit._shard._export import SavePretrained
 from memfit._shard._init import (
     broadcast_buffers,
+    check_adopted_homes,
     check_one_device_and_dtype,
     claim_parameters,
     ensure_optimizer_check,
@@ -220,6 +221,7 @@ def shard(
     managed = managed_modules(module)
     owned = claim_parameters(module, managed)
     compute, host = _devices(device, check_one_device_and_dtype(module, owned), offload, group)
+    check_adopted_homes(module, owned, compute, host)
     place_buffers(managed, compute)  # See [Note: Devices and the meta test device]
     if sync_module_states:
         broadcast_buffers(managed, group)
@@ -256,7 +258,7 @@ def _devices(
     if offload not in (None, "cpu"):
         raise ValueError(f"memfit.shard: offload must be None or 'cpu', got {offload!r}")
     if device is not None:
-        compute = torch.device(device)
+        compute = resolved(device)  # with its index; refused if this process lacks it
     elif found is not None and found.type != "cpu":
         compute = found
     else:

@@ -105,4 +105,7 @@ def _mismatch(names: list[tuple[str, torch.Tensor]], state_dict: dict[str, torch
     ]
     if missing or unexpected or shapes:
         return f"missing keys {missing[:10]}, unexpected keys {unexpected[:10]}; {'; '.join(shapes[:5])}"
+    on_meta = [n for n, _ in names if n in state_dict and state_dict[n].is_meta]
+    if on_meta:
+        return f"tensors on the meta device (no values to load): {on_meta[:10]}"
     return None

@@ -47,6 +47,7 @@ class Audit:
     to_device: list[tuple[int, bool, bool]] = field(default_factory=list)  # (bytes, pinned source, non_blocking)
     to_host: list[tuple[int, bool, bool]] = field(default_factory=list)  # (bytes, pinned target, non_blocking)
     host_waits: int = 0  # host waits for copies to the host (one per step at most)
+    active: bool = False  # recording: only inside `audit()`, so that a long run keeps no log
 
     def reset(self) -> None:
         self.host_reads = self.host_waits = 0
@@ -59,16 +60,36 @@ _pending_host_copy = None  # the event after the last copy to the host, not wait
 
 
 def compute_device(group: dist.ProcessGroup) -> torch.device:
-    """The device ``group``'s backend communicates on: the CPU for gloo (and any backend that
-    takes CPU tensors), else its accelerator, on this process's current device (NCCL: CUDA)."""
+    """The device ``group``'s backend communicates on: the CPU for a backend that takes CPU
+    tensors (gloo, which takes CUDA ones too), else its accelerator, on this process's current
+    device (NCCL: CUDA), also when a host backend sits beside it ("cpu:gloo,cuda:nccl")."""
     types = [d.type for d in group._device_types]
-    if not types or dist.get_backend(group) == "gloo" or "cpu" in types:
+    accelerators = [t for t in types if t != "cpu"]
+    mixed = ":" in str(dist.get_backend(group))  # one backend per device type, named by type
+    if not accelerators or ("cpu" in types and not mixed):
         return torch.device("cpu")
-    kind = types[0]
+    kind = accelerators[0]
     module = getattr(torch, kind, None)
     if module is not None and hasattr(module, "current_device") and module.is_available():
         return torch.device(kind, module.current_device())
     return torch.device(kind)
+
+
+def resolved(device: torch.device | str) -> torch.device:
+    """``device`` (asked for with ``shard(device=)``) with its index: the current one of its kind
+    when none is given, as :func:`compute_device` picks; refuses an accelerator this process lacks."""
+    device = torch.device(device)
+    module = getattr(torch, device.type, None) if device.type not in ("cpu", "meta") else None
+    if module is None or not hasattr(module, "is_available"):
+        return device
+    if not module.is_available():
+        raise ValueError(
+            f"memfit.shard: device={str(device)!r}, but this process sees no {device.type} device; pass "
+            "device='cpu' (or none: the process group's device)"
+        )
+    if device.index is None and hasattr(module, "current_device"):
+        return torch.device(device.type, module.current_device())
+    return device
 
 
 def pinning() -> bool:
@@ -84,8 +105,9 @@ def host_empty(shape, dtype: torch.dtype) -> torch.Tensor:
 def to_device(src: torch.Tensor, dst: torch.Tensor) -> None:
     """Copy host tensor ``src`` into device tensor ``dst``, without blocking the host when
     ``src`` is pinned (queued on the current stream)."""
-    pinned = src.is_pinned() if pinning() else False
-    AUDIT.to_device.append((src.numel() * src.element_size(), pinned, True))
+    if AUDIT.active:
+        pinned = src.is_pinned() if pinning() else False
+        AUDIT.to_device.append((src.numel() * src.element_size(), pinned, True))
     dst.copy_(src, non_blocking=True)
 
 
@@ -97,9 +119,10 @@ def to_host(src: torch.Tensor, dtype: torch.dtype, stream_event=None) -> torch.T
     if src.device.type == "cpu":
         return src.to(dtype)  # computing on the CPU: nothing crosses
     if src.dtype != dtype:
-        src = src.to(dtype)  # on the device: half the bytes cross for a bf16 -> fp32 gradient
+        src = src.to(dtype)  # cast on the device, as FSDP2 does: the host only waits (a bf16 gradient crosses as fp32)
     dst = host_empty(src.shape, dtype)
-    AUDIT.to_host.append((dst.numel() * dst.element_size(), pinning(), True))
+    if AUDIT.active:
+        AUDIT.to_host.append((dst.numel() * dst.element_size(), pinning(), True))
     if not src.is_meta:  # See [Note: Devices and the meta test device]
         dst.copy_(src, non_blocking=True)
     if stream_event is not None:
@@ -114,7 +137,7 @@ def wait_host_copies() -> None:
     event, _pending_host_copy = _pending_host_copy, None
     if event is None:
         return
-    AUDIT.host_waits += 1
+    AUDIT.host_waits += AUDIT.active
     if hasattr(event, "synchronize"):  # pragma: no cover (a CUDA event: needs a GPU)
         event.synchronize()
 
@@ -122,7 +145,7 @@ def wait_host_copies() -> None:
 def host_read(t: torch.Tensor) -> list | None:
     """The values of ``t`` on the host (a host sync when ``t`` is on a device); None for a
     tensor of the meta test device, which has none."""
-    AUDIT.host_reads += 1
+    AUDIT.host_reads += AUDIT.active
     if t.is_meta:  # See [Note: Devices and the meta test device]
         return None
     return t.tolist()
@@ -146,7 +169,11 @@ def moved(t: torch.Tensor, device: torch.device, copy: bool = False) -> torch.Te
 def audit() -> Iterator[Audit]:
     """Count the host/device traffic inside this context (tests)."""
     AUDIT.reset()
-    yield AUDIT
+    AUDIT.active = True
+    try:
+        yield AUDIT
+    finally:
+        AUDIT.active = False
 
 
 def copy_in(send: torch.Tensor, views_of, srcs: list[torch.Tensor]) -> None:

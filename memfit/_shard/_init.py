@@ -184,11 +184,20 @@ def _adopt_ties_between(below: list[Unit], adopted: list[ShardedParam]) -> None:
 
 
 def check_one_device_and_dtype(module: nn.Module, owned: Ownership) -> torch.device | None:
-    """Refuse parameters on several devices or of several dtypes; return their device (None: all on meta)."""
+    """Refuse parameters on several devices or of several dtypes; return their device (None: all
+    on meta). Adopted ties count where their unit computes: the root's own parameters built on
+    the host follow them there (See [Note: Devices and the meta test device])."""
     new, paths = owned.new, owned.paths
-    devices = {p.device for p, _ in new if not p.is_meta} | {sp.sharded.device for sp in owned.adopted}
+    devices = {p.device for p, _ in new if not p.is_meta}
+    below = {sp.full.device for sp in owned.adopted}
+    if below and devices <= {torch.device("cpu")}:
+        devices = below
+    elif below:
+        devices |= below
     if len(devices) > 1:  # needs two real devices: not exercised by the CPU test suite
         by_device = {str(d): [paths[p] for p, _ in new if p.device == d][:3] for d in devices}
+        for sp in owned.adopted:
+            by_device.setdefault(str(sp.full.device), []).append(f"{sp.fqn} (tied, sharded below)")
         raise ValueError(
             f"memfit.shard: the parameters of {type(module).__name__} live on several devices {by_device}; "
             "move the module to one device first."
@@ -201,6 +210,22 @@ def check_one_device_and_dtype(module: nn.Module, owned: Ownership) -> torch.dev
             "gathers them in one buffer. Shard the submodules of each dtype separately first, or cast the module."
         )
     return next(iter(devices), None)
+
+
+def check_adopted_homes(module: nn.Module, owned: Ownership, compute: torch.device, host: torch.device | None) -> None:
+    """Refuse tied parameters adopted from units whose shards live elsewhere than this unit's
+    (offloaded there and not here, or the reverse): a unit lands its reduced gradients in one
+    place, so that tie's gradient would reach the wrong device."""
+    home = host or compute
+    elsewhere = {id(sp.sharded) for sp in owned.adopted if sp.sharded.device.type != home.type}
+    if elsewhere:
+        odd = [n for n, p in module.named_parameters(remove_duplicate=False) if id(p) in elsewhere]
+        here = f"offload={'cpu' if host else None}"
+        raise ValueError(
+            f"memfit.shard: {type(module).__name__} ({here}) takes over tied parameters {odd[:5]} from sharded "
+            "submodules whose shards live elsewhere (a different offload); shard the modules sharing a parameter "
+            "with the same offload."
+        )
 
 
 def place_buffers(managed: list[tuple[str, nn.Module]], device: torch.device) -> None:

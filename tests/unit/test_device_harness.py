@@ -3,7 +3,7 @@ GPU on the meta test device (memfit.testing.meta_accelerator): a pretend acceler
 process group, like NCCL, takes only its tensors, whose ops refuse CPU operands as CUDA's do,
 and whose values cannot be read on the host except through memfit's one counted read. One
 process simulates the ranks; nothing is computed (meta tensors hold no values): the values
-are checked by the gloo parity tests (tests/distributed/test_shard_device.py).
+are checked by the gloo parity tests (tests/distributed/test_shard_init.py, test_shard_mixed.py).
 
 Only a real GPU covers: CUDA streams and events, pinned host memory (False here: no
 accelerator to pin for), the overlap of copies with compute, and the allocator's peaks.
@@ -59,6 +59,16 @@ def test_deferred_init_defaults_to_the_process_groups_accelerator():
         train_step(model, torch.optim.AdamW(model.parameters()))
 
 
+def test_a_group_with_a_host_backend_beside_the_accelerators_computes_on_the_accelerator():
+    """Point 5: a group of two backends (``init_process_group("cpu:gloo,cuda:nccl")``, as
+    torchtitan makes for host-side collectives) computes on its accelerator, not the CPU."""
+    with meta_accelerator(with_gloo=True):
+        model = sharded(net())
+        assert devices(model.parameters()) == {"meta"} and devices(model.buffers()) == {"meta"}
+        model = sharded(net(META), offload="cpu")
+        assert {sp.full.device.type for u in sharded_units(model) for sp in u.params} == {"meta"}
+
+
 @pytest.mark.parametrize("explicit", [False, True])
 def test_a_model_built_on_the_host_moves_to_the_compute_device(explicit):
     """Point 4: parameters (their chunks) and buffers built on the CPU go to the compute
@@ -67,6 +77,48 @@ def test_a_model_built_on_the_host_moves_to_the_compute_device(explicit):
         model = sharded(net(), **({"device": META} if explicit else {}))
         assert devices(model.parameters()) == {"meta"} and devices(model.buffers()) == {"meta"}
         train_step(model, torch.optim.AdamW(model.parameters()))
+
+
+class Tied(nn.Module):
+    """A head tied to the embedding, each sharded on its own: the root adopts the tied weight."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mid, self.head = nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, x):
+        return self.head(self.mid(self.emb(x)))
+
+
+@pytest.mark.parametrize("offload", [None, "cpu"])
+def test_a_root_built_on_the_host_adopts_a_tie_already_on_the_compute_device(offload):
+    """Point 4: the units below moved their chunks to the compute device; the root's own
+    parameters, still on the host, follow them there (not "live on several devices")."""
+    with meta_accelerator(2):
+        model = Tied()
+        for m in (model.emb, model.head, model):
+            memfit.shard(m, offload=offload)
+        assert {sp.full.device.type for u in sharded_units(model) for sp in u.params} == {"meta"}
+        model(torch.zeros(3, dtype=torch.long, device=META)).sum().backward()
+
+
+@pytest.mark.parametrize("below", [None, "cpu"])
+def test_a_tie_adopted_across_offload_settings_is_refused_when_sharding(below):
+    """A root adopting a tie whose shard lives elsewhere than its own (offloaded below, not
+    here, or the reverse) would land that tie's gradient on the other device in backward:
+    refused by ``shard``, naming the tie."""
+    with meta_accelerator(2):
+        model = Tied()
+        memfit.shard(model.emb, offload=below)
+        memfit.shard(model.head, offload=below)
+        with pytest.raises(ValueError, match=r"emb\.weight.*offload"):
+            memfit.shard(model, offload="cpu" if below is None else None)
+
+
+def test_a_device_this_process_lacks_is_a_clear_error():
+    with meta_accelerator(1), pytest.raises(ValueError, match=r"memfit.shard: device='cuda', but .* no cuda device"):
+        memfit.shard(net(), device="cuda")
 
 
 def test_offload_of_a_model_built_on_the_host():
@@ -107,6 +159,19 @@ def test_offloaded_shards_cross_once_each_way_per_unit_and_the_host_waits_once()
         assert audit.host_waits == 1 and audit.host_reads == 1
 
 
+def test_the_audit_records_only_inside_its_context():
+    """Outside ``device_audit()`` nothing is kept: a long offloaded run must not grow a log of
+    every copy (two or three entries per unit and step)."""
+    with meta_accelerator(2):
+        model = sharded(net(), offload="cpu")
+        opt = torch.optim.AdamW(model.parameters())
+        with device_audit() as audit:
+            train_step(model, opt)
+        seen = (len(audit.to_device), len(audit.to_host), audit.host_waits, audit.host_reads)
+        train_step(model, opt)
+        assert (len(audit.to_device), len(audit.to_host), audit.host_waits, audit.host_reads) == seen
+
+
 def test_load_full_state_dict_broadcasts_on_the_compute_device():
     """Point 2: NCCL refuses host tensors, so rank 0's tensors travel on the compute device."""
     for offload in (None, "cpu"):
@@ -114,6 +179,15 @@ def test_load_full_state_dict_broadcasts_on_the_compute_device():
             model = sharded(net(META), offload=offload)
             memfit.load_full_state_dict(model, net().state_dict())
             assert not any(sp.deferred for u in sharded_units(model) for sp in u.params)
+
+
+def test_load_full_state_dict_refuses_tensors_without_values():
+    """A state dict of meta tensors (a model built for deferred init) has nothing to load:
+    refused on every rank, naming the tensors, instead of loading uninitialised memory."""
+    with meta_accelerator(2):
+        model = sharded(net(META))
+        with pytest.raises(RuntimeError, match=r"on the meta device.*'0\.weight'"):
+            memfit.load_full_state_dict(model, net(META).state_dict())
 
 
 @pytest.mark.parametrize("norm_type", [2.0, float("inf")])
