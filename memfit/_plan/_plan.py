@@ -25,13 +25,15 @@ from memfit._plan._time import DeviceProfile
 from memfit._plan._time import device_profile as _device_profile
 
 _TERMS = {
-    "state": "parameters and optimizer state (sharded: 1/W each), buffers (whole on every rank)",
+    "state": "parameters and optimizer state (sharded: 1/shards each), buffers (whole on every rank)",
     "before_blocks": "the batch and what the embeddings keep for backward",
-    "grad_rest": "gradients of the parameters outside the blocks (sharded: 1/W)",
+    "grad_rest": "gradients of the parameters outside the blocks (sharded: 1/shards)",
     "last_output": "the last block's output",
     "head_transient": "the head, the loss and their backward (logits and their gradient)",
-    "optimizer_peak": "the optimizer step's peak: parameters, gradients, state, temporaries (1/W)",
-    "gather_buffers": "sharded: two blocks' full parameters in flight, the root's parameters from forward to backward",
+    "optimizer_peak": "the optimizer step's peak: parameters, gradients, state, temporaries (1/shards)",
+    "tail_transient": "the backward before the blocks (embeddings): gradients outside the blocks, temporaries",
+    "gather_buffers": "sharded: the root's full parameters (outside the blocks), from forward to backward",
+    "unit_buffers": "sharded, in backward: two blocks' full parameters (the one computing, the one prefetched)",
     "kept_activations": "what the blocks keep for backward under their decisions",
 }
 
@@ -113,12 +115,10 @@ class Plan:
         return "\n".join([*lines, "", *self._verdict(), *self._terms()])
 
     def _verdict(self) -> list[str]:
-        f, w = self.forecast, self.sharding.world_size if self.sharding else 1
-        floor = smallest_budget(
-            self.profile, self.sharding, tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)
-        )
-        keep_all = forecast(self.profile, ["keep"] * len(self.profile.blocks), self.sharding)["peak"]
-        where = f"per rank (world size {w})" if w > 1 else "in one process"
+        f, shard = self.forecast, self.sharding
+        floor = smallest_budget(self.profile, shard, self._allowed())
+        keep_all = forecast(self.profile, ["keep"] * len(self.profile.blocks), shard)["peak"]
+        where = f"per rank ({shard.describe()})" if shard and shard.world_size > 1 else "in one process"
         if self.budget is None:
             head = f"fixed strategy (no budget): predicted peak {format_bytes(f['peak'])} {where} at {f['at']}"
         else:
@@ -127,19 +127,30 @@ class Plan:
                 f"budget {format_bytes(self.budget)} {where}: {verdict}, predicted peak {format_bytes(f['peak'])} "
                 f"at {f['at']} ({format_bytes(self.budget - f['peak'])} to spare)"
             )
-        change = (
-            "nothing: every activation is kept"
-            if f["peak"] >= keep_all and self.budget is not None and keep_all <= self.budget
-            else f"{format_bytes(keep_all - f['peak'])} more per rank keeps every activation (no recompute)"
-        )
+        source = f" ({self.profile.device_source})" if self.profile.device_source else ""
         return [
             head,
             f"smallest budget any plan fits: {format_bytes(floor)}; keeping every activation: {format_bytes(keep_all)}",
-            f"what to change: {change}",
-            f"time on {self.profile.device or 'the device profile'}: predicted step {f['step_time'] * 1e3:.1f} ms, "
-            f"of which recompute and offload {f['extra_time'] * 1e3:.1f} ms "
+            f"what to change: {self._change(keep_all)}",
+            f"time on {self.profile.device or 'the device profile'}{source}: predicted step "
+            f"{f['step_time'] * 1e3:.1f} ms, of which recompute and offload {f['extra_time'] * 1e3:.1f} ms "
             f"(solved in {self.solve_seconds * 1e3:.0f} ms)",
         ]
+
+    def _allowed(self) -> tuple[str, ...]:
+        return tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)
+
+    def _change(self, keep_all: float) -> str:
+        """What would let every activation be kept: more memory (per rank when sharded), or
+        sharding over more ranks when that alone would do it."""
+        if self.budget is not None and keep_all <= self.budget:
+            return "nothing: every activation is kept (no recompute)"
+        shard = self.sharding if self.sharding and self.sharding.world_size > 1 else None
+        more = format_bytes(keep_all - (self.budget if self.budget is not None else self.forecast["peak"]))
+        text = f"{more} more {'per rank' if shard else 'memory'} keeps every activation (no recompute)"
+        if self.budget is not None and (wider := _wider_sharding(self.profile, shard, self.budget)):
+            text += f", or {wider.describe()} ({_shard_advice(shard, wider)}) keeps them within the budget"
+        return text
 
     def _terms(self) -> list[str]:
         f = self.forecast
@@ -152,11 +163,13 @@ class Plan:
         return {
             "budget": self.budget,
             "world_size": self.sharding.world_size if self.sharding else 1,
+            "shard_size": self.sharding.shards if self.sharding else 1,
             "decisions": dict(self.decisions),
             "predicted_peak": self.predicted_peak,
             "predicted_overhead_s": self.predicted_overhead,
             "predicted_step_time_s": self.predicted_step_time,
             "device_profile": self.profile.device,
+            "device_profile_source": self.profile.device_source,
             "peak_at": self.forecast["at"],
             "terms": {k.removeprefix("term:"): v for k, v in self.forecast.items() if k.startswith("term:")},
             "kept_activations": self.forecast["kept_activations"],
@@ -218,6 +231,7 @@ def plan(
     budget: int | float | str,
     loss_fn: Callable | None = None,
     world_size: int = 1,
+    shard_size: int | None = None,
     sharding: bool | None = None,
     optimizer: str = "adamw",
     candidates: list[str] | None = None,
@@ -247,18 +261,21 @@ def plan(
         budget: bytes, or a string such as ``"6GB"``, ``"3.5GiB"``, ``"800MB"``.
         world_size, sharding: forecast per rank for a model sharded over ``world_size`` ranks
             (sharding defaults to ``world_size > 1``). The sharded terms are arithmetic on the
-            single-process profile; measured sharded steps at W = 2 and 4 were within -1.2% to
-            +3.9% of them (tests/distributed/test_plan_sharded.py).
+            single-process profile (see [Note: Sharded forecasts]), checked against measured
+            sharded steps at W = 2 and 4 (tests/distributed/test_plan_sharded.py).
+        shard_size: hybrid sharding (HSDP): the model state sharded over groups of this many
+            ranks and replicated over ``world_size // shard_size`` groups (default: all ranks).
         optimizer: "adamw", "adam" or "sgd" (its state and step are measured).
         candidates: module paths of the blocks to decide for (default: the layers, i.e. the
             children of the longest list of same-class modules). Everything else is measured
             as a whole (embeddings before the blocks, head and loss after).
         decisions: the decisions allowed.
         profile: a profile from an earlier call (``plan.profile``), to re-plan without measuring.
-        device_profile: what extra time is priced on: a name ("h100", "h200", "a100", "cpu"),
+        device_profile: what time is priced on: a name ("h100", "h200", "a100", "cpu"),
             "calibrated" (this machine, measured once by ``memfit calibrate`` and cached), a
-            :class:`memfit.DeviceProfile`, or None: the cached calibration if there is one,
-            else the fixed "cpu" profile.
+            :class:`memfit.DeviceProfile`, or None: the named profile of the device the model
+            is on ("cpu" for a CPU or the meta device; never the cached calibration, see
+            [Note: The default device profile]).
         offload: where "offload" puts a block's input: "cpu" (host memory; the default for a
             model planned for an accelerator), "disk" (the default on a CPU, where host memory
             is the memory being saved) or a :class:`memfit.Offload`.
@@ -269,7 +286,7 @@ def plan(
     budget_bytes = parse_bytes(budget)
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
-    shard = Sharding(world_size) if (sharding if sharding is not None else world_size > 1) else None
+    shard = Sharding(world_size, shard_size) if (sharding if sharding is not None else world_size > 1) else None
     device = _device_profile(device_profile, _device_type(model))
     opts = {"decisions": decisions, "device": device}
     if profile is None:
@@ -295,7 +312,28 @@ def plan(
 
 def _device_type(model: nn.Module) -> str:
     first = next(iter(model.parameters()), None)
-    return "cpu" if first is None or first.device.type == "meta" else first.device.type
+    return "cpu" if first is None or first.device.type == "meta" else str(first.device)
+
+
+def _wider_sharding(profile: ModelProfile, shard: Sharding | None, budget: int) -> Sharding | None:
+    """The narrowest sharding up to 64x wider (more ranks; under HSDP a larger shard group on
+    the same ranks) whose keep-everything forecast fits ``budget``, if there is one."""
+    keep = ["keep"] * len(profile.blocks)
+    if shard is not None and shard.shards < shard.world_size:
+        sizes = [s for s in range(shard.shards + 1, shard.world_size + 1) if shard.world_size % s == 0]
+        options = [Sharding(shard.world_size, s) for s in sizes]
+    else:
+        w = shard.world_size if shard else 1
+        options = [Sharding(w * 2**k) for k in range(1, 7)]
+    return next((o for o in options if forecast(profile, keep, o)["peak"] <= budget), None)
+
+
+def _shard_advice(shard: Sharding | None, wider: Sharding) -> str:
+    if shard is None:
+        return "memfit.shard over that many processes"
+    if wider.world_size == shard.world_size:
+        return "a larger shard group on the same ranks"
+    return "more ranks"
 
 
 def _no_fit(profile: ModelProfile, budget_bytes: int, shard: Sharding | None, decisions) -> PlanError:
@@ -306,5 +344,13 @@ def _no_fit(profile: ModelProfile, budget_bytes: int, shard: Sharding | None, de
         f"{format_bytes(floor)}; keeping every activation needs {format_bytes(least['peak'])}. What no "
         f"decision reduces: parameters, buffers and optimizer state {format_bytes(profile.state_bytes)}, "
         f"optimizer step peak {format_bytes(profile.optimizer_peak)}, head and loss "
-        f"{format_bytes(profile.head_transient)}. Shard over more ranks, or use a smaller batch."
+        f"{format_bytes(profile.head_transient)}. {_no_fit_advice(shard)}"
     )
+
+
+def _no_fit_advice(shard: Sharding | None) -> str:
+    if shard is None or shard.world_size == 1:
+        return "Use a smaller batch, or shard the model over several processes (memfit.shard; plan with world_size=N)."
+    if shard.shards < shard.world_size:
+        return "Use a smaller batch per rank, a larger shard_size, or more ranks."
+    return "Use a smaller batch per rank, or shard over more ranks."

@@ -31,7 +31,11 @@ from memfit.memory import MemoryMeter
 # G_after_i / G_rest  the gradients of the blocks after i / of the parameters outside blocks,
 # B_i   the peak of block i's forward and backward on its own (input, what it keeps, recompute,
 #       gradients of its parameters and of its input, its output and the output's gradient),
-# P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries).
+# P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries),
+# and after the blocks' backward, the backward of what comes before them (the embeddings):
+#   backward before the blocks:  S + G_blocks + T_tail
+# T_tail what that backward holds above S and the blocks' gradients: the gradients outside the
+#       blocks and its temporaries (a tied embedding's gradient is summed: three copies at once).
 # Every term is measured with MemoryMeter on the example batch, per block and per decision, on
 # fake tensors (see [Note: Planning on fake tensors]).
 
@@ -62,9 +66,11 @@ class ModelProfile:
     last_output: int  # y_last
     head_transient: int  # T_head
     optimizer_peak: int  # P_opt
+    tail_transient: int = 0  # T_tail: peak of the backward before the blocks, above S and the blocks' gradients
     buffer_bytes: int = 0  # buffers (replicated on every rank when sharded)
     step_time: float = 0.0  # priced forward, backward and optimizer step, activations kept (s)
     device: str = ""  # the device profile the times are priced on
+    device_source: str = ""  # where its rates come from (DeviceProfile.source)
     distinct_blocks: int = 0  # blocks profiled (identical ones once)
 
 
@@ -292,9 +298,11 @@ def profile_model(
         last_output=marks["last_output"],
         head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
         optimizer_peak=whole.optimizer_peak,
+        tail_transient=max(0, marks["tail_peak"] - state - whole.optimizer_bytes - sum(b.grad_bytes for b in profiles)),
         buffer_bytes=buffers,
         step_time=device.ops_time(whole.costs),
         device=device.name,
+        device_source=device.source,
         distinct_blocks=len(seen),
     )
 
@@ -354,6 +362,8 @@ def _measure_step(
                 captured[i] = _fresh(args, kwargs)
             if i == 0 and meter_box and "before" not in marks:
                 marks["before"] = meter_box[0].current_bytes
+                for t in _outputs_with_grad((args, kwargs)):  # the blocks' backward is over
+                    t.register_hook(lambda grad: meter_box[0].reset_peak())
 
         return hook
 
@@ -386,6 +396,7 @@ def _measure_step(
         with _Meter(model=model, optimizer=opt) as whole, recorder:
             meter_box.append(whole)
             step_loss(model, example_inputs, loss_fn).backward()
+            marks["tail_peak"] = whole.peak_bytes
     finally:
         for h in handles:
             h.remove()

@@ -103,9 +103,11 @@ PROFILES = {
         5e-6,
         "NVIDIA A100 80GB SXM data sheet",
     ),
-    # A modest CPU, used when this machine has no cached calibration: fixed, so plans are
-    # deterministic either way (`memfit calibrate` replaces it with measured rates).
-    "cpu": DeviceProfile("cpu", {"float32": 50e9}, 10e9, 1e9, 10e-6, "fixed default; run `memfit calibrate`"),
+    # A modest CPU: the default for a model on a CPU or the meta device, fixed so that plans are
+    # the same everywhere (device_profile="calibrated" prices on this machine's measured rates).
+    "cpu": DeviceProfile(
+        "cpu", {"float32": 50e9}, 10e9, 1e9, 10e-6, "fixed rates of a modest CPU; 'calibrated' measures this one"
+    ),
 }
 
 
@@ -257,19 +259,43 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
         return 2 * len(data) / _median_seconds(write_read, repeats=3)
 
 
+def default_profile(device: str | torch.device = "cpu") -> DeviceProfile:
+    """The profile a plan gets when none is named: the named profile of the device it targets,
+    the same on every run (see [Note: The default device profile])."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return PROFILES["cpu"]
+    module = torch.get_device_module(device.type)
+    name = module.get_device_name(device) if hasattr(module, "get_device_name") else device.type
+    for key in ("h200", "h100", "a100"):  # H200 before H100: no name holds both
+        if key in name.lower().replace(" ", ""):
+            return PROFILES[key]
+    raise ValueError(
+        f"memfit.plan: no named device profile for {name!r} ({device}); pass device_profile= one of "
+        f"{sorted(PROFILES)}, 'calibrated' (measured on this machine by `memfit calibrate`) or a memfit.DeviceProfile"
+    )
+
+
+# [Note: The default device profile]
+# A plan's times are priced on the profile named by ``device_profile``; without one, on the
+# named profile of the device the model is on (an accelerator by its name, a CPU or the meta
+# device: "cpu"). A cached `memfit calibrate` is used only when asked for ("calibrated"): a
+# calibration made once on a loaded machine must not change later plans behind the user's
+# back (one made under load priced a 0.5 s step at 16.9 s), and the same call must give the
+# same plan on every machine. Plan.table() and `memfit plan` say which profile priced the step.
 def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "cpu") -> DeviceProfile:
     """The profile ``spec`` names: a DeviceProfile as is, a name from PROFILES, "calibrated"
-    (this machine's cached calibration, measured now if there is none), or None: the cached
-    calibration for ``device_type`` when there is one, else the fixed profile for it."""
+    (this machine's cached calibration, measured now if there is none), or None: the named
+    profile of ``device_type`` (:func:`default_profile`), never the cache."""
     if isinstance(spec, DeviceProfile):
         return spec
-    cached = _cache_path(device_type)
-    if spec in (None, "calibrated"):
+    if spec is None:
+        return default_profile(device_type)
+    if spec == "calibrated":
+        cached = _cache_path(torch.device(device_type).type)
         if cached.exists():
             return DeviceProfile(**json.loads(cached.read_text()))
-        if spec == "calibrated":
-            return calibrate(device_type)
-        return PROFILES.get(device_type, PROFILES["cpu"])
+        return calibrate(device_type)
     if spec not in PROFILES:
         raise ValueError(
             f"memfit.plan: unknown device profile {spec!r}; choose one of {sorted(PROFILES)}, 'calibrated' "
@@ -278,4 +304,4 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
     return PROFILES[spec]
 
 
-__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "calibrate", "device_profile"]
+__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "calibrate", "default_profile", "device_profile"]
