@@ -99,6 +99,9 @@ def single(name: str, preset: Preset, device, log) -> list[str]:
     full = memfit.Plan.fixed(dict.fromkeys(paths, "full"), profile)
     keep_peak, full_peak = keep.measure(model, batch), full.measure(model, batch)
     rows = [("keep all", keep, keep_peak, None), ("full all", full, full_peak, None)]
+    if profile.head_chunked is not None:  # the head and loss chunked too (memfit.chunked_cross_entropy)
+        chunked = memfit.Plan.fixed(dict.fromkeys(paths, "full"), profile, head="chunked")
+        rows.append(("full all + chunked head", chunked, chunked.measure(model, batch), None))
     for f in (0.25, 0.5, 0.75):
         budget = int(full_peak + f * (keep_peak - full_peak))
         p = memfit.plan(model, batch, budget=budget, profile=profile, device_profile=device)
@@ -116,6 +119,7 @@ def single(name: str, preset: Preset, device, log) -> list[str]:
     ]
     for label, p, measured, budget in rows:
         counts = "/".join(str(list(p.decisions.values()).count(d)) for d in ("keep", "selective", "full", "offload"))
+        counts += " + chunked head" if p.head == "chunked" else ""
         fits = "-" if budget is None else ("yes" if measured <= budget else "NO")
         b = f"{budget / MIB:.2f}" if budget else "-"
         lines.append(

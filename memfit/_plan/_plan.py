@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from torch import nn
 
 import memfit
 from memfit._plan._budget import format_bytes, parse_bytes
+from memfit._plan._head import chunk_head
 from memfit._plan._profile import (
     DECISIONS,
     Inputs,
@@ -55,19 +57,24 @@ class Plan:
     rule: str = "linear"
     offload: memfit.Offload | None = None
     solve_seconds: float = 0.0
+    head: str = "plain"  # the LM head and loss: "plain" or "chunked" (see [Note: The head as a decision])
     forecast: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.forecast = forecast(self.profile, list(self.decisions.values()), self.sharding)
+        if self.head not in ("plain", "chunked") or (self.head == "chunked" and self.profile.head_chunked is None):
+            raise ValueError(f"memfit.Plan: head {self.head!r}: 'plain', or 'chunked' for a profile with an LM head")
+        self.forecast = _forecast(self.profile, list(self.decisions.values()), self.sharding, self.head)
 
     @classmethod
-    def fixed(cls, decisions: dict[str, str], profile: ModelProfile, sharding: Sharding | None = None) -> Plan:
+    def fixed(
+        cls, decisions: dict[str, str], profile: ModelProfile, sharding: Sharding | None = None, *, head: str = "plain"
+    ) -> Plan:
         """A strategy chosen by hand, not solved for a budget: ``decisions`` maps every block of
         ``profile`` to a kind. Its forecast, ``apply`` and ``measure`` work as for a solved plan."""
         missing = [b.path for b in profile.blocks if b.path not in decisions]
         if missing:
             raise ValueError(f"memfit.Plan.fixed: no decision for blocks {missing}")
-        return cls(budget=None, decisions=dict(decisions), profile=profile, sharding=sharding)
+        return cls(budget=None, decisions=dict(decisions), profile=profile, sharding=sharding, head=head)
 
     @property
     def predicted_peak(self) -> int:
@@ -84,9 +91,12 @@ class Plan:
         return self.forecast["step_time"]
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Checkpoint ``model``'s blocks in place as decided (blocks to keep are left plain)."""
+        """Checkpoint ``model``'s blocks in place as decided (blocks to keep are left plain); with
+        a chunked head, ``model(**batch)`` computes its loss chunked and returns only ``.loss``."""
         for path, kind in self.decisions.items():
             self.decision(kind).apply(model.get_submodule(path), name=path)
+        if self.head == "chunked":
+            chunk_head(model, self.profile.head)
         return model
 
     def decision(self, kind: str) -> memfit.Decision:
@@ -116,8 +126,8 @@ class Plan:
 
     def _verdict(self) -> list[str]:
         f, shard = self.forecast, self.sharding
-        floor = smallest_budget(self.profile, shard, self._allowed())
-        keep_all = forecast(self.profile, ["keep"] * len(self.profile.blocks), shard)["peak"]
+        floor = min(smallest_budget(p, shard, self._allowed()) for p in _head_variants(self.profile, None).values())
+        keep_all = _forecast(self.profile, ["keep"] * len(self.profile.blocks), shard, self.head)["peak"]
         where = f"per rank ({shard.describe()})" if shard and shard.world_size > 1 else "in one process"
         if self.budget is None:
             head = f"fixed strategy (no budget): predicted peak {format_bytes(f['peak'])} {where} at {f['at']}"
@@ -130,12 +140,23 @@ class Plan:
         source = f" ({self.profile.device_source})" if self.profile.device_source else ""
         return [
             head,
+            *self._head_line(),
             f"smallest budget any plan fits: {format_bytes(floor)}; keeping every activation: {format_bytes(keep_all)}",
             f"what to change: {self._change(keep_all)}",
             f"time on {self.profile.device or 'the device profile'}{source}: predicted step "
             f"{f['step_time'] * 1e3:.1f} ms, of which recompute and offload {f['extra_time'] * 1e3:.1f} ms "
             f"(solved in {self.solve_seconds * 1e3:.0f} ms)",
         ]
+
+    def _head_line(self) -> list[str]:
+        p = self.profile
+        if p.head_chunked is None:
+            return []
+        saved = format_bytes(p.head_transient - p.head_chunked)
+        cost = f"{p.head_chunked_time * 1e3:.1f} ms"
+        if self.head == "chunked":
+            return [f"head and loss: chunked (memfit.chunked_cross_entropy), {saved} of logits saved for {cost}"]
+        return [f"head and loss: plain (chunking them would save {saved} for {cost})"]
 
     def _allowed(self) -> tuple[str, ...]:
         return tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)
@@ -168,6 +189,7 @@ class Plan:
             "predicted_peak": self.predicted_peak,
             "predicted_overhead_s": self.predicted_overhead,
             "predicted_step_time_s": self.predicted_step_time,
+            "head": self.head,
             "device_profile": self.profile.device,
             "device_profile_source": self.profile.device_source,
             "peak_at": self.forecast["at"],
@@ -239,16 +261,15 @@ def plan(
     profile: ModelProfile | None = None,
     device_profile: str | DeviceProfile | None = None,
     offload: str | memfit.Offload | None = None,
+    chunk_head: bool | None = None,
 ) -> Plan:
     """Profile ``model``'s blocks on ``example_inputs`` and choose, per block, keep / selective
     / full checkpoint / offload so the step's predicted peak fits ``budget`` at the least
     predicted extra time. The forecast is a sum of named terms (parameters, buffers and
     optimizer state; what exists before the blocks; kept activations; the head and loss; the
-    gradients; the optimizer step), each counted on the batch; ``Plan.table()`` shows them.
-    Nothing runs on real memory: the step runs on fake tensors (bytes from shapes; see
-    [Note: Planning on fake tensors]), and times are priced from operation counts on a device
-    profile (see [Note: The planner's time model]), so the same model, batch and budget give
-    the same plan.
+    gradients; the optimizer step); ``Plan.table()`` shows them. The step runs on fake tensors
+    ([Note: Planning on fake tensors]) and times are priced from operation counts ([Note: The
+    planner's time model]): the same model, batch and budget give the same plan.
 
     Args:
         model: not modified; it may be on the meta device (profiling works on a skeleton of
@@ -256,26 +277,24 @@ def plan(
         example_inputs: one batch: a dict (keyword arguments), a tuple or list (positional
             arguments) or a tensor (the one argument).
         loss_fn: ``loss_fn(output) -> scalar loss``; by default the output's ``.loss`` (or
-            ``["loss"]``), or the output itself when it is a scalar. A model that returns
-            neither needs ``loss_fn`` (ValueError otherwise).
+            ``["loss"]``), or the output itself when a scalar (else ValueError).
         budget: bytes, or a string such as ``"6GB"``, ``"3.5GiB"``, ``"800MB"``.
         world_size, sharding: forecast per rank for a model sharded over ``world_size`` ranks
-            (sharding defaults to ``world_size > 1``). The sharded terms are arithmetic on the
-            single-process profile (see [Note: Sharded forecasts]), checked against measured
-            sharded steps at W = 2 and 4 (tests/distributed/test_plan_sharded.py).
-        shard_size: hybrid sharding (HSDP): the model state sharded over groups of this many
-            ranks and replicated over ``world_size // shard_size`` groups (default: all ranks).
+            (sharding defaults to ``world_size > 1``; see [Note: Sharded forecasts]).
+        shard_size: hybrid sharding (HSDP): sharded over groups of this many ranks, replicated
+            ``world_size // shard_size`` times (default: all ranks).
         optimizer: "adamw", "adam" or "sgd" (its state and step are measured).
-        candidates: module paths of the blocks to decide for (default: the layers, i.e. the
-            children of the longest list of same-class modules). Everything else is measured
-            as a whole (embeddings before the blocks, head and loss after).
+        candidates: module paths of the blocks to decide for (default: the layers, the
+            longest runs of same-class modules). The rest is measured as a whole.
         decisions: the decisions allowed.
         profile: a profile from an earlier call (``plan.profile``), to re-plan without measuring.
-        device_profile: what time is priced on: a name ("h100", "h200", "a100", "cpu"),
-            "calibrated" (this machine, measured once by ``memfit calibrate`` and cached), a
-            :class:`memfit.DeviceProfile`, or None: the named profile of the device the model
-            is on ("cpu" for a CPU or the meta device; never the cached calibration, see
-            [Note: The default device profile]).
+        device_profile: what time is priced on: "h100", "h200", "a100", "cpu", "calibrated"
+            (this machine, by ``memfit calibrate``, cached) or a :class:`memfit.DeviceProfile`;
+            None: the named one of the model's device ("cpu" for the meta device; never the
+            cache: see [Note: The default device profile]).
+        chunk_head: chunk a transformers LM's head and loss (memfit.chunked_cross_entropy;
+            labels= given, no loss_fn): None when that fits at less extra time, True always,
+            False never. See [Note: The head as a decision].
         offload: where "offload" puts a block's input: "cpu" (host memory; the default for a
             model planned for an accelerator), "disk" (the default on a CPU, where host memory
             is the memory being saved) or a :class:`memfit.Offload`.
@@ -291,23 +310,61 @@ def plan(
     opts = {"decisions": decisions, "device": device}
     if profile is None:
         blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else find_candidates(model)
+        opts["chunk_head"] = chunk_head is not False
         profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer, **opts)
     if missing := sorted({d for b in profile.blocks for d in decisions if d not in b.kept}):
         raise ValueError(f"memfit.plan: the profile given has no measurements for {missing}; profile again")
     offload = offload or ("disk" if device.name in ("cpu", "calibrated-cpu") else "cpu")
     t0 = time.perf_counter()
-    chosen = solve(profile, budget_bytes, shard, decisions)
-    seconds = time.perf_counter() - t0
-    if chosen is None:
-        raise _no_fit(profile, budget_bytes, shard, decisions)
+    head, chosen = _solve_with_heads(profile, budget_bytes, shard, decisions, chunk_head)
     return Plan(
         budget=budget_bytes,
         decisions={b.path: d for b, d in zip(profile.blocks, chosen)},
         profile=profile,
         sharding=shard,
         offload=memfit.Offload(offload) if isinstance(offload, str) else offload,
-        solve_seconds=seconds,
+        solve_seconds=time.perf_counter() - t0,
+        head=head,
     )
+
+
+def _solve_with_heads(
+    profile: ModelProfile, budget: int, shard: Sharding | None, decisions, chunk_head: bool | None
+) -> tuple[str, list[str]]:
+    """The head and block decisions of least extra time that fit, over the heads allowed."""
+    if chunk_head and profile.head_chunked is None:
+        raise ValueError(
+            "memfit.plan: chunk_head=True needs a transformers masked or causal LM called with labels= and no loss_fn"
+        )
+    best = None  # (extra seconds, head, decisions)
+    for head, variant in _head_variants(profile, chunk_head).items():
+        chosen = solve(variant, budget, shard, decisions)
+        if chosen is not None:
+            extra = forecast(variant, chosen, shard)["extra_time"]
+            extra += profile.head_chunked_time if head == "chunked" else 0.0
+            best = min(best, (extra, head, chosen)) if best else (extra, head, chosen)
+    if best is None:
+        least = min(_head_variants(profile, chunk_head).values(), key=lambda p: p.head_transient)
+        raise _no_fit(least, budget, shard, decisions)
+    return best[1], best[2]
+
+
+def _head_variants(profile: ModelProfile, chunk_head: bool | None) -> dict[str, ModelProfile]:
+    """The profile as each head allowed makes it: the chunked one with T_head chunked."""
+    out = {} if chunk_head else {"plain": profile}
+    if chunk_head is not False and profile.head_chunked is not None:
+        out["chunked"] = dataclasses.replace(profile, head_transient=profile.head_chunked)
+    return out
+
+
+def _forecast(profile: ModelProfile, decisions: list[str], shard: Sharding | None, head: str) -> dict[str, float]:
+    """``forecast`` with the head as decided: chunked, T_head chunked and its extra time added."""
+    if head == "plain":
+        return forecast(profile, decisions, shard)
+    f = forecast(_head_variants(profile, True)["chunked"], decisions, shard)
+    f["extra_time"] += profile.head_chunked_time
+    f["step_time"] += profile.head_chunked_time
+    return f
 
 
 def _device_type(model: nn.Module) -> str:

@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import memfit
 from memfit._checkpoint._decision import KINDS as DECISIONS
+from memfit._plan._head import LMHead, find_head, unchunk_head
+from memfit._plan._head import chunk_head as chunk_forward
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost, device_profile
 from memfit.memory import MemoryMeter
 
@@ -71,6 +73,9 @@ class ModelProfile:
     step_time: float = 0.0  # priced forward, backward and optimizer step, activations kept (s)
     device: str = ""  # the device profile the times are priced on
     device_source: str = ""  # where its rates come from (DeviceProfile.source)
+    head: LMHead | None = None  # the LM head, when it can be chunked
+    head_chunked: int | None = None  # T_head with the head and loss chunked
+    head_chunked_time: float = 0.0  # seconds chunking adds to a step (the head's matmul again)
     distinct_blocks: int = 0  # blocks profiled (identical ones once)
 
 
@@ -256,9 +261,11 @@ def profile_model(
     offload: memfit.Offload | None = None,
     decisions: tuple[str, ...] = DECISIONS,
     device: DeviceProfile | None = None,
+    chunk_head: bool = True,
 ) -> ModelProfile:
     """Every term of the planner's memory model for ``model`` on the batch, and the priced
-    work of a step. See [Note: Planning on fake tensors]."""
+    work of a step; with ``chunk_head`` and an LM head, the head's terms chunked as well (see
+    [Note: The head as a decision]). See [Note: Planning on fake tensors]."""
     device = device or device_profile(None)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(iter(model.parameters()), None)
@@ -287,6 +294,8 @@ def profile_model(
         )
         state = _state_bytes(skeleton)
         buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
+        head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
+        chunked = _chunked_head(skeleton, inputs, blocks, optimizer, head, device) if head else None
     marks = whole.marks
     return ModelProfile(
         blocks=profiles,
@@ -301,10 +310,29 @@ def profile_model(
         tail_transient=max(0, marks["tail_peak"] - state - whole.optimizer_bytes - sum(b.grad_bytes for b in profiles)),
         buffer_bytes=buffers,
         step_time=device.ops_time(whole.costs),
+        head=head,
+        head_chunked=None if chunked is None else chunked[0],
+        head_chunked_time=0.0 if chunked is None else max(0.0, chunked[1] - device.ops_time(whole.costs)),
         device=device.name,
         device_source=device.source,
         distinct_blocks=len(seen),
     )
+
+
+def _has_labels(inputs: Inputs) -> bool:
+    return isinstance(inputs, dict) and inputs.get("labels") is not None
+
+
+def _chunked_head(skeleton, inputs, blocks, optimizer, head: LMHead, device: DeviceProfile) -> tuple[int, float]:
+    """T_head and the priced step time of a step with the head chunked (a second step of the
+    skeleton, its head's forward replaced; restored after)."""
+    chunk_forward(skeleton, head)
+    try:
+        step = _measure_step(skeleton, inputs, None, blocks, optimizer)
+    finally:
+        unchunk_head(skeleton)
+    marks = step.marks
+    return marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"], device.ops_time(step.costs)
 
 
 # [Note: Planning on fake tensors]
