@@ -22,7 +22,7 @@ from memfit._plan._profile import (
     profile_model,
     step_loss,
 )
-from memfit._plan._solve import Sharding, forecast, smallest_budget, solve
+from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload
 from memfit._plan._time import DeviceProfile
 from memfit._plan._time import device_profile as _device_profile
 
@@ -141,6 +141,7 @@ class Plan:
         return [
             head,
             *self._head_line(),
+            *self._offload_line(),
             f"smallest budget any plan fits: {format_bytes(floor)}; keeping every activation: {format_bytes(keep_all)}",
             f"what to change: {self._change(keep_all)}",
             f"time on {self.profile.device or 'the device profile'}{source}: predicted step "
@@ -157,6 +158,16 @@ class Plan:
         if self.head == "chunked":
             return [f"head and loss: chunked (memfit.chunked_cross_entropy), {saved} of logits saved for {cost}"]
         return [f"head and loss: plain (chunking them would save {saved} for {cost})"]
+
+    def _offload_line(self) -> list[str]:
+        if not self.sharding or self.sharding.shards == 1:
+            return []
+        saved, seconds = state_offload(self.profile, self.sharding)
+        return [
+            f"model state in host memory (memfit.shard(offload='cpu'), every unit): would save "
+            f"{format_bytes(saved)} per rank for about {seconds * 1e3:.0f} ms a step (forecast only; not chosen by "
+            "the solver)"
+        ]
 
     def _allowed(self) -> tuple[str, ...]:
         return tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)

@@ -73,6 +73,7 @@ class ModelProfile:
     step_time: float = 0.0  # priced forward, backward and optimizer step, activations kept (s)
     device: str = ""  # the device profile the times are priced on
     device_source: str = ""  # where its rates come from (DeviceProfile.source)
+    offload_bandwidth: float = 0.0  # the device profile's bytes per second to host memory
     head: LMHead | None = None  # the LM head, when it can be chunked
     head_chunked: int | None = None  # T_head with the head and loss chunked
     head_chunked_time: float = 0.0  # seconds chunking adds to a step (the head's matmul again)
@@ -315,6 +316,7 @@ def profile_model(
         head_chunked_time=0.0 if chunked is None else max(0.0, chunked[1] - device.ops_time(whole.costs)),
         device=device.name,
         device_source=device.source,
+        offload_bandwidth=device.offload_bandwidth,
         distinct_blocks=len(seen),
     )
 

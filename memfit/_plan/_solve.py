@@ -92,6 +92,31 @@ def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
     return t
 
 
+# [Note: Model-state offload, forecast only]
+# memfit.shard(unit, offload="cpu") keeps a unit's shards, their gradients and so its optimizer
+# state in host memory; the step gathers the shards onto the device, and sends the reduced
+# gradients back. Per rank and per step, offloading every unit
+#     saves  (parameters + optimizer state) / s + gradients / s   at every moment, and the
+#            optimizer step leaves the device,
+#     costs  (2 x parameters / s + gradients / s) / BW_offload    (shards up for forward and for
+#            backward, gradient shards down) + the optimizer step on the host, 2 x (parameters
+#            + gradients + state) / s / BW_host (read and written once at the "cpu" profile's
+#            memory bandwidth).
+# The planner reports it beside a sharded plan; the solver does not choose it (it chooses the
+# activations' decisions only), and nothing here was measured on an accelerator.
+def state_offload(profile: ModelProfile, sharding: Sharding) -> tuple[float, float]:
+    """Bytes per rank offloading every unit's model state saves, and seconds it adds a step."""
+    from memfit._plan._time import PROFILES
+
+    s = sharding.shards
+    params = profile.param_bytes - profile.buffer_bytes
+    grads = profile.grad_rest_bytes + sum(b.grad_bytes for b in profile.blocks)
+    saved = (params + profile.optimizer_bytes + grads) / s
+    bandwidth = profile.offload_bandwidth or PROFILES["cpu"].offload_bandwidth
+    host = 2 * (params + grads + profile.optimizer_bytes) / s / PROFILES["cpu"].memory_bandwidth
+    return saved, (2 * params + grads) / s / bandwidth + host
+
+
 @dataclass(frozen=True)
 class _Moments:
     """The decision-independent part of every moment of [Note: The planner's memory model],

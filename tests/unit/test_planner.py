@@ -293,3 +293,19 @@ def test_fixed_plan_needs_a_decision_for_every_block():
     assert fixed.budget is None and "fixed strategy (no budget)" in fixed.table()
     assert fixed.predicted_peak == forecast(profile, ["keep", "keep"])["peak"]
     assert "exceeds" not in fixed.compare(fixed.predicted_peak)  # no budget to fit
+
+
+def test_model_state_offload_is_forecast_per_rank():
+    # See [Note: Model-state offload, forecast only]: the formula on the hand-built profile.
+    from memfit.testing import PROFILES, state_offload
+
+    profile = dataclasses.replace(hand_built(), offload_bandwidth=1e6)
+    saved, seconds = state_offload(profile, Sharding(4))
+    grads = G_REST + sum(BLOCK_PARAMS.values())  # every trainable parameter's gradient
+    assert saved == (PARAMS + OPTIMIZER + grads) / 4
+    host = 2 * (PARAMS + grads + OPTIMIZER) / 4 / PROFILES["cpu"].memory_bandwidth
+    assert seconds == pytest.approx((2 * PARAMS + grads) / 4 / 1e6 + host)
+    assert saved == state_offload(profile, Sharding(8, shard_size=4))[0]  # HSDP: the shard group's
+    text = memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile, Sharding(4)).table()
+    assert "model state in host memory (memfit.shard(offload='cpu'), every unit): would save" in text
+    assert "host memory" not in memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile).table()
