@@ -33,7 +33,8 @@ from memfit.memory import MemoryMeter
 # G_after_i / G_rest  the gradients of the blocks after i / of the parameters outside blocks,
 # B_i   the peak of block i's forward and backward on its own (input, what it keeps, recompute,
 #       gradients of its parameters and of its input, its output and the output's gradient),
-# P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries),
+# P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries), plus
+#       L, what the step's forward leaves alive beside them (a mask a model caches, 4 KiB on Llama),
 # and after the blocks' backward, the backward of what comes before them (the embeddings):
 #   backward before the blocks:  S + G_blocks + T_tail
 # T_tail what that backward holds above S and the blocks' gradients: the gradients outside the
@@ -69,6 +70,7 @@ class ModelProfile:
     head_transient: int  # T_head
     optimizer_peak: int  # P_opt
     tail_transient: int = 0  # T_tail: peak of the backward before the blocks, above S and the blocks' gradients
+    leftover: int = 0  # L: what the forward leaves alive after backward beside S and gradients (cached masks)
     buffer_bytes: int = 0  # buffers (replicated on every rank when sharded)
     step_time: float = 0.0  # priced forward, backward and optimizer step, activations kept (s)
     device: str = ""  # the device profile the times are priced on
@@ -309,6 +311,7 @@ def profile_model(
         head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
         optimizer_peak=whole.optimizer_peak,
         tail_transient=max(0, marks["tail_peak"] - state - whole.optimizer_bytes - sum(b.grad_bytes for b in profiles)),
+        leftover=max(0, marks["after_backward"] - state - whole.optimizer_bytes),
         buffer_bytes=buffers,
         step_time=device.ops_time(whole.costs),
         head=head,
@@ -319,6 +322,11 @@ def profile_model(
         offload_bandwidth=device.offload_bandwidth,
         distinct_blocks=len(seen),
     )
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    grads = {id(p.grad): p.grad for p in model.parameters() if p.grad is not None}
+    return sum(g.untyped_storage().nbytes() for g in grads.values())
 
 
 def _has_labels(inputs: Inputs) -> bool:
@@ -391,7 +399,7 @@ def _measure_step(
             if i not in captured:
                 captured[i] = _fresh(args, kwargs)
             if i == 0 and meter_box and "before" not in marks:
-                marks["before"] = meter_box[0].current_bytes
+                marks["before"] = meter_box[0].current_bytes - _tensor_bytes(captured)  # not the copies kept here
                 for t in _outputs_with_grad((args, kwargs)):  # the blocks' backward is over
                     t.register_hook(lambda grad: meter_box[0].reset_peak())
 
@@ -426,7 +434,9 @@ def _measure_step(
         with _Meter(model=model, optimizer=opt) as whole, recorder:
             meter_box.append(whole)
             step_loss(model, example_inputs, loss_fn).backward()
-            marks["tail_peak"] = whole.peak_bytes
+            marks["tail_peak"] = whole.peak_bytes - _tensor_bytes(captured)
+            # S and what outlives backward, but for the copies of the blocks' inputs kept here
+            marks["after_backward"] = whole.current_bytes - _grad_bytes(model) - _tensor_bytes(captured)
     finally:
         for h in handles:
             h.remove()

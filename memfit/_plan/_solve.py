@@ -128,7 +128,7 @@ class _Moments:
     backward: list[float]  # per block i: G_rest + G_after_i + units in flight (+ own gradients when sharded)
     end_of_backward: float  # sharded: the root's gradients reduce-scattered (0 in one process)
     tail: float  # the backward before the blocks (the embeddings'), every block's gradients done
-    optimizer: float  # P_opt
+    optimizer: float  # P_opt + L
 
     @classmethod
     def of(cls, profile: ModelProfile, sharding: Sharding | None) -> _Moments:
@@ -156,7 +156,7 @@ class _Moments:
             backward=backward,
             end_of_backward=end_of_backward,
             tail=tail,
-            optimizer=t["optimizer_peak"],
+            optimizer=t["optimizer_peak"] + profile.leftover,
         )
 
 
