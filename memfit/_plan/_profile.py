@@ -298,7 +298,7 @@ def profile_model(
         state = _state_bytes(skeleton)
         buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
         head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
-        chunked = _chunked_head(skeleton, inputs, blocks, optimizer, head, device) if head else None
+        chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
     marks = whole.marks
     return ModelProfile(
         blocks=profiles,
@@ -316,7 +316,7 @@ def profile_model(
         step_time=device.ops_time(whole.costs),
         head=head,
         head_chunked=None if chunked is None else chunked[0],
-        head_chunked_time=0.0 if chunked is None else max(0.0, chunked[1] - device.ops_time(whole.costs)),
+        head_chunked_time=0.0 if chunked is None else chunked[1],
         device=device.name,
         device_source=device.source,
         offload_bandwidth=device.offload_bandwidth,
@@ -333,16 +333,18 @@ def _has_labels(inputs: Inputs) -> bool:
     return isinstance(inputs, dict) and inputs.get("labels") is not None
 
 
-def _chunked_head(skeleton, inputs, blocks, optimizer, head: LMHead, device: DeviceProfile) -> tuple[int, float]:
-    """T_head and the priced step time of a step with the head chunked (a second step of the
-    skeleton, its head's forward replaced; restored after)."""
+def _chunked_head(skeleton, inputs, blocks, plain: _WholeStep, head: LMHead, device: DeviceProfile):
+    """T_head with the head chunked and the seconds chunking adds to a step: a second forward
+    and backward of the skeleton (no optimizer: it does not change), its head's forward
+    replaced and restored after."""
     chunk_forward(skeleton, head)
     try:
-        step = _measure_step(skeleton, inputs, None, blocks, optimizer)
+        step = _measure_step(skeleton, inputs, None, blocks, None)
     finally:
         unchunk_head(skeleton)
     marks = step.marks
-    return marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"], device.ops_time(step.costs)
+    extra = device.ops_time(step.forward_backward) - device.ops_time(plain.forward_backward)
+    return marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"], max(0.0, extra)
 
 
 # [Note: Planning on fake tensors]
@@ -383,13 +385,15 @@ class _WholeStep:
     optimizer_bytes: int  # the optimizer's state after its first step
     optimizer_peak: int  # P_opt
     costs: list[OpCost]  # every op of the measured step, optimizer step included
+    forward_backward: list[OpCost]  # the ops of its forward and backward
 
 
 def _measure_step(
-    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str
+    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str | None
 ) -> _WholeStep:
     """One step to create the optimizer state, then one under MemoryMeter with hooks that
-    capture each block's inputs and mark the moments the memory model names."""
+    capture each block's inputs and mark the moments the memory model names (``optimizer``
+    None: forward and backward only, no optimizer)."""
     captured: dict[int, tuple] = {}
     marks: dict[str, int] = {}
     meter_box: list[_Meter] = []
@@ -421,14 +425,15 @@ def _measure_step(
 
     handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
-    opt = _make_optimizer(optimizer, model)
+    opt = _make_optimizer(optimizer, model) if optimizer else None
     recorder = CostRecorder()
     try:
-        for p in model.parameters():  # the optimizer's state, as after a first step (fake: no values)
+        for p in model.parameters() if opt else ():  # the optimizer's state, as after a first step (fake)
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         captured.clear()
         marks.clear()
         with _Meter(model=model, optimizer=opt) as whole, recorder:
@@ -440,11 +445,15 @@ def _measure_step(
     finally:
         for h in handles:
             h.remove()
+    forward_backward = list(recorder.costs)
+    if opt is None:  # forward and backward only
+        model.zero_grad(set_to_none=True)
+        return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward)
     with _Meter(model=model, optimizer=opt) as opt_meter, recorder:
         opt.step()
     opt.zero_grad(set_to_none=True)
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs)
+    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs, forward_backward)
 
 
 class _Meter(MemoryMeter):
