@@ -31,12 +31,14 @@ aten = torch.ops.aten
 # flops (both only for ops with flops: small matmuls on a CPU run below F); BW the memory
 # bandwidth, per size of op where calibrated (caches make small ops faster); M the element rate
 # of ops whose arithmetic bounds them (exp, softmax, GELU, sqrt on a CPU: 5-10x slower than
-# their bytes); t_op what an op pays in a training step beside its work (dispatch, autograd,
+# their bytes); on a CPU an output of 32 MiB or more also pays for its fresh pages (malloc maps
+# such blocks anew: a fresh 32 MiB fill took 13.8 ms here, a reused one 0.7 ms); t_op what an
+# op pays in a training step beside its work (dispatch, autograd,
 # module calls, the optimizer's loop), the constant that dominates small ops on a CPU. Views
 # and metadata ops (view, t, transpose, detach) move no bytes and cost t_op; prim ops
 # (prim.device) never reach a kernel and cost nothing. `memfit calibrate` fits F and t_mm to
 # matmuls of several sizes and BW to copies of several sizes (least squares on time = work /
-# rate + constant), times M per op on 1M elements, and t_op on the training step of a tiny
+# rate + constant), times M per op on 4M elements, and t_op on the training step of a tiny
 # model (its work negligible). The extra time of a decision is what it adds to a step:
 #     keep       0
 #     full       sum of t(op) over the block's forward (recomputed in backward)
@@ -68,6 +70,10 @@ class DeviceProfile:
         math_rates: output elements per second of ops whose arithmetic, not their bytes,
             bounds them on this device (exp, softmax, GELU, ... on a CPU), by op name
             ("aten.exp"); measured by `memfit calibrate`. Empty: bytes bound them.
+        fresh_threshold, fresh_bandwidth: an output of ``fresh_threshold`` bytes or more is
+            written to pages the operating system maps on first touch (glibc's malloc maps
+            blocks of 32 MiB and more afresh each time), at ``fresh_bandwidth`` bytes per
+            second on top of its work; a caching allocator (an accelerator's) has no such cost.
     """
 
     name: str
@@ -79,6 +85,8 @@ class DeviceProfile:
     matmul_latency: float = 0.0
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
     math_rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    fresh_threshold: float = 0.0  # outputs of at least this many bytes land in fresh pages (0: none do)
+    fresh_bandwidth: float = 0.0  # bytes per second of touching fresh pages the first time
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON
@@ -93,7 +101,10 @@ class DeviceProfile:
         compute = cost.flops / self.rate(cost.dtype) + self.matmul_latency if cost.flops else 0.0
         if cost.op in self.math_rates:
             compute = max(compute, cost.elements / self.math_rates[cost.op])
-        return max(compute, cost.bytes / self.bandwidth(cost.bytes)) + self.op_overhead
+        fresh = 0.0
+        if self.fresh_bandwidth and self.fresh_threshold and cost.largest_output >= self.fresh_threshold:
+            fresh = cost.largest_output / self.fresh_bandwidth
+        return max(compute, cost.bytes / self.bandwidth(cost.bytes)) + fresh + self.op_overhead
 
     def bandwidth(self, nbytes: float) -> float:
         """Bytes per second of an op moving ``nbytes`` (see ``bandwidth_curve``)."""
@@ -157,6 +168,7 @@ class OpCost:
     bytes: int  # read and written
     dtype: torch.dtype
     elements: int = 0  # of its outputs
+    largest_output: int = 0  # bytes of its largest output
 
 
 def _sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -202,8 +214,10 @@ def op_cost(func, args, kwargs, out) -> OpCost:
     read, dtype = _nbytes(tree_flatten((args, kwargs))[0])
     outs = tree_flatten(out)[0]
     written, out_dtype = _nbytes(outs)
-    elements = sum(t.numel() for t in outs if isinstance(t, torch.Tensor))
-    return OpCost(str(packet), flops, read + written, dtype or out_dtype or torch.float32, elements)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+    elements = sum(t.numel() for t in tensors)
+    largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+    return OpCost(str(packet), flops, read + written, dtype or out_dtype or torch.float32, elements, largest)
 
 
 class CostRecorder(TorchDispatchMode):
@@ -297,6 +311,7 @@ def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time
         matmul_latency=latency,
         bandwidth_curve=curve,
         math_rates=_math_rates(device, timed),
+        **(_fresh_pages(timed) if device.type == "cpu" else {}),
     )
     if save:
         path = _cache_path(device.type)
@@ -307,9 +322,9 @@ def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time
 
 def _math_rates(device: torch.device, timed) -> dict[str, float]:
     """Output elements per second of the ops a CPU computes slower than it streams their bytes
-    (exp and its relatives), on 1M elements; only where slower than a copy of the same bytes."""
+    (exp and its relatives), on 4M elements; only where slower than a copy of the same bytes."""
     aten, f = torch.ops.aten, torch.nn.functional
-    x = torch.randn(256, 4096, device=device)
+    x = torch.randn(1024, 4096, device=device)  # 16 MiB: from memory, as the large ones (logits) are
     # Each backward gets what it gets in a step (its forward's output): speed depends on values.
     y, ly, g = torch.softmax(x, -1), torch.log_softmax(x, -1), torch.randn_like(x)
     ops = {
@@ -333,6 +348,18 @@ def _math_rates(device: torch.device, timed) -> dict[str, float]:
     copy = timed(lambda: out.copy_(x))
     rates = {name: x.numel() / seconds for name, op in ops.items() if (seconds := timed(op, 3)) > copy}
     return rates
+
+
+_FRESH = 32 * 2**20  # glibc's largest mmap threshold (64-bit): blocks this large are mapped afresh
+
+
+def _fresh_pages(timed) -> dict[str, float]:
+    """The first-touch rate of a freshly allocated 64 MiB block (above ``_FRESH``): writing it
+    new each time, less writing it in place."""
+    n = 2 * _FRESH // 4
+    reused = torch.empty(n)
+    extra = timed(lambda: torch.empty(n).fill_(1.0), 3) - timed(lambda: reused.fill_(1.0), 3)
+    return {"fresh_threshold": float(_FRESH), "fresh_bandwidth": 4 * n / extra} if extra > 0 else {}
 
 
 def _op_overhead(device: torch.device, timed) -> float:

@@ -1,5 +1,7 @@
 """The planner's time model on hand-built costs: prices, profiles, determinism."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,6 +53,11 @@ def test_bandwidth_curve_and_math_rates():
     add = OpCost("aten.add", flops=0, bytes=8_000, dtype=torch.float32, elements=1_000)
     assert p.op_time(exp) == pytest.approx(1e-3)  # 1000 elements at 1M/s: arithmetic bound
     assert p.op_time(add) == pytest.approx(8_000 / p.bandwidth(8_000))
+    fresh = memfit.DeviceProfile("f", {"float32": 1e9}, 1e9, 1e8, 0.0, fresh_threshold=1e6, fresh_bandwidth=1e8)
+    big = OpCost("aten.fill_", 0, 2_000_000, torch.float32, elements=500_000, largest_output=2_000_000)
+    small = dataclasses.replace(big, largest_output=999_999)
+    assert fresh.op_time(big) == pytest.approx(2e-3 + 2e-2)  # its bytes, then its fresh pages at 100 MB/s
+    assert fresh.op_time(small) == pytest.approx(2e-3)  # below the threshold: reused memory
     mm = memfit.DeviceProfile("m", {"float32": 1e9}, 1e9, 1e8, 0.0, matmul_latency=1e-5)
     assert mm.op_time(OpCost("aten.mm", 1_000_000, 0, torch.float32)) == pytest.approx(1e-3 + 1e-5)
 
