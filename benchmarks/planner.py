@@ -5,8 +5,10 @@ model-state terms beside DeepSpeed's estimate_zero3_model_states_mem_needs.
 
 Single process (CPU, fp32, AdamW): budgets at 25/50/75% of the way from the all-full plan's
 measured peak to keep-all's; each plan trains a copy for 2 steps and MemoryMeter measures the
-last. Step time: median of 3 steps after 1 warm-up, keep-all and all-full, against the
-forecast priced on this machine's `memfit calibrate` profile. Sharded: keep-all and all-full
+last. Step time: one thread, process CPU time (so that other processes on a shared machine
+count less), median of 5 steps after 1 warm-up, keep-all and all-full, against the forecast
+priced on `memfit calibrate`'s profile measured in the same run the same way (cpu_time=True),
+just before each model; the load average is reported. Sharded: keep-all and all-full
 on W = 2 and 4 gloo ranks (memfit.FullyShardedDataParallel, each layer a unit), the largest
 per-rank peak of the second step.
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import resource
 import statistics
 import time
@@ -43,19 +46,46 @@ def batch_of(preset: Preset, seed: int = 0) -> dict:
     return (mlm_batch if preset.arch == "bert" else lm_batch)(preset.shape, seed=seed)
 
 
-def step_time(model, batch, plan, steps: int = 3) -> float:
+def step_time(model, batch, plan, steps: int = 5) -> float:
+    """Median process CPU seconds of a step (one thread: see the module's docstring)."""
     m = plan.apply(copy.deepcopy(model))
     m.train()
     opt = torch.optim.AdamW(m.parameters())
     times = []
     for i in range(steps + 1):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         m(**batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i:
-            times.append(time.perf_counter() - t0)
+            times.append(time.process_time() - t0)
     return statistics.median(times)
+
+
+def priced_against_measured(name: str, model, batch, profile, paths) -> str:
+    """Calibrate (CPU time, one thread) and measure keep-all and all-full steps, back to back."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        device = calibrate("cpu", save=False, cpu_time=True)
+        plans = {k: memfit.Plan.fixed(dict.fromkeys(paths, k), profile) for k in ("keep", "full")}
+        load = os.getloadavg()[0]
+        measured = {k: step_time(model, batch, p) for k, p in plans.items()}
+        # The same profile's blocks and step, priced on this run's calibration.
+        repriced = memfit.plan(model, batch, budget="1TB", device_profile=device)
+        predicted = {k: memfit.Plan.fixed(dict.fromkeys(paths, k), repriced.profile).predicted_step_time for k in plans}
+    finally:
+        torch.set_num_threads(threads)
+    parts = [
+        f"{k} all predicted {predicted[k] * 1e3:.1f} ms, measured {measured[k] * 1e3:.1f} ms "
+        f"({predicted[k] / measured[k] - 1:+.0%})"
+        for k in ("keep", "full")
+    ]
+    return (
+        f"Step time (one thread, CPU time; calibrated in this run: {device.flops['float32'] / 1e9:.0f} GFLOP/s "
+        f"fp32, {device.memory_bandwidth / 1e9:.0f} GB/s from memory, {device.op_overhead * 1e6:.1f} us per op; "
+        f"load average {load:.1f}): {'; '.join(parts)}."
+    )
 
 
 def single(name: str, preset: Preset, device, log) -> list[str]:
@@ -69,12 +99,15 @@ def single(name: str, preset: Preset, device, log) -> list[str]:
     full = memfit.Plan.fixed(dict.fromkeys(paths, "full"), profile)
     keep_peak, full_peak = keep.measure(model, batch), full.measure(model, batch)
     rows = [("keep all", keep, keep_peak, None), ("full all", full, full_peak, None)]
+    if profile.head_chunked is not None:  # the head and loss chunked too (memfit.chunked_cross_entropy)
+        chunked = memfit.Plan.fixed(dict.fromkeys(paths, "full"), profile, head="chunked")
+        rows.append(("full all + chunked head", chunked, chunked.measure(model, batch), None))
     for f in (0.25, 0.5, 0.75):
         budget = int(full_peak + f * (keep_peak - full_peak))
         p = memfit.plan(model, batch, budget=budget, profile=profile, device_profile=device)
         rows.append((f"plan @{int(f * 100)}%", p, p.measure(model, batch), budget))
     log(f"{name}: planned in {seconds:.1f}s, measured peaks")
-    t_keep, t_full = step_time(model, batch, keep), step_time(model, batch, full)
+    timing = priced_against_measured(name, model, batch, profile, paths)
     lines = [
         f"### {name}",
         "",
@@ -86,20 +119,14 @@ def single(name: str, preset: Preset, device, log) -> list[str]:
     ]
     for label, p, measured, budget in rows:
         counts = "/".join(str(list(p.decisions.values()).count(d)) for d in ("keep", "selective", "full", "offload"))
+        counts += " + chunked head" if p.head == "chunked" else ""
         fits = "-" if budget is None else ("yes" if measured <= budget else "NO")
         b = f"{budget / MIB:.2f}" if budget else "-"
         lines.append(
             f"| {label} | {counts} | {b} | {p.predicted_peak / MIB:.2f} | {measured / MIB:.2f} | "
             f"{p.predicted_peak / measured - 1:+.1%} | {fits} |"
         )
-    lines += [
-        "",
-        f"Step time on {profile.device}: keep all predicted {keep.predicted_step_time * 1e3:.0f} ms, measured "
-        f"{t_keep * 1e3:.0f} ms ({keep.predicted_step_time / t_keep - 1:+.0%}); full all predicted "
-        f"{full.predicted_step_time * 1e3:.0f} ms, measured {t_full * 1e3:.0f} ms "
-        f"({full.predicted_step_time / t_full - 1:+.0%}).",
-        "",
-    ]
+    lines += ["", timing, ""]
     return lines
 
 
@@ -180,7 +207,7 @@ def real_sizes(log) -> list[str]:
         cpu, wall = time.process_time() - c0, time.perf_counter() - w0
         floor = smallest_budget(profile, sharding)
         t = memfit.testing.terms(profile, sharding)
-        ours = t["state"] + t["gather_buffers"]
+        ours = t["state"] + t["gather_buffers"] + t["unit_buffers"]
         ds, _ = deepspeed_zero3_gpu_bytes(model, world)
         log(f"{name}: {cpu:.1f} s CPU")
         lines.append(
@@ -218,15 +245,14 @@ def main() -> None:
     p.add_argument("--skip-sharded", action="store_true")
     args = p.parse_args()
     log = progress_log()
-    device = calibrate("cpu", save=False)
+    device = "cpu"  # memory forecasts do not depend on it; step times are priced per model below
     lines = [
         "# The planner, measured",
         "",
         command("planner.py"),
         "",
         f"torch {torch.__version__}, {torch.get_num_threads()} threads. Shapes {Shape(**SMALL)} with the vocabulary "
-        f"named. This machine calibrated in this run: {device.flops['float32'] / 1e9:.1f} GFLOP/s fp32, "
-        f"{device.memory_bandwidth / 1e9:.2f} GB/s, {device.op_overhead * 1e6:.1f} us per op.",
+        f"named. Load average at the start (1, 5, 15 min): {', '.join(f'{x:.1f}' for x in os.getloadavg())}.",
         "",
         "## One process",
         "",

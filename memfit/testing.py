@@ -16,8 +16,8 @@ from torch import nn
 from memfit._checkpoint import _offload
 from memfit._checkpoint._function import _Frame, _Holder
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
-from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, terms
-from memfit._plan._time import PROFILES, OpCost, calibrate, device_profile
+from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, terms
+from memfit._plan._time import PROFILES, CostRecorder, OpCost, calibrate, device_profile
 from memfit._plan._validate import measured_sharded_peak
 from memfit._shard import _checkpoint_files
 from memfit._shard._collectives import STATS, CommStats
@@ -31,6 +31,7 @@ __all__ = [
     "NORM_LAYERS",
     "PROFILES",
     "BlockProfile",
+    "CostRecorder",
     "ModelProfile",
     "OpCost",
     "ShardedParam",
@@ -49,6 +50,7 @@ __all__ = [
     "sharded_units",
     "smallest_budget",
     "solve",
+    "state_offload",
     "terms",
 ]
 # The planner's pieces, for tests that build a profile by hand: DECISIONS (the decision kinds),

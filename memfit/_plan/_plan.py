@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ from torch import nn
 
 import memfit
 from memfit._plan._budget import format_bytes, parse_bytes
+from memfit._plan._head import chunk_head
 from memfit._plan._profile import (
     DECISIONS,
     Inputs,
@@ -20,18 +22,20 @@ from memfit._plan._profile import (
     profile_model,
     step_loss,
 )
-from memfit._plan._solve import Sharding, forecast, smallest_budget, solve
+from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload
 from memfit._plan._time import DeviceProfile
 from memfit._plan._time import device_profile as _device_profile
 
 _TERMS = {
-    "state": "parameters and optimizer state (sharded: 1/W each), buffers (whole on every rank)",
+    "state": "parameters and optimizer state (sharded: 1/shards each), buffers (whole on every rank)",
     "before_blocks": "the batch and what the embeddings keep for backward",
-    "grad_rest": "gradients of the parameters outside the blocks (sharded: 1/W)",
+    "grad_rest": "gradients of the parameters outside the blocks (sharded: 1/shards)",
     "last_output": "the last block's output",
     "head_transient": "the head, the loss and their backward (logits and their gradient)",
-    "optimizer_peak": "the optimizer step's peak: parameters, gradients, state, temporaries (1/W)",
-    "gather_buffers": "sharded: two blocks' full parameters in flight, the root's parameters from forward to backward",
+    "optimizer_peak": "the optimizer step's peak: parameters, gradients, state, temporaries (1/shards)",
+    "tail_transient": "the backward before the blocks (embeddings): gradients outside the blocks, temporaries",
+    "gather_buffers": "sharded: the root's full parameters (outside the blocks), from forward to backward",
+    "unit_buffers": "sharded, in backward: two blocks' full parameters (the one computing, the one prefetched)",
     "kept_activations": "what the blocks keep for backward under their decisions",
 }
 
@@ -53,19 +57,24 @@ class Plan:
     rule: str = "linear"
     offload: memfit.Offload | None = None
     solve_seconds: float = 0.0
+    head: str = "plain"  # the LM head and loss: "plain" or "chunked" (see [Note: The head as a decision])
     forecast: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.forecast = forecast(self.profile, list(self.decisions.values()), self.sharding)
+        if self.head not in ("plain", "chunked") or (self.head == "chunked" and self.profile.head_chunked is None):
+            raise ValueError(f"memfit.Plan: head {self.head!r}: 'plain', or 'chunked' for a profile with an LM head")
+        self.forecast = _forecast(self.profile, list(self.decisions.values()), self.sharding, self.head)
 
     @classmethod
-    def fixed(cls, decisions: dict[str, str], profile: ModelProfile, sharding: Sharding | None = None) -> Plan:
+    def fixed(
+        cls, decisions: dict[str, str], profile: ModelProfile, sharding: Sharding | None = None, *, head: str = "plain"
+    ) -> Plan:
         """A strategy chosen by hand, not solved for a budget: ``decisions`` maps every block of
         ``profile`` to a kind. Its forecast, ``apply`` and ``measure`` work as for a solved plan."""
         missing = [b.path for b in profile.blocks if b.path not in decisions]
         if missing:
             raise ValueError(f"memfit.Plan.fixed: no decision for blocks {missing}")
-        return cls(budget=None, decisions=dict(decisions), profile=profile, sharding=sharding)
+        return cls(budget=None, decisions=dict(decisions), profile=profile, sharding=sharding, head=head)
 
     @property
     def predicted_peak(self) -> int:
@@ -82,9 +91,12 @@ class Plan:
         return self.forecast["step_time"]
 
     def apply(self, model: nn.Module) -> nn.Module:
-        """Checkpoint ``model``'s blocks in place as decided (blocks to keep are left plain)."""
+        """Checkpoint ``model``'s blocks in place as decided (blocks to keep are left plain); with
+        a chunked head, ``model(**batch)`` computes its loss chunked and returns only ``.loss``."""
         for path, kind in self.decisions.items():
             self.decision(kind).apply(model.get_submodule(path), name=path)
+        if self.head == "chunked":
+            chunk_head(model, self.profile.head)
         return model
 
     def decision(self, kind: str) -> memfit.Decision:
@@ -113,12 +125,10 @@ class Plan:
         return "\n".join([*lines, "", *self._verdict(), *self._terms()])
 
     def _verdict(self) -> list[str]:
-        f, w = self.forecast, self.sharding.world_size if self.sharding else 1
-        floor = smallest_budget(
-            self.profile, self.sharding, tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)
-        )
-        keep_all = forecast(self.profile, ["keep"] * len(self.profile.blocks), self.sharding)["peak"]
-        where = f"per rank (world size {w})" if w > 1 else "in one process"
+        f, shard = self.forecast, self.sharding
+        floor = min(smallest_budget(p, shard, self._allowed()) for p in _head_variants(self.profile, None).values())
+        keep_all = _forecast(self.profile, ["keep"] * len(self.profile.blocks), shard, self.head)["peak"]
+        where = f"per rank ({shard.describe()})" if shard and shard.world_size > 1 else "in one process"
         if self.budget is None:
             head = f"fixed strategy (no budget): predicted peak {format_bytes(f['peak'])} {where} at {f['at']}"
         else:
@@ -127,19 +137,52 @@ class Plan:
                 f"budget {format_bytes(self.budget)} {where}: {verdict}, predicted peak {format_bytes(f['peak'])} "
                 f"at {f['at']} ({format_bytes(self.budget - f['peak'])} to spare)"
             )
-        change = (
-            "nothing: every activation is kept"
-            if f["peak"] >= keep_all and self.budget is not None and keep_all <= self.budget
-            else f"{format_bytes(keep_all - f['peak'])} more per rank keeps every activation (no recompute)"
-        )
+        source = f" ({self.profile.device_source})" if self.profile.device_source else ""
         return [
             head,
+            *self._head_line(),
+            *self._offload_line(),
             f"smallest budget any plan fits: {format_bytes(floor)}; keeping every activation: {format_bytes(keep_all)}",
-            f"what to change: {change}",
-            f"time on {self.profile.device or 'the device profile'}: predicted step {f['step_time'] * 1e3:.1f} ms, "
-            f"of which recompute and offload {f['extra_time'] * 1e3:.1f} ms "
+            f"what to change: {self._change(keep_all)}",
+            f"time on {self.profile.device or 'the device profile'}{source}: predicted step "
+            f"{f['step_time'] * 1e3:.1f} ms, of which recompute and offload {f['extra_time'] * 1e3:.1f} ms "
             f"(solved in {self.solve_seconds * 1e3:.0f} ms)",
         ]
+
+    def _head_line(self) -> list[str]:
+        p = self.profile
+        if p.head_chunked is None:
+            return []
+        saved = format_bytes(p.head_transient - p.head_chunked)
+        cost = f"{p.head_chunked_time * 1e3:.1f} ms"
+        if self.head == "chunked":
+            return [f"head and loss: chunked (memfit.chunked_cross_entropy), {saved} of logits saved for {cost}"]
+        return [f"head and loss: plain (chunking them would save {saved} for {cost})"]
+
+    def _offload_line(self) -> list[str]:
+        if not self.sharding or self.sharding.shards == 1:
+            return []
+        saved, seconds = state_offload(self.profile, self.sharding)
+        return [
+            f"model state in host memory (memfit.shard(offload='cpu'), every unit): would save "
+            f"{format_bytes(saved)} per rank for about {seconds * 1e3:.0f} ms a step (forecast only; not chosen by "
+            "the solver)"
+        ]
+
+    def _allowed(self) -> tuple[str, ...]:
+        return tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)
+
+    def _change(self, keep_all: float) -> str:
+        """What would let every activation be kept: more memory (per rank when sharded), or
+        sharding over more ranks when that alone would do it."""
+        if self.budget is not None and keep_all <= self.budget:
+            return "nothing: every activation is kept (no recompute)"
+        shard = self.sharding if self.sharding and self.sharding.world_size > 1 else None
+        more = format_bytes(keep_all - (self.budget if self.budget is not None else self.forecast["peak"]))
+        text = f"{more} more {'per rank' if shard else 'memory'} keeps every activation (no recompute)"
+        if self.budget is not None and (wider := _wider_sharding(self.profile, shard, self.budget)):
+            text += f", or {wider.describe()} ({_shard_advice(shard, wider)}) keeps them within the budget"
+        return text
 
     def _terms(self) -> list[str]:
         f = self.forecast
@@ -152,11 +195,14 @@ class Plan:
         return {
             "budget": self.budget,
             "world_size": self.sharding.world_size if self.sharding else 1,
+            "shard_size": self.sharding.shards if self.sharding else 1,
             "decisions": dict(self.decisions),
             "predicted_peak": self.predicted_peak,
             "predicted_overhead_s": self.predicted_overhead,
             "predicted_step_time_s": self.predicted_step_time,
+            "head": self.head,
             "device_profile": self.profile.device,
+            "device_profile_source": self.profile.device_source,
             "peak_at": self.forecast["at"],
             "terms": {k.removeprefix("term:"): v for k, v in self.forecast.items() if k.startswith("term:")},
             "kept_activations": self.forecast["kept_activations"],
@@ -218,6 +264,7 @@ def plan(
     budget: int | float | str,
     loss_fn: Callable | None = None,
     world_size: int = 1,
+    shard_size: int | None = None,
     sharding: bool | None = None,
     optimizer: str = "adamw",
     candidates: list[str] | None = None,
@@ -225,16 +272,15 @@ def plan(
     profile: ModelProfile | None = None,
     device_profile: str | DeviceProfile | None = None,
     offload: str | memfit.Offload | None = None,
+    chunk_head: bool | None = None,
 ) -> Plan:
     """Profile ``model``'s blocks on ``example_inputs`` and choose, per block, keep / selective
     / full checkpoint / offload so the step's predicted peak fits ``budget`` at the least
     predicted extra time. The forecast is a sum of named terms (parameters, buffers and
     optimizer state; what exists before the blocks; kept activations; the head and loss; the
-    gradients; the optimizer step), each counted on the batch; ``Plan.table()`` shows them.
-    Nothing runs on real memory: the step runs on fake tensors (bytes from shapes; see
-    [Note: Planning on fake tensors]), and times are priced from operation counts on a device
-    profile (see [Note: The planner's time model]), so the same model, batch and budget give
-    the same plan.
+    gradients; the optimizer step); ``Plan.table()`` shows them. The step runs on fake tensors
+    ([Note: Planning on fake tensors]) and times are priced from operation counts ([Note: The
+    planner's time model]): the same model, batch and budget give the same plan.
 
     Args:
         model: not modified; it may be on the meta device (profiling works on a skeleton of
@@ -242,23 +288,24 @@ def plan(
         example_inputs: one batch: a dict (keyword arguments), a tuple or list (positional
             arguments) or a tensor (the one argument).
         loss_fn: ``loss_fn(output) -> scalar loss``; by default the output's ``.loss`` (or
-            ``["loss"]``), or the output itself when it is a scalar. A model that returns
-            neither needs ``loss_fn`` (ValueError otherwise).
+            ``["loss"]``), or the output itself when a scalar (else ValueError).
         budget: bytes, or a string such as ``"6GB"``, ``"3.5GiB"``, ``"800MB"``.
         world_size, sharding: forecast per rank for a model sharded over ``world_size`` ranks
-            (sharding defaults to ``world_size > 1``). The sharded terms are arithmetic on the
-            single-process profile; measured sharded steps at W = 2 and 4 were within -1.2% to
-            +3.9% of them (tests/distributed/test_plan_sharded.py).
+            (sharding defaults to ``world_size > 1``; see [Note: Sharded forecasts]).
+        shard_size: hybrid sharding (HSDP): sharded over groups of this many ranks, replicated
+            ``world_size // shard_size`` times (default: all ranks).
         optimizer: "adamw", "adam" or "sgd" (its state and step are measured).
-        candidates: module paths of the blocks to decide for (default: the layers, i.e. the
-            children of the longest list of same-class modules). Everything else is measured
-            as a whole (embeddings before the blocks, head and loss after).
+        candidates: module paths of the blocks to decide for (default: the layers, the
+            longest runs of same-class modules). The rest is measured as a whole.
         decisions: the decisions allowed.
         profile: a profile from an earlier call (``plan.profile``), to re-plan without measuring.
-        device_profile: what extra time is priced on: a name ("h100", "h200", "a100", "cpu"),
-            "calibrated" (this machine, measured once by ``memfit calibrate`` and cached), a
-            :class:`memfit.DeviceProfile`, or None: the cached calibration if there is one,
-            else the fixed "cpu" profile.
+        device_profile: what time is priced on: "h100", "h200", "a100", "cpu", "calibrated"
+            (this machine, by ``memfit calibrate``, cached) or a :class:`memfit.DeviceProfile`;
+            None: the named one of the model's device ("cpu" for the meta device; never the
+            cache: see [Note: The default device profile]).
+        chunk_head: chunk a transformers LM's head and loss (memfit.chunked_cross_entropy;
+            labels= given, no loss_fn): None when that fits at less extra time, True always,
+            False never. See [Note: The head as a decision].
         offload: where "offload" puts a block's input: "cpu" (host memory; the default for a
             model planned for an accelerator), "disk" (the default on a CPU, where host memory
             is the memory being saved) or a :class:`memfit.Offload`.
@@ -269,33 +316,92 @@ def plan(
     budget_bytes = parse_bytes(budget)
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
-    shard = Sharding(world_size) if (sharding if sharding is not None else world_size > 1) else None
+    shard = Sharding(world_size, shard_size) if (sharding if sharding is not None else world_size > 1) else None
     device = _device_profile(device_profile, _device_type(model))
     opts = {"decisions": decisions, "device": device}
     if profile is None:
         blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else find_candidates(model)
+        opts["chunk_head"] = chunk_head is not False
         profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer, **opts)
     if missing := sorted({d for b in profile.blocks for d in decisions if d not in b.kept}):
         raise ValueError(f"memfit.plan: the profile given has no measurements for {missing}; profile again")
     offload = offload or ("disk" if device.name in ("cpu", "calibrated-cpu") else "cpu")
     t0 = time.perf_counter()
-    chosen = solve(profile, budget_bytes, shard, decisions)
-    seconds = time.perf_counter() - t0
-    if chosen is None:
-        raise _no_fit(profile, budget_bytes, shard, decisions)
+    head, chosen = _solve_with_heads(profile, budget_bytes, shard, decisions, chunk_head)
     return Plan(
         budget=budget_bytes,
         decisions={b.path: d for b, d in zip(profile.blocks, chosen)},
         profile=profile,
         sharding=shard,
         offload=memfit.Offload(offload) if isinstance(offload, str) else offload,
-        solve_seconds=seconds,
+        solve_seconds=time.perf_counter() - t0,
+        head=head,
     )
+
+
+def _solve_with_heads(
+    profile: ModelProfile, budget: int, shard: Sharding | None, decisions, chunk_head: bool | None
+) -> tuple[str, list[str]]:
+    """The head and block decisions of least extra time that fit, over the heads allowed."""
+    if chunk_head and profile.head_chunked is None:
+        raise ValueError(
+            "memfit.plan: chunk_head=True needs a transformers masked or causal LM called with labels= and no loss_fn"
+        )
+    best = None  # (extra seconds, head, decisions)
+    for head, variant in _head_variants(profile, chunk_head).items():
+        chosen = solve(variant, budget, shard, decisions)
+        if chosen is not None:
+            extra = forecast(variant, chosen, shard)["extra_time"]
+            extra += profile.head_chunked_time if head == "chunked" else 0.0
+            best = min(best, (extra, head, chosen)) if best else (extra, head, chosen)
+    if best is None:
+        least = min(_head_variants(profile, chunk_head).values(), key=lambda p: p.head_transient)
+        raise _no_fit(least, budget, shard, decisions)
+    return best[1], best[2]
+
+
+def _head_variants(profile: ModelProfile, chunk_head: bool | None) -> dict[str, ModelProfile]:
+    """The profile as each head allowed makes it: the chunked one with T_head chunked."""
+    out = {} if chunk_head else {"plain": profile}
+    if chunk_head is not False and profile.head_chunked is not None:
+        out["chunked"] = dataclasses.replace(profile, head_transient=profile.head_chunked)
+    return out
+
+
+def _forecast(profile: ModelProfile, decisions: list[str], shard: Sharding | None, head: str) -> dict[str, float]:
+    """``forecast`` with the head as decided: chunked, T_head chunked and its extra time added."""
+    if head == "plain":
+        return forecast(profile, decisions, shard)
+    f = forecast(_head_variants(profile, True)["chunked"], decisions, shard)
+    f["extra_time"] += profile.head_chunked_time
+    f["step_time"] += profile.head_chunked_time
+    return f
 
 
 def _device_type(model: nn.Module) -> str:
     first = next(iter(model.parameters()), None)
-    return "cpu" if first is None or first.device.type == "meta" else first.device.type
+    return "cpu" if first is None or first.device.type == "meta" else str(first.device)
+
+
+def _wider_sharding(profile: ModelProfile, shard: Sharding | None, budget: int) -> Sharding | None:
+    """The narrowest sharding up to 64x wider (more ranks; under HSDP a larger shard group on
+    the same ranks) whose keep-everything forecast fits ``budget``, if there is one."""
+    keep = ["keep"] * len(profile.blocks)
+    if shard is not None and shard.shards < shard.world_size:
+        sizes = [s for s in range(shard.shards + 1, shard.world_size + 1) if shard.world_size % s == 0]
+        options = [Sharding(shard.world_size, s) for s in sizes]
+    else:
+        w = shard.world_size if shard else 1
+        options = [Sharding(w * 2**k) for k in range(1, 7)]
+    return next((o for o in options if forecast(profile, keep, o)["peak"] <= budget), None)
+
+
+def _shard_advice(shard: Sharding | None, wider: Sharding) -> str:
+    if shard is None:
+        return "memfit.shard over that many processes"
+    if wider.world_size == shard.world_size:
+        return "a larger shard group on the same ranks"
+    return "more ranks"
 
 
 def _no_fit(profile: ModelProfile, budget_bytes: int, shard: Sharding | None, decisions) -> PlanError:
@@ -306,5 +412,13 @@ def _no_fit(profile: ModelProfile, budget_bytes: int, shard: Sharding | None, de
         f"{format_bytes(floor)}; keeping every activation needs {format_bytes(least['peak'])}. What no "
         f"decision reduces: parameters, buffers and optimizer state {format_bytes(profile.state_bytes)}, "
         f"optimizer step peak {format_bytes(profile.optimizer_peak)}, head and loss "
-        f"{format_bytes(profile.head_transient)}. Shard over more ranks, or use a smaller batch."
+        f"{format_bytes(profile.head_transient)}. {_no_fit_advice(shard)}"
     )
+
+
+def _no_fit_advice(shard: Sharding | None) -> str:
+    if shard is None or shard.world_size == 1:
+        return "Use a smaller batch, or shard the model over several processes (memfit.shard; plan with world_size=N)."
+    if shard.shards < shard.world_size:
+        return "Use a smaller batch per rank, a larger shard_size, or more ranks."
+    return "Use a smaller batch per rank, or shard over more ranks."

@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 import memfit
 from memfit._checkpoint._decision import KINDS as DECISIONS
+from memfit._plan._head import LMHead, find_head, unchunk_head
+from memfit._plan._head import chunk_head as chunk_forward
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost, device_profile
 from memfit.memory import MemoryMeter
 
@@ -31,7 +33,12 @@ from memfit.memory import MemoryMeter
 # G_after_i / G_rest  the gradients of the blocks after i / of the parameters outside blocks,
 # B_i   the peak of block i's forward and backward on its own (input, what it keeps, recompute,
 #       gradients of its parameters and of its input, its output and the output's gradient),
-# P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries).
+# P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries), plus
+#       L, what the step's forward leaves alive beside them (a mask a model caches, 4 KiB on Llama),
+# and after the blocks' backward, the backward of what comes before them (the embeddings):
+#   backward before the blocks:  S + G_blocks + T_tail
+# T_tail what that backward holds above S and the blocks' gradients: the gradients outside the
+#       blocks and its temporaries (a tied embedding's gradient is summed: three copies at once).
 # Every term is measured with MemoryMeter on the example batch, per block and per decision, on
 # fake tensors (see [Note: Planning on fake tensors]).
 
@@ -62,9 +69,16 @@ class ModelProfile:
     last_output: int  # y_last
     head_transient: int  # T_head
     optimizer_peak: int  # P_opt
+    tail_transient: int = 0  # T_tail: peak of the backward before the blocks, above S and the blocks' gradients
+    leftover: int = 0  # L: what the forward leaves alive after backward beside S and gradients (cached masks)
     buffer_bytes: int = 0  # buffers (replicated on every rank when sharded)
     step_time: float = 0.0  # priced forward, backward and optimizer step, activations kept (s)
     device: str = ""  # the device profile the times are priced on
+    device_source: str = ""  # where its rates come from (DeviceProfile.source)
+    offload_bandwidth: float = 0.0  # the device profile's bytes per second to host memory
+    head: LMHead | None = None  # the LM head, when it can be chunked
+    head_chunked: int | None = None  # T_head with the head and loss chunked
+    head_chunked_time: float = 0.0  # seconds chunking adds to a step (the head's matmul again)
     distinct_blocks: int = 0  # blocks profiled (identical ones once)
 
 
@@ -250,9 +264,11 @@ def profile_model(
     offload: memfit.Offload | None = None,
     decisions: tuple[str, ...] = DECISIONS,
     device: DeviceProfile | None = None,
+    chunk_head: bool = True,
 ) -> ModelProfile:
     """Every term of the planner's memory model for ``model`` on the batch, and the priced
-    work of a step. See [Note: Planning on fake tensors]."""
+    work of a step; with ``chunk_head`` and an LM head, the head's terms chunked as well (see
+    [Note: The head as a decision]). See [Note: Planning on fake tensors]."""
     device = device or device_profile(None)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(iter(model.parameters()), None)
@@ -281,6 +297,8 @@ def profile_model(
         )
         state = _state_bytes(skeleton)
         buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
+        head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
+        chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
     marks = whole.marks
     return ModelProfile(
         blocks=profiles,
@@ -292,11 +310,41 @@ def profile_model(
         last_output=marks["last_output"],
         head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
         optimizer_peak=whole.optimizer_peak,
+        tail_transient=max(0, marks["tail_peak"] - state - whole.optimizer_bytes - sum(b.grad_bytes for b in profiles)),
+        leftover=max(0, marks["after_backward"] - state - whole.optimizer_bytes),
         buffer_bytes=buffers,
         step_time=device.ops_time(whole.costs),
+        head=head,
+        head_chunked=None if chunked is None else chunked[0],
+        head_chunked_time=0.0 if chunked is None else chunked[1],
         device=device.name,
+        device_source=device.source,
+        offload_bandwidth=device.offload_bandwidth,
         distinct_blocks=len(seen),
     )
+
+
+def _grad_bytes(model: nn.Module) -> int:
+    grads = {id(p.grad): p.grad for p in model.parameters() if p.grad is not None}
+    return sum(g.untyped_storage().nbytes() for g in grads.values())
+
+
+def _has_labels(inputs: Inputs) -> bool:
+    return isinstance(inputs, dict) and inputs.get("labels") is not None
+
+
+def _chunked_head(skeleton, inputs, blocks, plain: _WholeStep, head: LMHead, device: DeviceProfile):
+    """T_head with the head chunked and the seconds chunking adds to a step: a second forward
+    and backward of the skeleton (no optimizer: it does not change), its head's forward
+    replaced and restored after."""
+    chunk_forward(skeleton, head)
+    try:
+        step = _measure_step(skeleton, inputs, None, blocks, None)
+    finally:
+        unchunk_head(skeleton)
+    marks = step.marks
+    extra = device.ops_time(step.forward_backward) - device.ops_time(plain.forward_backward)
+    return marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"], max(0.0, extra)
 
 
 # [Note: Planning on fake tensors]
@@ -337,13 +385,15 @@ class _WholeStep:
     optimizer_bytes: int  # the optimizer's state after its first step
     optimizer_peak: int  # P_opt
     costs: list[OpCost]  # every op of the measured step, optimizer step included
+    forward_backward: list[OpCost]  # the ops of its forward and backward
 
 
 def _measure_step(
-    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str
+    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str | None
 ) -> _WholeStep:
     """One step to create the optimizer state, then one under MemoryMeter with hooks that
-    capture each block's inputs and mark the moments the memory model names."""
+    capture each block's inputs and mark the moments the memory model names (``optimizer``
+    None: forward and backward only, no optimizer)."""
     captured: dict[int, tuple] = {}
     marks: dict[str, int] = {}
     meter_box: list[_Meter] = []
@@ -353,7 +403,9 @@ def _measure_step(
             if i not in captured:
                 captured[i] = _fresh(args, kwargs)
             if i == 0 and meter_box and "before" not in marks:
-                marks["before"] = meter_box[0].current_bytes
+                marks["before"] = meter_box[0].current_bytes - _tensor_bytes(captured)  # not the copies kept here
+                for t in _outputs_with_grad((args, kwargs)):  # the blocks' backward is over
+                    t.register_hook(lambda grad: meter_box[0].reset_peak())
 
         return hook
 
@@ -373,27 +425,35 @@ def _measure_step(
 
     handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
-    opt = _make_optimizer(optimizer, model)
+    opt = _make_optimizer(optimizer, model) if optimizer else None
     recorder = CostRecorder()
     try:
-        for p in model.parameters():  # the optimizer's state, as after a first step (fake: no values)
+        for p in model.parameters() if opt else ():  # the optimizer's state, as after a first step (fake)
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        if opt:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
         captured.clear()
         marks.clear()
         with _Meter(model=model, optimizer=opt) as whole, recorder:
             meter_box.append(whole)
             step_loss(model, example_inputs, loss_fn).backward()
+            marks["tail_peak"] = whole.peak_bytes - _tensor_bytes(captured)
+            # S and what outlives backward, but for the copies of the blocks' inputs kept here
+            marks["after_backward"] = whole.current_bytes - _grad_bytes(model) - _tensor_bytes(captured)
     finally:
         for h in handles:
             h.remove()
+    forward_backward = list(recorder.costs)
+    if opt is None:  # forward and backward only
+        model.zero_grad(set_to_none=True)
+        return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward)
     with _Meter(model=model, optimizer=opt) as opt_meter, recorder:
         opt.step()
     opt.zero_grad(set_to_none=True)
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs)
+    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs, forward_backward)
 
 
 class _Meter(MemoryMeter):

@@ -13,37 +13,108 @@ BINS = 8192
 
 @dataclass(frozen=True)
 class Sharding:
-    """Per-rank accounting when the model is sharded over ``world_size`` ranks."""
+    """Per-rank accounting when the model is sharded: over all ``world_size`` ranks (fully
+    sharded, ZeRO-3), or over groups of ``shard_size`` ranks replicated ``world_size //
+    shard_size`` times (hybrid sharding, HSDP). See [Note: Sharded forecasts]."""
 
     world_size: int
+    shard_size: int | None = None  # ranks a unit is sharded over; None: world_size
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"memfit.plan: world_size must be >= 1, got {self.world_size}")
+        s = self.shard_size
+        if s is not None and (s < 1 or s > self.world_size or self.world_size % s):
+            raise ValueError(
+                f"memfit.plan: shard_size {s} must divide world_size {self.world_size} (hybrid sharding: "
+                f"{self.world_size} ranks as replicas x shard groups); pass a divisor of {self.world_size}"
+            )
+
+    @property
+    def shards(self) -> int:
+        """Ranks the model state is divided over."""
+        return self.shard_size or self.world_size
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.shards
+
+    def describe(self) -> str:
+        if self.shards == self.world_size:
+            return f"world size {self.world_size}"
+        return f"world size {self.world_size}: {self.replicas} replicas x {self.shards} shards"
+
+
+# [Note: Sharded forecasts]
+# Sharded over s ranks (s = world_size when fully sharded, shard_size under HSDP), a rank holds
+# 1/s of the parameters, gradients and optimizer state; buffers are whole on every rank. Under
+# HSDP the gradients are reduce-scattered in the shard group and the 1/s shard is then
+# all-reduced across the replicas in place: nothing else stays alive, so per-rank memory
+# depends on s only (the replicas change traffic, not bytes). A unit's full parameters are a
+# buffer of its own beside the shard, the whole unit, not (1 - 1/s) of it (that under-forecast a
+# 32k-vocabulary Llama by 12%), and they exist at different moments:
+#   gather_buffers  the root's full parameters (everything outside the blocks): gathered when
+#                   forward starts, kept until its backward ends -- every forward and backward
+#                   moment;
+#   unit_buffers    two blocks in full, the one computing and the one prefetched -- in the
+#                   backward of a block. At the end of forward the last block has resharded
+#                   and backward has not re-gathered it yet: counting them there over-forecast
+#                   BERT, GPT-2 and Llama at W = 2 and 4 by 2 blocks' parameters (+3.5% to +5.3%).
+# Nothing is gathered at the optimizer step. One shard (s = 1) gathers nothing. The root's
+# gradients (everything outside the blocks) are whole from the head's backward to the end of
+# backward, where the root reduce-scatters them last: its parameters are freed by then, its
+# gradients are copied into a send buffer as large and 1/s of it comes back -- the peak of a
+# small Llama at W = 2 (a moment of its own, "end of backward"; an under-forecast without it).
+# Bytes per unit a sharded step holds beside the tensors named above (its reduce's "has a
+# gradient" flags and check sums, see memfit/_shard): 1.4 KB in all were measured at the end of
+# backward of a 2-block Llama (3 units); 1 KiB per unit bounds them.
+_BOOKKEEPING = 1024
 
 
 def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
     """The decision-independent terms, per rank (bytes)."""
-    w = sharding.world_size if sharding else 1
-    largest = max(b.param_bytes for b in profile.blocks)
+    s = sharding.shards if sharding else 1
     t = {
         # parameters and optimizer state (sharded); buffers (replicated)
-        "state": (profile.state_bytes - profile.buffer_bytes) / w + profile.buffer_bytes,
+        "state": (profile.state_bytes - profile.buffer_bytes) / s + profile.buffer_bytes,
         "before_blocks": profile.before_blocks,
-        "grad_rest": profile.grad_rest_bytes / w,
+        "grad_rest": profile.grad_rest_bytes / s,
         "last_output": profile.last_output,
         "head_transient": profile.head_transient,
-        "optimizer_peak": profile.optimizer_peak / w,
+        "optimizer_peak": profile.optimizer_peak / s,
+        "tail_transient": profile.tail_transient,
         "gather_buffers": 0.0,
+        "unit_buffers": 0.0,
     }
-    if sharding and w > 1:
-        # The unit computing and the one prefetched exist in full; the root keeps its full
-        # parameters (the parameters outside the blocks) from forward to backward. A gathered
-        # buffer is an allocation of its own beside the rank's shard (counted in "state"): the
-        # whole unit, not (1 - 1/W) of it (that under-forecast 32k-vocabulary Llama by 12%).
-        rest = profile.param_bytes - sum(b.param_bytes for b in profile.blocks)
-        t["gather_buffers"] = 2 * largest + rest
+    if s > 1:  # see [Note: Sharded forecasts]
+        t["gather_buffers"] = profile.param_bytes - sum(b.param_bytes for b in profile.blocks)
+        t["unit_buffers"] = 2 * max(b.param_bytes for b in profile.blocks)
     return t
+
+
+# [Note: Model-state offload, forecast only]
+# memfit.shard(unit, offload="cpu") keeps a unit's shards, their gradients and so its optimizer
+# state in host memory; the step gathers the shards onto the device, and sends the reduced
+# gradients back. Per rank and per step, offloading every unit
+#     saves  (parameters + optimizer state) / s + gradients / s   at every moment, and the
+#            optimizer step leaves the device,
+#     costs  (2 x parameters / s + gradients / s) / BW_offload    (shards up for forward and for
+#            backward, gradient shards down) + the optimizer step on the host, 2 x (parameters
+#            + gradients + state) / s / BW_host (read and written once at the "cpu" profile's
+#            memory bandwidth).
+# The planner reports it beside a sharded plan; the solver does not choose it (it chooses the
+# activations' decisions only), and nothing here was measured on an accelerator.
+def state_offload(profile: ModelProfile, sharding: Sharding) -> tuple[float, float]:
+    """Bytes per rank offloading every unit's model state saves, and seconds it adds a step."""
+    from memfit._plan._time import PROFILES
+
+    s = sharding.shards
+    params = profile.param_bytes - profile.buffer_bytes
+    grads = profile.grad_rest_bytes + sum(b.grad_bytes for b in profile.blocks)
+    saved = (params + profile.optimizer_bytes + grads) / s
+    bandwidth = profile.offload_bandwidth or PROFILES["cpu"].offload_bandwidth
+    host = 2 * (params + grads + profile.optimizer_bytes) / s / PROFILES["cpu"].memory_bandwidth
+    return saved, (2 * params + grads) / s / bandwidth + host
 
 
 @dataclass(frozen=True)
@@ -52,26 +123,40 @@ class _Moments:
     per rank: what ``forecast`` adds up and what ``solve`` subtracts from the budget."""
 
     terms: dict[str, float]
-    base: float  # S + gather buffers + O: alive at every forward and backward moment
+    base: float  # S + the root's gathered parameters + O: alive at every forward and backward moment
     end_of_forward: float  # y_last + T_head, on top of base and the kept activations
-    backward: list[float]  # per block i: G_rest + G_after_i (+ its own gradients when sharded)
-    optimizer: float  # P_opt + gather buffers
+    backward: list[float]  # per block i: G_rest + G_after_i + units in flight (+ own gradients when sharded)
+    end_of_backward: float  # sharded: the root's gradients reduce-scattered (0 in one process)
+    tail: float  # the backward before the blocks (the embeddings'), every block's gradients done
+    optimizer: float  # P_opt + L
 
     @classmethod
     def of(cls, profile: ModelProfile, sharding: Sharding | None) -> _Moments:
         t = terms(profile, sharding)
-        w = sharding.world_size if sharding else 1
+        s = sharding.shards if sharding else 1
         backward, grads_after = [0.0] * len(profile.blocks), 0.0
+        # The root's gradients stay whole until its reduce-scatter, the last of the step.
+        rest = profile.grad_rest_bytes
         for i in reversed(range(len(profile.blocks))):
-            own = profile.blocks[i].grad_bytes if w > 1 else 0  # unsharded until reduce-scattered
-            backward[i] = t["grad_rest"] + grads_after + own
-            grads_after += profile.blocks[i].grad_bytes / w
+            own = profile.blocks[i].grad_bytes if s > 1 else 0  # unsharded until reduce-scattered
+            backward[i] = (rest if s > 1 else t["grad_rest"]) + grads_after + own + t["unit_buffers"]
+            grads_after += profile.blocks[i].grad_bytes / s
+        # The root's reduce-scatter, after its parameters were freed: its whole gradients, the
+        # send buffer they are copied into (as large) and the shard it receives.
+        end_of_backward = t["state"] + grads_after + 2 * rest + rest / s + _BOOKKEEPING * (len(backward) + 1)
+        end_of_backward = end_of_backward if s > 1 else 0.0
+        # The embeddings' backward: the first block's reduce-scatter still in flight (its send
+        # buffer and shard), the root's full parameters.
+        first = profile.blocks[0].grad_bytes * (1 + 1 / s) if s > 1 else 0.0
+        tail = t["state"] + t["gather_buffers"] + grads_after + first + t["tail_transient"]
         return cls(
             terms=t,
             base=t["state"] + t["gather_buffers"] + t["before_blocks"],
             end_of_forward=t["last_output"] + t["head_transient"],
             backward=backward,
-            optimizer=t["optimizer_peak"] + t["gather_buffers"],
+            end_of_backward=end_of_backward,
+            tail=tail,
+            optimizer=t["optimizer_peak"] + profile.leftover,
         )
 
 
@@ -83,6 +168,9 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
     for i in reversed(range(len(profile.blocks))):
         b = profile.blocks[i]
         moments[f"backward of {b.path}"] = m.base + m.backward[i] + sum(kept[:i]) + b.peak[decisions[i]]
+    moments["backward before the blocks"] = m.tail
+    if m.end_of_backward:
+        moments["end of backward"] = m.end_of_backward
     moments["optimizer step"] = m.optimizer
     where = max(moments, key=moments.get)
     extra = sum(b.extra_time[d] for b, d in zip(profile.blocks, decisions))
@@ -111,7 +199,7 @@ def solve(
 ) -> list[str] | None:
     """Least-extra-time decisions whose forecast peak fits ``budget``; None if none fits."""
     m = _Moments.of(profile, sharding)
-    if m.optimizer > budget:
+    if max(m.optimizer, m.end_of_backward, m.tail) > budget:
         return None
     grain = max(budget / BINS, 1.0)
     n = len(profile.blocks)

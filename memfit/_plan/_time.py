@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -24,10 +26,20 @@ aten = torch.ops.aten
 # run. The planner prices work instead: every aten op of a step is recorded once (under
 # FakeTensorMode, so nothing runs) with its floating-point operations (torch's flop formulas)
 # and the bytes it reads and writes, and an op costs
-#     t(op) = max(flops / F[dtype], bytes / BW_mem) + t_op
-# on a device profile: F the matmul rate per dtype, BW_mem the memory bandwidth, t_op the cost
-# of dispatching one op (the roofline model, plus a per-op constant that dominates small ops on
-# a CPU). The extra time of a decision is what it adds to a step:
+#     t(op) = max(flops / F[dtype] + t_mm, bytes / BW(bytes), elements / M[op]) + t_op
+# on a device profile: F the matmul rate per dtype and t_mm what a matmul costs beyond its
+# flops (both only for ops with flops: small matmuls on a CPU run below F); BW the memory
+# bandwidth, per size of op where calibrated (caches make small ops faster); M the element rate
+# of ops whose arithmetic bounds them (exp, softmax, GELU, sqrt on a CPU: 5-10x slower than
+# their bytes); on a CPU an output of 32 MiB or more also pays for its fresh pages (malloc maps
+# such blocks anew: a fresh 32 MiB fill took 13.8 ms here, a reused one 0.7 ms); t_op what an
+# op pays in a training step beside its work (dispatch, autograd,
+# module calls, the optimizer's loop), the constant that dominates small ops on a CPU. Views
+# and metadata ops (view, t, transpose, detach) move no bytes and cost t_op; prim ops
+# (prim.device) never reach a kernel and cost nothing. `memfit calibrate` fits F and t_mm to
+# matmuls of several sizes and BW to copies of several sizes (least squares on time = work /
+# rate + constant), times M per op on 4M elements, and t_op on the training step of a tiny
+# model (its work negligible). The extra time of a decision is what it adds to a step:
 #     keep       0
 #     full       sum of t(op) over the block's forward (recomputed in backward)
 #     selective  the same over the ops its rule does not keep
@@ -49,8 +61,19 @@ class DeviceProfile:
         memory_bandwidth: bytes per second an elementwise op streams through device memory.
         offload_bandwidth: bytes per second to where "offload" puts a block's input (host
             memory over PCIe for an accelerator, disk for a CPU).
-        op_overhead: seconds to dispatch one op (kernel launch, framework overhead).
+        op_overhead: seconds to dispatch one op (kernel launch, framework and autograd overhead).
         source: where the numbers come from.
+        matmul_latency: seconds an op with flops costs beyond flops / rate (0: none).
+        bandwidth_curve: (bytes moved, bytes per second) measured at several sizes, ascending:
+            an op moving that many bytes streams at that rate (interpolated on log bytes; a
+            CPU's caches make small ops faster than memory). Empty: memory_bandwidth always.
+        math_rates: output elements per second of ops whose arithmetic, not their bytes,
+            bounds them on this device (exp, softmax, GELU, ... on a CPU), by op name
+            ("aten.exp"); measured by `memfit calibrate`. Empty: bytes bound them.
+        fresh_threshold, fresh_bandwidth: an output of ``fresh_threshold`` bytes or more is
+            written to pages the operating system maps on first touch (glibc's malloc maps
+            blocks of 32 MiB and more afresh each time), at ``fresh_bandwidth`` bytes per
+            second on top of its work; a caching allocator (an accelerator's) has no such cost.
     """
 
     name: str
@@ -59,17 +82,42 @@ class DeviceProfile:
     offload_bandwidth: float
     op_overhead: float
     source: str = ""
+    matmul_latency: float = 0.0
+    bandwidth_curve: tuple[tuple[float, float], ...] = ()
+    math_rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    fresh_threshold: float = 0.0  # outputs of at least this many bytes land in fresh pages (0: none do)
+    fresh_bandwidth: float = 0.0  # bytes per second of touching fresh pages the first time
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON
         rates = [*self.flops.values(), self.memory_bandwidth, self.offload_bandwidth]
-        if "float32" not in self.flops or min(rates) <= 0 or self.op_overhead < 0:
+        if "float32" not in self.flops or min(rates) <= 0 or min(self.op_overhead, self.matmul_latency) < 0:
             raise ValueError(f"memfit.DeviceProfile {self.name!r}: rates must be positive, float32 included")
 
     def rate(self, dtype: torch.dtype) -> float:
         return self.flops.get(str(dtype).removeprefix("torch."), self.flops["float32"])
 
     def op_time(self, cost: OpCost) -> float:
-        return max(cost.flops / self.rate(cost.dtype), cost.bytes / self.memory_bandwidth) + self.op_overhead
+        compute = cost.flops / self.rate(cost.dtype) + self.matmul_latency if cost.flops else 0.0
+        if cost.op in self.math_rates:
+            compute = max(compute, cost.elements / self.math_rates[cost.op])
+        fresh = 0.0
+        if self.fresh_bandwidth and self.fresh_threshold and cost.largest_output >= self.fresh_threshold:
+            fresh = cost.largest_output / self.fresh_bandwidth
+        return max(compute, cost.bytes / self.bandwidth(cost.bytes)) + fresh + self.op_overhead
+
+    def bandwidth(self, nbytes: float) -> float:
+        """Bytes per second of an op moving ``nbytes`` (see ``bandwidth_curve``)."""
+        curve = self.bandwidth_curve
+        if not curve:
+            return self.memory_bandwidth
+        if nbytes <= curve[0][0]:
+            return curve[0][1]
+        for (x0, y0), (x1, y1) in itertools.pairwise(curve):
+            if nbytes <= x1:
+                f = math.log(nbytes / x0) / math.log(x1 / x0)
+                return y0 + f * (y1 - y0)
+        return curve[-1][1]
 
     def ops_time(self, costs: list[OpCost]) -> float:
         return sum(self.op_time(c) for c in costs)
@@ -103,9 +151,11 @@ PROFILES = {
         5e-6,
         "NVIDIA A100 80GB SXM data sheet",
     ),
-    # A modest CPU, used when this machine has no cached calibration: fixed, so plans are
-    # deterministic either way (`memfit calibrate` replaces it with measured rates).
-    "cpu": DeviceProfile("cpu", {"float32": 50e9}, 10e9, 1e9, 10e-6, "fixed default; run `memfit calibrate`"),
+    # A modest CPU: the default for a model on a CPU or the meta device, fixed so that plans are
+    # the same everywhere (device_profile="calibrated" prices on this machine's measured rates).
+    "cpu": DeviceProfile(
+        "cpu", {"float32": 50e9}, 10e9, 1e9, 10e-6, "fixed rates of a modest CPU; 'calibrated' measures this one"
+    ),
 }
 
 
@@ -117,6 +167,8 @@ class OpCost:
     flops: int
     bytes: int  # read and written
     dtype: torch.dtype
+    elements: int = 0  # of its outputs
+    largest_output: int = 0  # bytes of its largest output
 
 
 def _sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -146,16 +198,26 @@ def _nbytes(items) -> tuple[int, torch.dtype | None]:
     return total, dtype
 
 
+# Ops that return a view or only metadata: no data moves (aten.detach and friends are views).
+_NO_DATA = {"aten._unsafe_view", "aten.alias", "aten.lift_fresh", "aten.size", "aten.stride", "aten.sym_size"}
+
+
 def op_cost(func, args, kwargs, out) -> OpCost:
     packet = func._overloadpacket
+    if func.is_view or str(packet) in _NO_DATA:
+        return OpCost(str(packet), 0, 0, torch.float32)
     flops = 0
     if packet in flop_registry:
         flops = int(flop_registry[packet](*args, **kwargs, out_val=out))
     elif packet in _EXTRA_FLOPS:
         flops = int(_EXTRA_FLOPS[packet](*args, **kwargs, out_val=out))
     read, dtype = _nbytes(tree_flatten((args, kwargs))[0])
-    written, out_dtype = _nbytes(tree_flatten(out)[0])
-    return OpCost(str(packet), flops, read + written, dtype or out_dtype or torch.float32)
+    outs = tree_flatten(out)[0]
+    written, out_dtype = _nbytes(outs)
+    tensors = [t for t in outs if isinstance(t, torch.Tensor)]
+    elements = sum(t.numel() for t in tensors)
+    largest = max((t.numel() * t.element_size() for t in tensors), default=0)
+    return OpCost(str(packet), flops, read + written, dtype or out_dtype or torch.float32, elements, largest)
 
 
 class CostRecorder(TorchDispatchMode):
@@ -168,7 +230,8 @@ class CostRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.ops.append((func, op_cost(func, args, kwargs, out)))
+        if func.namespace != "prim":  # prim.device and the like: answered without a kernel
+            self.ops.append((func, op_cost(func, args, kwargs, out)))
         return out
 
     @property
@@ -179,14 +242,22 @@ class CostRecorder(TorchDispatchMode):
 # -- calibration ---------------------------------------------------------------------------
 
 
-def _median_seconds(fn, repeats: int = 5) -> float:
+def _median_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
     fn()
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return statistics.median(times)
+
+
+def _fit(work: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least squares of seconds = work / rate + constant: (rate, constant >= 0)."""
+    n, mx, my = len(work), statistics.fmean(work), statistics.fmean(seconds)
+    slope = sum((x - mx) * (y - my) for x, y in zip(work, seconds)) / sum((x - mx) ** 2 for x in work)
+    slope = max(slope, 1e-30)
+    return 1 / slope, max(0.0, my - slope * mx) if n > 1 else 0.0
 
 
 def _cache_path(device_type: str) -> Path:
@@ -196,49 +267,128 @@ def _cache_path(device_type: str) -> Path:
     return Path(root) / f"device-{device_type}.json"
 
 
-def calibrate(device: str | torch.device = "cpu", *, save: bool = True) -> DeviceProfile:
-    """Measure this machine's rates once (about a second) and cache them for ``device``'s type:
-    the matmul rate per dtype, the bandwidth of a large copy, the cost of a tiny op, and the
-    offload path (disk for a CPU, host memory for an accelerator)."""
+def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time: bool = False) -> DeviceProfile:
+    """Measure this machine's rates (a few seconds) and cache them for ``device``'s type: the
+    matmul rate and latency per dtype and the memory bandwidth, each fitted over several sizes,
+    the cost per op of a tiny model's training step, and the offload path (disk for
+    a CPU, host memory for an accelerator). ``cpu_time``: time with the process's CPU time
+    (``time.process_time``), not the wall clock: on a loaded CPU with one thread the work is
+    counted without the time other processes hold the cores."""
     device = torch.device(device)
     sync = getattr(torch.get_device_module(device.type), "synchronize", None) if device.type != "cpu" else None
+    clock = time.process_time if cpu_time else time.perf_counter
 
-    def timed(fn):
+    def timed(fn, repeats=5):
         def run():
             fn()
             if sync:
                 sync()
 
-        return _median_seconds(run)
+        return _median_seconds(run, repeats, clock)
 
-    flops = {}
-    n = 512 if device.type == "cpu" else 4096
+    flops, latency = {}, 0.0
+    sizes = (64, 128, 256, 512) if device.type == "cpu" else (1024, 2048, 4096, 8192)
     for dtype in (torch.float32, torch.bfloat16):
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        flops[str(dtype).removeprefix("torch.")] = 2 * n**3 / timed(lambda a=a: a @ a)
-    big = torch.empty(16 * 2**20 // 4, device=device)
-    out = torch.empty_like(big)
-    memory_bandwidth = 2 * big.nbytes / timed(lambda: out.copy_(big))
-    tiny = torch.ones(1, device=device)
-    op_overhead = timed(lambda: [tiny.add(1) for _ in range(200)]) / 200
-    if device.type == "cpu":
-        offload_bandwidth = _disk_bandwidth(big)
-    else:
-        host = torch.empty(big.shape, pin_memory=True)
-        offload_bandwidth = big.nbytes / timed(lambda: host.copy_(big))
+        mats = [torch.randn(n, n, device=device, dtype=dtype) for n in sizes]
+        work = [2.0 * n**3 for n in sizes]
+        rate, c = _fit(work, [timed(lambda a=a: a @ a) for a in mats])
+        flops[str(dtype).removeprefix("torch.")] = rate
+        latency = c if dtype is torch.float32 else latency
+    # Written first: pages never touched read as one shared zero page, far faster than memory.
+    copies = [torch.ones(2**k // 4, device=device) for k in (16, 18, 20, 22, 24, 26)]  # 64 KiB .. 64 MiB
+    outs = [torch.zeros_like(t) for t in copies]
+    seconds = [timed(lambda t=t, o=o: o.copy_(t)) for t, o in zip(copies, outs)]
+    moved = [2.0 * t.nbytes for t in copies]  # read and written
+    memory_bandwidth, op_cost_constant = _fit(moved, seconds)
+    curve = tuple((m, m / max(t - op_cost_constant, t / 2)) for m, t in zip(moved, seconds))
     profile = DeviceProfile(
         f"calibrated-{device.type}",
         flops,
         memory_bandwidth,
-        offload_bandwidth,
-        op_overhead,
+        _offload_bandwidth(device, copies[-1], timed),
+        _op_overhead(device, timed),
         f"measured by memfit calibrate on {os.uname().nodename} at {time.strftime('%Y-%m-%d %H:%M')}",
+        matmul_latency=latency,
+        bandwidth_curve=curve,
+        math_rates=_math_rates(device, timed),
+        **(_fresh_pages(timed) if device.type == "cpu" else {}),
     )
     if save:
         path = _cache_path(device.type)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
     return profile
+
+
+def _math_rates(device: torch.device, timed) -> dict[str, float]:
+    """Output elements per second of the ops a CPU computes slower than it streams their bytes
+    (exp and its relatives), on 4M elements; only where slower than a copy of the same bytes."""
+    aten, f = torch.ops.aten, torch.nn.functional
+    x = torch.randn(1024, 4096, device=device)  # 16 MiB: from memory, as the large ones (logits) are
+    # Each backward gets what it gets in a step (its forward's output): speed depends on values.
+    y, ly, g = torch.softmax(x, -1), torch.log_softmax(x, -1), torch.randn_like(x)
+    ops = {
+        "aten.exp": lambda: torch.exp(x),
+        "aten.tanh": lambda: torch.tanh(x),
+        "aten.tanh_backward": lambda: aten.tanh_backward(g, torch.tanh(x)),
+        "aten.sigmoid": lambda: torch.sigmoid(x),
+        "aten._softmax": lambda: torch.softmax(x, -1),
+        "aten._softmax_backward_data": lambda: aten._softmax_backward_data(g, y, -1, x.dtype),
+        "aten._log_softmax": lambda: torch.log_softmax(x, -1),
+        "aten._log_softmax_backward_data": lambda: aten._log_softmax_backward_data(g, ly, -1, x.dtype),
+        "aten.gelu": lambda: f.gelu(x),
+        "aten.gelu_backward": lambda: aten.gelu_backward(g, x),
+        "aten.silu": lambda: f.silu(x),
+        "aten.silu_backward": lambda: aten.silu_backward(g, x),
+        "aten.pow": lambda: torch.pow(x, 3.0),
+        "aten.rsqrt": lambda: torch.rsqrt(x.abs()),
+        "aten.sqrt": lambda: torch.sqrt(x.abs()),
+    }
+    out = torch.empty_like(x)
+    copy = timed(lambda: out.copy_(x))
+    rates = {name: x.numel() / seconds for name, op in ops.items() if (seconds := timed(op, 3)) > copy}
+    return rates
+
+
+_FRESH = 32 * 2**20  # glibc's largest mmap threshold (64-bit): blocks this large are mapped afresh
+
+
+def _fresh_pages(timed) -> dict[str, float]:
+    """The first-touch rate of a freshly allocated 64 MiB block (above ``_FRESH``): writing it
+    new each time, less writing it in place."""
+    n = 2 * _FRESH // 4
+    reused = torch.empty(n)
+    extra = timed(lambda: torch.empty(n).fill_(1.0), 3) - timed(lambda: reused.fill_(1.0), 3)
+    return {"fresh_threshold": float(_FRESH), "fresh_bandwidth": 4 * n / extra} if extra > 0 else {}
+
+
+def _op_overhead(device: torch.device, timed) -> float:
+    """Seconds per aten op of a training step of a tiny model (4 blocks of Linear, LayerNorm
+    and GELU on 8 features, AdamW): dispatch, autograd, module calls and the optimizer's loop,
+    what every op of a real step pays beside its work."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()) for _ in range(4)]
+    model = torch.nn.Sequential(*blocks).to(device)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.ones(2, 8, device=device)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state exists from here on, as in a planned step
+    recorder = CostRecorder()
+    with recorder:
+        step()
+    return timed(step) / len(recorder.ops)
+
+
+def _offload_bandwidth(device: torch.device, big: torch.Tensor, timed) -> float:
+    if device.type == "cpu":
+        return _disk_bandwidth(big)
+    host = torch.empty(big.shape, pin_memory=True)
+    return big.nbytes / timed(lambda: host.copy_(big))
 
 
 def _disk_bandwidth(t: torch.Tensor) -> float:
@@ -257,19 +407,43 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
         return 2 * len(data) / _median_seconds(write_read, repeats=3)
 
 
+def default_profile(device: str | torch.device = "cpu") -> DeviceProfile:
+    """The profile a plan gets when none is named: the named profile of the device it targets,
+    the same on every run (see [Note: The default device profile])."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return PROFILES["cpu"]
+    module = torch.get_device_module(device.type)
+    name = module.get_device_name(device) if hasattr(module, "get_device_name") else device.type
+    for key in ("h200", "h100", "a100"):  # H200 before H100: no name holds both
+        if key in name.lower().replace(" ", ""):
+            return PROFILES[key]
+    raise ValueError(
+        f"memfit.plan: no named device profile for {name!r} ({device}); pass device_profile= one of "
+        f"{sorted(PROFILES)}, 'calibrated' (measured on this machine by `memfit calibrate`) or a memfit.DeviceProfile"
+    )
+
+
+# [Note: The default device profile]
+# A plan's times are priced on the profile named by ``device_profile``; without one, on the
+# named profile of the device the model is on (an accelerator by its name, a CPU or the meta
+# device: "cpu"). A cached `memfit calibrate` is used only when asked for ("calibrated"): a
+# calibration made once on a loaded machine must not change later plans behind the user's
+# back (one made under load priced a 0.5 s step at 16.9 s), and the same call must give the
+# same plan on every machine. Plan.table() and `memfit plan` say which profile priced the step.
 def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "cpu") -> DeviceProfile:
     """The profile ``spec`` names: a DeviceProfile as is, a name from PROFILES, "calibrated"
-    (this machine's cached calibration, measured now if there is none), or None: the cached
-    calibration for ``device_type`` when there is one, else the fixed profile for it."""
+    (this machine's cached calibration, measured now if there is none), or None: the named
+    profile of ``device_type`` (:func:`default_profile`), never the cache."""
     if isinstance(spec, DeviceProfile):
         return spec
-    cached = _cache_path(device_type)
-    if spec in (None, "calibrated"):
+    if spec is None:
+        return default_profile(device_type)
+    if spec == "calibrated":
+        cached = _cache_path(torch.device(device_type).type)
         if cached.exists():
             return DeviceProfile(**json.loads(cached.read_text()))
-        if spec == "calibrated":
-            return calibrate(device_type)
-        return PROFILES.get(device_type, PROFILES["cpu"])
+        return calibrate(device_type)
     if spec not in PROFILES:
         raise ValueError(
             f"memfit.plan: unknown device profile {spec!r}; choose one of {sorted(PROFILES)}, 'calibrated' "
@@ -278,4 +452,4 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
     return PROFILES[spec]
 
 
-__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "calibrate", "device_profile"]
+__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "calibrate", "default_profile", "device_profile"]

@@ -54,8 +54,15 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--model", default="bert", help=f"one of {models}")
     pl.add_argument("--budget", required=True, help="e.g. 4GB, 3.5GiB, 800MB")
     pl.add_argument("--world-size", type=int, default=1, help="forecast per rank for a model sharded over N ranks")
+    pl.add_argument(
+        "--shard-size", type=int, help="hybrid sharding: shard over groups of S ranks, replicated N/S times"
+    )
     pl.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="parameters and optimizer state")
-    pl.add_argument("--device-profile", help="price time on: h100, h200, a100, cpu, calibrated (memfit calibrate)")
+    pl.add_argument(
+        "--device-profile",
+        help="price time on: h100, h200, a100, cpu, calibrated (memfit calibrate); default: this machine's "
+        "accelerator's named profile, else cpu",
+    )
     _shape_flags(pl)
     pl.add_argument("--json", help="write the plan here")
 

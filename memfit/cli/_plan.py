@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import memfit
-from memfit._plan._time import PROFILES, calibrate
+from memfit._plan._time import PROFILES, calibrate, default_profile
 from memfit.cli._data import batch_at
 from memfit.cli._output import write_json
 from memfit.models import PRESETS, Preset
@@ -22,8 +22,9 @@ class PlanConfig:
     model: str = "bert"
     budget: str = "1GB"
     world_size: int = 1
+    shard_size: int | None = None  # hybrid sharding: ranks per shard group (None: all ranks)
     dtype: str = "fp32"  # parameters, gradients and optimizer state all in this dtype
-    device_profile: str | None = None  # a name from PROFILES, "calibrated", or None (cached calibration or "cpu")
+    device_profile: str | None = None  # a name from PROFILES, "calibrated", or None (this machine's device's named one)
     layers: int | None = None
     hidden: int | None = None
     seq: int | None = None
@@ -36,6 +37,11 @@ class PlanConfig:
         memfit.parse_bytes(self.budget)
         if self.world_size < 1:
             raise ValueError("memfit plan: --world-size must be >= 1")
+        if self.shard_size is not None and (self.shard_size < 1 or self.world_size % self.shard_size):
+            raise ValueError(
+                f"memfit plan: --shard-size {self.shard_size} must divide --world-size {self.world_size} "
+                "(hybrid sharding: world size = replicas x shard size)"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"memfit plan: unknown --dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.device_profile not in (None, "calibrated", *PROFILES):
@@ -50,21 +56,44 @@ class PlanConfig:
 
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
     preset = cfg.preset()
-    print(f"plan: building {cfg.model} ({preset.arch} {preset.shape}) on the meta device", flush=True)
+    print(f"plan: building {cfg.model} on the meta device", flush=True)
     with torch.device("meta"):  # planning needs shapes only: nothing is allocated
         model = preset.build().to(DTYPES[cfg.dtype])
     batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
     params = sum(p.numel() for p in model.parameters())
+    device, why = _device_profile(cfg.device_profile)
+    layout = f"world size {cfg.world_size}"
+    if cfg.shard_size and cfg.shard_size < cfg.world_size:
+        layout += f" as {cfg.world_size // cfg.shard_size} replicas x {cfg.shard_size} shards (hybrid sharding)"
     print(
-        f"{cfg.model}: {preset.arch} {preset.shape}\n{params / 1e9:.2f}B parameters, AdamW, {cfg.dtype} parameters, "
-        f"gradients and optimizer state, world size {cfg.world_size}\n"
+        f"{cfg.model}: {preset.arch} {preset.resolved()}\n{params / 1e9:.2f}B parameters, AdamW, {cfg.dtype} "
+        f"parameters, gradients and optimizer state, {layout}\ntime priced on: {device.name} ({why})\n"
     )
     print(f"plan: profiling one batch on fake tensors and solving for {cfg.budget}", flush=True)
-    plan = memfit.plan(model, batch, budget=cfg.budget, world_size=cfg.world_size, device_profile=cfg.device_profile)
+    plan = memfit.plan(
+        model, batch, budget=cfg.budget, world_size=cfg.world_size, shard_size=cfg.shard_size, device_profile=device
+    )
     print(plan.table())
     if cfg.json:
         write_json(cfg.json, plan.to_dict())
     return plan
+
+
+def _device_profile(name: str | None) -> tuple[memfit.DeviceProfile, str]:
+    """The profile ``--device-profile`` names, or the default: the named profile of this
+    machine's accelerator, or "cpu" (never a cached calibration: see [Note: The default device
+    profile]); with the reason, for the header."""
+    from memfit._plan._time import device_profile
+
+    if name is not None:
+        profile = device_profile(name)
+        return profile, profile.source or "--device-profile"
+    target = "cuda" if torch.cuda.is_available() else "cpu"
+    profile = default_profile(target)
+    return profile, (
+        f"the default for this machine's {target}, {profile.source}; --device-profile h100|h200|a100|cpu names "
+        "the target, 'calibrated' measures this machine"
+    )
 
 
 @dataclass

@@ -77,6 +77,7 @@ def gpt2_lm(shape: Shape, seed: int = 0) -> nn.Module:
         n_layer=shape.layers,
         n_head=shape.heads,
         n_positions=max(1024, shape.seq),
+        n_inner=shape.intermediate or None,
         resid_pdrop=shape.dropout,
         embd_pdrop=shape.dropout,
         attn_pdrop=shape.dropout,
@@ -95,6 +96,10 @@ def lm_batch(shape: Shape, seed: int = 0) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def _llama_intermediate(hidden: int) -> int:
+    return int(hidden * 8 / 3) // 64 * 64 or 64
+
+
 def llama_lm(shape: Shape, seed: int = 0) -> nn.Module:
     """A randomly initialised ``transformers.LlamaForCausalLM`` of ``shape`` (grouped KV heads: heads/2)."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -102,7 +107,7 @@ def llama_lm(shape: Shape, seed: int = 0) -> nn.Module:
     cfg = LlamaConfig(
         vocab_size=shape.vocab,
         hidden_size=shape.hidden,
-        intermediate_size=shape.intermediate or int(shape.hidden * 8 / 3) // 64 * 64 or 64,
+        intermediate_size=shape.intermediate or _llama_intermediate(shape.hidden),
         num_hidden_layers=shape.layers,
         num_attention_heads=shape.heads,
         num_key_value_heads=shape.kv_heads or max(1, shape.heads // 2),
@@ -125,6 +130,14 @@ class Preset:
 
     def build(self, seed: int = 0) -> nn.Module:
         return {"bert": bert_mlm, "gpt2": gpt2_lm, "llama": llama_lm}[self.arch](self.shape, seed)
+
+    def resolved(self) -> Shape:
+        """The shape as built: the MLP width and key/value heads that 0 stands for filled in."""
+        s = self.shape
+        if self.arch == "llama":
+            intermediate = s.intermediate or _llama_intermediate(s.hidden)
+            return dataclasses.replace(s, intermediate=intermediate, kv_heads=s.kv_heads or max(1, s.heads // 2))
+        return dataclasses.replace(s, intermediate=s.intermediate or 4 * s.hidden, kv_heads=s.kv_heads or s.heads)
 
     def resized(self, **sizes: int | None) -> Preset:
         """This preset with some sizes (layers, hidden, seq, batch, ...) replaced; None keeps one."""

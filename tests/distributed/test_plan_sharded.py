@@ -16,8 +16,9 @@ MODELS = {
     "bert": Preset("bert", Shape(vocab=8192, **SMALL)),
     "gpt2_tied": Preset("gpt2", Shape(vocab=8192, **SMALL)),
 }
-# Measured (benchmarks/results/planner.md): -1.2% to +3.9% over these models at W = 2 and 4.
-TOLERANCE = 0.04
+# Measured (benchmarks/results/planner.md): every forecast at or above the measured peak, within
+# 3% of it, over these models at W = 2 and 4.
+TOLERANCE = 0.03
 
 
 def _check(name, rank, world):
@@ -28,7 +29,8 @@ def _check(name, rank, world):
     for kind in ("keep", "full"):
         plan = memfit.Plan.fixed(dict.fromkeys(probe.decisions, kind), probe.profile, probe.sharding)
         measured = measured_sharded_peak(plan, model, batch, preset.layer_class())
-        assert abs(plan.predicted_peak / measured - 1) <= TOLERANCE, (
+        # A forecast at or above the measured peak: a plan that fits its forecast fits its budget.
+        assert measured <= plan.predicted_peak <= (1 + TOLERANCE) * measured, (
             f"{name} {kind} W={world}: {plan.compare(measured)}"
         )
     # A plan solved for a budget between the two fits it when trained sharded.
@@ -36,7 +38,7 @@ def _check(name, rank, world):
     budget = int(full + 0.5 * (probe.predicted_peak - full))
     plan = memfit.plan(model, batch, budget=budget, world_size=world, profile=probe.profile)
     measured = measured_sharded_peak(plan, model, batch, preset.layer_class())
-    assert measured <= 1.02 * budget, plan.compare(measured)
+    assert measured <= budget, plan.compare(measured)
 
 
 def case_llama_8k(rank, world):

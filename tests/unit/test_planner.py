@@ -68,8 +68,28 @@ def test_sharded_terms_divide_state_by_world_size():
     one, four = terms(profile, None), terms(profile, Sharding(4))
     assert four["state"] == one["state"] / 4 and four["grad_rest"] == one["grad_rest"] / 4  # no buffers here
     rest = profile.param_bytes - sum(b.param_bytes for b in profile.blocks)
-    # Two blocks in flight and the root's full parameters, each a buffer beside its shard.
-    assert four["gather_buffers"] == 2 * 400 + rest
+    # The root's full parameters and, in backward, two blocks in flight: buffers beside the shards.
+    assert four["gather_buffers"] == rest and four["unit_buffers"] == 2 * 400
+
+
+def test_hybrid_sharding_divides_state_by_the_shard_group():
+    # HSDP, 16 ranks as 2 replicas x 8 shards: per-rank bytes are those of full sharding over 8.
+    profile = synthetic(4)
+    hsdp, eight = Sharding(16, shard_size=8), Sharding(8)
+    assert (hsdp.shards, hsdp.replicas) == (8, 2)
+    assert terms(profile, hsdp) == terms(profile, eight)
+    assert forecast(profile, ["keep"] * 4, hsdp) == forecast(profile, ["keep"] * 4, eight)
+    assert solve(profile, 20_000, hsdp) == solve(profile, 20_000, eight)
+    # The formula, term by term (no buffers in this profile).
+    t = terms(profile, hsdp)
+    assert t["state"] == profile.state_bytes / 8 and t["grad_rest"] == profile.grad_rest_bytes / 8
+    assert t["optimizer_peak"] == profile.optimizer_peak / 8
+    # Replicas only (shard_size 1, DDP's layout): every rank holds everything, nothing is gathered.
+    assert terms(profile, Sharding(16, shard_size=1)) == terms(profile, None)
+    assert Sharding(16, shard_size=16).shards == 16 and Sharding(16).replicas == 1
+    for bad in (3, 0, 32):
+        with pytest.raises(ValueError, match=f"shard_size {bad} must divide world_size 16"):
+            Sharding(16, shard_size=bad)
 
 
 # -- the memory model on a hand-built profile -------------------------------------------------
@@ -115,7 +135,7 @@ def test_terms_are_the_profile_unsharded():
     assert f["term:last_output"] == Y_LAST
     assert f["term:head_transient"] == T_HEAD
     assert f["term:optimizer_peak"] == P_OPT
-    assert f["term:gather_buffers"] == 0  # nothing is gathered in one process
+    assert f["term:gather_buffers"] == f["term:unit_buffers"] == 0  # nothing is gathered in one process
     assert f["kept_activations"] == KEPT["b0"]["keep"] + KEPT["b1"]["keep"]
     assert f["extra_time"] == 0.0
 
@@ -176,25 +196,39 @@ def test_sharded_terms_at_two_ranks():
     assert two["state"] == S / 2  # parameters and AdamW state, half per rank (no buffers)
     assert two["grad_rest"] == G_REST / 2
     assert two["optimizer_peak"] == P_OPT / 2
-    assert two["gather_buffers"] == (
-        2 * BLOCK_PARAMS["b1"]  # the largest unit computing and the next one prefetched, in full
-        + REST_PARAMS  # the root's full parameters, gathered into a buffer beside its shard
-    )
+    assert two["gather_buffers"] == REST_PARAMS  # the root's full parameters, a buffer beside its shard
+    assert two["unit_buffers"] == 2 * BLOCK_PARAMS["b1"]  # in backward: the largest unit and the prefetched one
     for unchanged in ("before_blocks", "last_output", "head_transient"):  # activations: per rank as before
         assert two[unchanged] == one[unchanged]
     f = forecast(profile, ["keep", "keep"], Sharding(2))
     base = S / 2 + two["gather_buffers"] + BEFORE
     backward_b1 = (
         base
-        + G_REST / 2
+        + two["unit_buffers"]
+        + G_REST  # the root's gradients, whole until its reduce-scatter at the end of backward
         + BLOCK_PARAMS["b1"]  # b1's own gradients, unsharded until reduce-scattered
         + KEPT["b0"]["keep"]
         + B["b1"]["keep"]
-    )  # 15_200
-    backward_b0 = base + G_REST / 2 + BLOCK_PARAMS["b1"] / 2 + BLOCK_PARAMS["b0"] + B["b0"]["keep"]  # 11_200
-    end_of_forward = base + KEPT["b0"]["keep"] + KEPT["b1"]["keep"] + Y_LAST + T_HEAD  # 12_300
-    optimizer = P_OPT / 2 + two["gather_buffers"]  # 9_000
-    assert backward_b1 > max(backward_b0, end_of_forward, optimizer)
+    )  # 17_000
+    backward_b0 = (
+        base + two["unit_buffers"] + G_REST + BLOCK_PARAMS["b1"] / 2 + BLOCK_PARAMS["b0"] + B["b0"]["keep"]
+    )  # 13_000
+    end_of_forward = base + KEPT["b0"]["keep"] + KEPT["b1"]["keep"] + Y_LAST + T_HEAD  # 11_600: no unit gathered
+    # The root's reduce-scatter: its parameters freed; its gradients, the send buffer, the shard back,
+    # and 1 KiB per unit (3 here) of the runtime's flags and check sums.
+    end_of_backward = S / 2 + sum(BLOCK_PARAMS.values()) / 2 + 2 * G_REST + G_REST / 2 + 3 * 1024  # 12_672
+    assert f["term:unit_buffers"] == two["unit_buffers"]
+    optimizer = P_OPT / 2  # 6_500: nothing gathered
+    assert forecast(profile, ["full", "full"], Sharding(2))["peak"] == max(
+        base + two["unit_buffers"] + G_REST + BLOCK_PARAMS["b1"] + KEPT["b0"]["full"] + B["b1"]["full"],
+        base + two["unit_buffers"] + G_REST + BLOCK_PARAMS["b1"] / 2 + BLOCK_PARAMS["b0"] + B["b0"]["full"],
+        base + KEPT["b0"]["full"] + KEPT["b1"]["full"] + Y_LAST + T_HEAD,
+        end_of_backward,
+        optimizer,
+    )
+    big_rest = hand_built(grad_rest_bytes=10 * G_REST)  # e.g. a large vocabulary's embeddings and head
+    assert forecast(big_rest, ["full", "full"], Sharding(2))["at"] == "end of backward"
+    assert backward_b1 > max(backward_b0, end_of_forward, end_of_backward, optimizer)
     assert (f["at"], f["peak"]) == ("backward of b1", backward_b1)
     assert f["peak"] < forecast(profile, ["keep", "keep"])["peak"]
 
@@ -259,3 +293,19 @@ def test_fixed_plan_needs_a_decision_for_every_block():
     assert fixed.budget is None and "fixed strategy (no budget)" in fixed.table()
     assert fixed.predicted_peak == forecast(profile, ["keep", "keep"])["peak"]
     assert "exceeds" not in fixed.compare(fixed.predicted_peak)  # no budget to fit
+
+
+def test_model_state_offload_is_forecast_per_rank():
+    # See [Note: Model-state offload, forecast only]: the formula on the hand-built profile.
+    from memfit.testing import PROFILES, state_offload
+
+    profile = dataclasses.replace(hand_built(), offload_bandwidth=1e6)
+    saved, seconds = state_offload(profile, Sharding(4))
+    grads = G_REST + sum(BLOCK_PARAMS.values())  # every trainable parameter's gradient
+    assert saved == (PARAMS + OPTIMIZER + grads) / 4
+    host = 2 * (PARAMS + grads + OPTIMIZER) / 4 / PROFILES["cpu"].memory_bandwidth
+    assert seconds == pytest.approx((2 * PARAMS + grads) / 4 / 1e6 + host)
+    assert saved == state_offload(profile, Sharding(8, shard_size=4))[0]  # HSDP: the shard group's
+    text = memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile, Sharding(4)).table()
+    assert "model state in host memory (memfit.shard(offload='cpu'), every unit): would save" in text
+    assert "host memory" not in memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile).table()

@@ -1,0 +1,87 @@
+"""The LM head and its loss as a planner decision: plain (full logits) or chunked
+(`memfit.chunked_cross_entropy`: never more than a chunk of logits at once)."""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+from torch import nn
+
+from memfit._plan._loss import chunked_cross_entropy
+
+# [Note: The head as a decision]
+# A masked or causal LM's head turns N = batch x seq hidden states into N x V logits, and its
+# loss adds their log-softmax and, in backward, their gradient: on BERT-MLM the logits were
+# 238 of the 274 MiB that full checkpointing keeps. No block decision touches them. Chunking the
+# head and the loss (see [Note: Chunked head and loss]) replaces them with a chunk's logits, at
+# the price of the head's matmul once more in backward. The planner measures both on fake
+# tensors (the chunked step is a second profiled step of the same skeleton), prices the
+# difference on the device profile, and solves the block decisions once with each head: the
+# plan with the least extra time that fits wins. It applies to transformers models whose output
+# embedding is an nn.Linear under a base model (BERT-like masked LMs, GPT-2, Llama and other
+# causal LMs); the chunked forward returns only the loss.
+
+
+@dataclass(frozen=True)
+class LMHead:
+    """Where a transformers LM's head is, for its chunked forward."""
+
+    base: str  # the body returning hidden states (model.base_model_prefix)
+    transform: str | None  # a transform before the projection (BERT's cls.predictions.transform)
+    proj: str  # the vocabulary projection (an nn.Linear)
+    shift: bool  # causal LM: position t predicts label t + 1
+
+
+def find_head(model: nn.Module) -> LMHead | None:
+    """The LM head of a transformers masked or causal LM, or None for any other model."""
+    get = getattr(model, "get_output_embeddings", None)
+    proj = get() if callable(get) else None
+    prefix = getattr(model, "base_model_prefix", "")
+    if not isinstance(proj, nn.Linear) or not prefix or not hasattr(model, prefix):
+        return None
+    name = type(model).__name__
+    if name.endswith("ForMaskedLM"):
+        shift = False
+    elif name.endswith(("ForCausalLM", "LMHeadModel")):
+        shift = True
+    else:
+        return None
+    paths = {id(m): p for p, m in model.named_modules()}
+    proj_path = paths[id(proj)]
+    parent = model.get_submodule(proj_path.rsplit(".", 1)[0]) if "." in proj_path else model
+    transform = getattr(parent, "transform", None)
+    return LMHead(prefix, paths[id(transform)] if isinstance(transform, nn.Module) else None, proj_path, shift)
+
+
+def chunk_head(model: nn.Module, head: LMHead, chunk_size: int | None = None) -> nn.Module:
+    """Make ``model(**batch)`` compute its loss with :func:`memfit.chunked_cross_entropy`
+    (in place; ``unchunk_head`` undoes it). The output has ``.loss`` only (no logits).
+    ``chunk_size``: rows per chunk; None: an eighth of the rows, from 16 to 1024."""
+    base, proj = model.get_submodule(head.base), model.get_submodule(head.proj)
+    transform = model.get_submodule(head.transform) if head.transform else None
+
+    def forward(*args, labels=None, **kwargs):
+        if labels is None:
+            raise ValueError(
+                f"memfit: {type(model).__name__}'s head is chunked (memfit.plan decided so): its forward needs "
+                "labels= and returns only the loss; plan with chunk_head=False to keep the plain head"
+            )
+        kwargs.pop("return_dict", None)
+        hidden = base(*args, **kwargs)[0]
+        if transform is not None:
+            hidden = transform(hidden)
+        if head.shift:
+            hidden, labels = hidden[..., :-1, :], labels[..., 1:]
+        rows = labels.numel()
+        chunk = chunk_size or min(1024, max(16, rows // 8))
+        loss = chunked_cross_entropy(hidden, proj.weight, labels, bias=proj.bias, chunk_size=chunk)
+        return types.SimpleNamespace(loss=loss)
+
+    model.forward = forward
+    return model
+
+
+def unchunk_head(model: nn.Module) -> nn.Module:
+    model.__dict__.pop("forward", None)
+    return model
