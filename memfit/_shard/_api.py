@@ -206,9 +206,11 @@ def shard(
             that saves its memory; on a CPU-only machine the compute device is the CPU too, so
             the copies are host-to-host: the logic is tested here, the savings need a GPU.
 
-    Ranks that diverge (one skips or reorders a unit's forward) fail at once when the units
-    they exchange differ (every collective carries the unit's index), else after the process
-    group's timeout, with an error naming the rank and the unit.
+    Ranks that diverge (one skips or reorders a unit's forward) fail with an error naming the
+    rank and the unit: every collective carries the unit's index, and those indices are checked
+    once per step, at the end of backward (the step's one host sync), or after each collective
+    with the environment variable ``MEMFIT_DEBUG_COLLECTIVES=1``. Ranks whose collectives
+    never meet fail after the process group's timeout.
     """
     group = _checked_group(module, group)
     managed = managed_modules(module)

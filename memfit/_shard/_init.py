@@ -285,7 +285,7 @@ def pre_forward_with_lazy_init(module: nn.Module, args: tuple, kwargs: dict):
                 f"memfit sharding: parameters {deferred[:5]} were built on the meta device and have no values; "
                 "call memfit.materialize(model) or memfit.load_full_state_dict(model, state_dict) first"
             )
-    return _runtime.pre_forward(module, args, kwargs)
+    return unit.root_state.pre_forward(unit, args, kwargs)
 
 
 def _init_root(unit: Unit) -> None:
@@ -317,7 +317,7 @@ def _init_root(unit: Unit) -> None:
             # A gradient reaching any sharded parameter guarantees the end-of-backward callback,
             # even when no unit output could be hooked.
             if sp.requires_grad:
-                sp.full.register_post_accumulate_grad_hook(lambda _p, st=state: _runtime.ensure_finish_queued(st))
+                sp.full.register_post_accumulate_grad_hook(lambda _p, st=state: st.ensure_finish_queued())
 
 
 # -- optimizer built before sharding ---------------------------------------------------------

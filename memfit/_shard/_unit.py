@@ -36,6 +36,28 @@ class TrainingState(Enum):
     REDUCED = auto()  # gradients reduce-scattered into the shards for this step
 
 
+class GradSync(Enum):
+    """Where a unit's full gradients go at its post-backward (see [Note: One sharded training step])."""
+
+    SYNC = auto()  # reduce-scattered when the unit's input gradients arrive; no full gradients kept
+    SYNC_AT_END = auto()  # as SYNC, but a forward call this step had no input needing grad, so
+    #                       its backward cannot be seen ending: reduced by the end-of-backward callback
+    NO_SYNC = auto()  # inside no_sync(), nothing accumulated yet
+    ACCUMULATED = auto()  # inside no_sync(): full gradients accumulate in the full parameters' .grad
+    HELD = auto()  # no_sync() ended with full gradients held: the next synced backward reduces them
+
+    @property
+    def syncs(self) -> bool:
+        """Does the post-backward reduce-scatter (outside no_sync)?"""
+        return self in (GradSync.SYNC, GradSync.SYNC_AT_END, GradSync.HELD)
+
+    def entering_no_sync(self) -> GradSync:
+        return GradSync.ACCUMULATED if self in (GradSync.HELD, GradSync.ACCUMULATED) else GradSync.NO_SYNC
+
+    def leaving_no_sync(self) -> GradSync:
+        return {GradSync.ACCUMULATED: GradSync.HELD, GradSync.NO_SYNC: GradSync.SYNC}.get(self, self)
+
+
 class Unit:
     """The parameters one ``shard()`` call manages, and what moves them."""
 
@@ -65,10 +87,11 @@ class Unit:
         self.index = 0  # position in the root's list of units; checked in every all-gather
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.pending_backward = 0  # forward calls whose post-backward has not fired yet
-        self.sync_grads = True  # False inside no_sync(): keep full gradients, reduce later
-        self.unsynced = False  # full gradients from no_sync steps wait to be reduced
-        self.reduce_at_end = False  # a forward call had no input needing grad: reduce in finish_backward
+        self.grad_sync = GradSync.SYNC
+        # Forward calls (with inputs needing grad) whose backward has not ended yet: a count, not
+        # a state, since a unit may run several times in one forward (a shared block) and its
+        # post-backward must wait for the last of them.
+        self.pending_backward = 0
         self._gathered_versions: list[int] = []  # the shards' versions the gather started from
         self._gather: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # (work, output, send buffer)
         self._gather_plan: GatherLayout | None = None  # built at the first gather
@@ -368,12 +391,12 @@ class ShardedModule:
         reduces the sum (same result as one large batch, more memory meanwhile)."""
         units = self._units_below()
         for u in units:
-            u.sync_grads = False
+            u.grad_sync = u.grad_sync.entering_no_sync()
         try:
             yield
         finally:
             for u in units:
-                u.sync_grads = True
+                u.grad_sync = u.grad_sync.leaving_no_sync()
 
 
 def user_class(module: nn.Module) -> type:
