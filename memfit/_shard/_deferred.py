@@ -52,7 +52,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     model, streamed one tensor at a time: rank 0 broadcasts it, every rank keeps its rows. No
     rank holds more than its chunks plus one full tensor beyond what rank 0 already has."""
     units = units_of(model)
-    group = units[0].group
+    group = units[0].layout.everyone  # rank 0 of all ranks holds it, whatever the replicas
     src = dist.get_global_rank(group, 0)
     shards = {id(sp.sharded): sp for u in units for sp in u.params}
     rank = dist.get_rank(group)
@@ -76,7 +76,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
             )
         dist.broadcast(buf, src=src, group=group)
         if sp is not None:
-            sp.keep_rows(buf, dist.get_rank(group))
+            sp.keep_rows(buf, sp.owner.rank)
             sp.deferred = False
         else:
             t.copy_(buf)

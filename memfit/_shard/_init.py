@@ -13,6 +13,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memfit._shard import _runtime
+from memfit._shard._layout import Layout
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._param import ShardedParam, shard_of, sharded_as
 from memfit._shard._unit import ShardedModule, Unit, user_class
@@ -211,8 +212,15 @@ def allocate_meta_buffers(managed: list[tuple[str, nn.Module]], device: torch.de
 
 
 @torch.no_grad()
-def broadcast_from_rank0(owned: Ownership, managed: list[tuple[str, nn.Module]], group) -> None:
-    """Copy rank 0's new parameters and the managed buffers to every rank, so the ranks start equal."""
+def broadcast_from_rank0(owned: Ownership, managed: list[tuple[str, nn.Module]], layout: Layout) -> None:
+    """Copy rank 0's new parameters and the managed buffers to every rank, so the ranks start
+    equal: within the shard group, then (hybrid) from the first replica to the others."""
+    for group in (layout.shard, layout.replicate):
+        if group is not None:
+            _broadcast(owned, managed, group)
+
+
+def _broadcast(owned: Ownership, managed: list[tuple[str, nn.Module]], group) -> None:
     if dist.get_world_size(group) <= 1:
         return
     for p, _ in owned.new:
@@ -226,14 +234,14 @@ def broadcast_from_rank0(owned: Ownership, managed: list[tuple[str, nn.Module]],
 
 def shard_parameters(
     owned: Ownership,
-    group,
+    layout: Layout,
     device: torch.device,
     mixed_precision: MixedPrecision | None,
     shard_device: torch.device | None,
 ) -> list[ShardedParam]:
     """Replace each new parameter, wherever it is registered, by this rank's chunk of it."""
     # See [Note: Sharded parameter layout]
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = dist.get_rank(layout.shard), dist.get_world_size(layout.shard)
     params = []
     for p, p_uses in owned.new:
         dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
@@ -249,7 +257,7 @@ def new_unit(
     params: list[ShardedParam],
     owned: Ownership,
     managed: list[tuple[str, nn.Module]],
-    group,
+    layout: Layout,
     reshard_after_forward: bool,
     mixed_precision: MixedPrecision | None,
 ) -> Unit:
@@ -258,7 +266,7 @@ def new_unit(
     unit = Unit(
         module,
         [*params, *owned.adopted],
-        group,
+        layout,
         reshard_after_forward,
         reduce_dtype,
         input_dtype=mixed_precision.param_dtype if mixed_precision else None,

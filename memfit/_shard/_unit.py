@@ -16,6 +16,7 @@ from torch import nn
 
 from memfit._shard import _collectives as comm
 from memfit._shard._checks import StepChecks
+from memfit._shard._layout import Layout
 from memfit._shard._param import ShardedParam
 from memfit._shard._streams import Streams
 
@@ -65,7 +66,7 @@ class Unit:
         self,
         module: nn.Module,
         params: list[ShardedParam],
-        group,
+        layout: Layout,
         reshard_after_forward: bool,
         reduce_dtype: torch.dtype | None = None,
         *,
@@ -79,9 +80,10 @@ class Unit:
         self.params = params
         for sp in params:
             sp.owner = self
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
+        self.layout = layout  # See [Note: Hybrid sharding]
+        self.group = layout.shard  # the parameters are sharded over it
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
         self.reshard_after_forward = reshard_after_forward
         self.name = type(module).__name__  # replaced by its path once the root knows it
         self.index = 0  # position in the root's list of units; checked in every all-gather
@@ -352,7 +354,10 @@ class PendingReduce:
         streams = unit._streams()
         with streams.on("reduce"):
             comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
-            out.div_(unit.world)
+            replicate = unit.layout.replicate
+            if replicate is not None:  # hybrid: sum this shard over the replicas (See [Note: Hybrid sharding])
+                comm.wait(comm.all_reduce(out, replicate), f"all-reduce of sharded unit '{unit.name}'", replicate)
+            out.div_(unit.layout.data_parallel)
             first = layout.params[0].sharded
             if out.dtype != first.dtype or out.device != first.device:
                 out = out.to(device=first.device, dtype=first.dtype)  # to host memory when offloaded
