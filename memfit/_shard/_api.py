@@ -101,7 +101,7 @@ class FullyShardedDataParallel(ShardedModule):
         *,
         auto_wrap_policy=None,
         group: dist.ProcessGroup | None = None,
-        reshard_after_forward: bool | None = None,
+        reshard_after_forward: bool | int | None = None,
         sync_module_states: bool = True,
         device: torch.device | str | None = None,
         mixed_precision=None,
@@ -184,7 +184,7 @@ def shard(
     *,
     group: dist.ProcessGroup | None = None,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     sync_module_states: bool = True,
     device: torch.device | str | None = None,
     mixed_precision: MixedPrecision | None = None,
@@ -211,7 +211,10 @@ def shard(
             gradients crosses it (see [Note: Hybrid sharding] in ``_layout.py``).
         reshard_after_forward: free the full parameters after forward and gather them again
             for backward (ZeRO-3); False keeps them from forward to backward (ZeRO-2-like:
-            less communication, more memory). The root always keeps them.
+            less communication, more memory). The root always keeps them. An int k dividing
+            the shard group's size S (FSDP2's int, ZeRO++'s hpZ): keep 1/k of them after
+            forward, so that backward gathers over k consecutive ranks only (a node) instead
+            of S (see [Note: Partial reshard after forward] in ``_layout.py``).
         sync_module_states: broadcast parameters and buffers from rank 0 first (of all ranks
             of the mesh, when hybrid), so ranks start equal.
         device: where the chunks of parameters built on the meta device are allocated (default

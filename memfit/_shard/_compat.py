@@ -41,7 +41,7 @@ _RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBR
 _RESHARD["_HYBRID_SHARD_ZERO2"] = False
 
 
-def strategy_of(sharding_strategy, reshard_after_forward: bool | None) -> tuple[bool, bool]:
+def strategy_of(sharding_strategy, reshard_after_forward: bool | int | None) -> tuple[bool | int, bool]:
     """(reshard_after_forward, hybrid) for torch's ``sharding_strategy`` (an enum member or its name)."""
     if sharding_strategy is None:
         return (True if reshard_after_forward is None else reshard_after_forward), False

@@ -44,17 +44,57 @@ class Layout:
         return self.replicas * dist.get_world_size(self.shard)
 
 
-_EVERYONE: dict[tuple[int, ...], dist.ProcessGroup] = {}
+_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
 
-def _group_over(ranks: list[int]) -> dist.ProcessGroup:
-    """A process group over ``ranks`` (the default group when they are all ranks), made once."""
+def _group_over(ranks: list[int], local: bool = False) -> dist.ProcessGroup:
+    """A process group over ``ranks`` (the default group when they are all ranks), made once;
+    ``local``: only those ranks take part in making it."""
     key = tuple(sorted(ranks))
     if key == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
-    if key not in _EVERYONE:
-        _EVERYONE[key] = dist.new_group(list(key))
-    return _EVERYONE[key]
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=local)
+    return _GROUPS[key]
+
+
+# [Note: Partial reshard after forward]
+# reshard_after_forward=k (1 < k < S, k dividing the shard group's size S; FSDP2's int, ZeRO++'s
+# hpZ): after forward each rank keeps, instead of nothing beyond its shard, its 1/k of the
+# unit's gathered buffer: the S/k slots of rows [j S/k, (j+1) S/k) of it, j its rank among the k
+# consecutive ranks of its shard group that form its post-forward group (a node, when shard
+# groups span nodes). Backward's all-gather then runs over those k ranks only and rebuilds the
+# same S slots. Per non-root unit of padded size Psi_u (S slots) and wire element size b:
+#   held from forward to backward:   Psi_u b / k   (True: 0 beyond the shard; False: Psi_u b)
+#   backward all-gather per rank:    (k-1)/k Psi_u b over the post-forward group, 0 over the shard group
+# (True: (S-1)/S Psi_u b over the shard group). k = S is True, k = 1 is False.
+
+
+def post_forward_group(layout: Layout, size: int, where: str) -> dist.ProcessGroup | None:
+    """The ``size`` consecutive ranks of this rank's shard group that backward gathers over
+    (None: ``size`` is the whole shard group or 1); see [Note: Partial reshard after forward]."""
+    ranks = dist.get_process_group_ranks(layout.shard)
+    if size < 1 or len(ranks) % size:
+        raise ValueError(
+            f"{where}: reshard_after_forward={size} does not divide the shard group's {len(ranks)} ranks; pass "
+            "True, False or a divisor of it (the ranks per node, usually)"
+        )
+    if size in (1, len(ranks)):
+        return None
+    start = ranks.index(dist.get_rank()) // size * size
+    mine = ranks[start : start + size]
+    # Every rank makes every group in the same order where all shard groups are known (a mesh,
+    # or the default group); else only the members make theirs.
+    if layout.mesh is not None:
+        rows = layout.mesh.mesh.tolist()
+    elif len(ranks) == dist.get_world_size():
+        rows = [ranks]
+    else:
+        return _group_over(mine, local=True)
+    for row in rows:
+        for i in range(0, len(row), size):
+            _group_over(row[i : i + size])
+    return _group_over(mine)
 
 
 def layout_of(group, mesh: DeviceMesh | None, where: str) -> Layout:

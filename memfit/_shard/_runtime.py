@@ -74,6 +74,8 @@ class RootState:
             unit.wait_unshard()
             return None
         grad = torch.is_grad_enabled()
+        if grad:  # before the gather finishes: a partial reshard keeps its piece of a forward gather
+            unit.training_state = TrainingState.FORWARD
         if unit is self.root:
             self.checks.settle()  # what a forward without backward left (nothing in a training loop)
         if unit is self.root and not self.order_done and self.forward_order:
@@ -90,7 +92,6 @@ class RootState:
             flat = [x.to(cast) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
         if not grad:
             return tree_unflatten(flat, spec) if unit.input_dtype is not None else None
-        unit.training_state = TrainingState.FORWARD
         pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
         if not pos:
             if unit.grad_sync.syncs:  # this call's backward cannot be seen ending: reduce at the end
@@ -106,7 +107,7 @@ class RootState:
         """Hook the outputs for the pre-backward; free the full parameters (not the root's)."""
         if is_recomputing():
             if unit.reshard_after_forward and unit is not self.root:
-                unit.reshard()
+                unit.reshard(after_forward=True)
             return
         if not torch.is_grad_enabled():
             unit.reshard()
@@ -119,7 +120,7 @@ class RootState:
             if t.requires_grad:
                 t.register_hook(lambda _grad, u=unit: self.pre_backward(u))
         if unit.reshard_after_forward and unit is not self.root:
-            unit.reshard()
+            unit.reshard(after_forward=True)
 
     # -- backward -----------------------------------------------------------------------------
 

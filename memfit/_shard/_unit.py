@@ -16,7 +16,7 @@ from torch import nn
 
 from memfit._shard import _collectives as comm
 from memfit._shard._checks import StepChecks
-from memfit._shard._layout import Layout
+from memfit._shard._layout import Layout, post_forward_group
 from memfit._shard._param import ShardedParam
 from memfit._shard._streams import Streams
 
@@ -28,6 +28,8 @@ class ShardState(Enum):
     SHARDED = auto()  # live: the local chunks; the full tensors have empty storage
     GATHERING = auto()  # live: the chunks and the all-gather buffer; the collective is in flight
     UNSHARDED = auto()  # live: the chunks and the full tensors, which the modules now register
+    PARTIAL = auto()  # live: the chunks and this rank's 1/k of the gathered buffer (partial reshard
+    #                   after forward, See [Note: Partial reshard after forward]); full tensors freed
 
 
 class TrainingState(Enum):
@@ -67,7 +69,7 @@ class Unit:
         module: nn.Module,
         params: list[ShardedParam],
         layout: Layout,
-        reshard_after_forward: bool,
+        reshard_after_forward: bool | int,
         reduce_dtype: torch.dtype | None = None,
         *,
         input_dtype: torch.dtype | None = None,
@@ -84,7 +86,12 @@ class Unit:
         self.group = layout.shard  # the parameters are sharded over it
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = bool(reshard_after_forward)  # after forward, free (or keep 1/k)
+        self.post_forward_group = None  # partial reshard: the k ranks backward gathers over
+        if not isinstance(reshard_after_forward, bool):
+            self.post_forward_group = post_forward_group(layout, reshard_after_forward, "memfit.shard")
+            self.reshard_after_forward = reshard_after_forward != 1
+        self._piece: torch.Tensor | None = None  # partial reshard: this rank's rows of the gathered buffer
         self.name = type(module).__name__  # replaced by its path once the root knows it
         self.index = 0  # position in the root's list of units; checked in every all-gather
         self.shard_state = ShardState.SHARDED
@@ -119,24 +126,29 @@ class Unit:
     def unshard(self) -> None:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
         # See [Note: Sharded parameter layout], [Note: Mixed precision] and [Note: Streams and buffer lifetimes]
-        if self.shard_state is not ShardState.SHARDED or not self.params:
+        if self.shard_state not in (ShardState.SHARDED, ShardState.PARTIAL) or not self.params:
             return
         layout, streams = self._gather_layout(), self._streams()
-        streams.after("gather", "compute")  # the shards are written (optimizer step)
+        streams.after("gather", "compute")  # the shards are written (optimizer step), or the piece kept
         with streams.on("gather"):
             self._release_held(streams)
-            send = torch.empty(layout.slot, dtype=layout.wire, device=layout.device)
-            torch._foreach_copy_(layout.send_views(send), [*(p.sharded.detach() for p in layout.order), layout.tail])
+            if self.shard_state is ShardState.PARTIAL:  # See [Note: Partial reshard after forward]
+                send, group = self._piece, self.post_forward_group
+            else:
+                send, group = torch.empty(layout.slot, dtype=layout.wire, device=layout.device), self.group
+                torch._foreach_copy_(
+                    layout.send_views(send), [*(p.sharded.detach() for p in layout.order), layout.tail]
+                )
             out = torch.empty(self.world * layout.slot, dtype=layout.wire, device=layout.device)
             streams.note("alloc", f"{self.name}:gather-out", "gather")
-            work = comm.all_gather(out, send, self.group)
+            work = comm.all_gather(out, send, group)
         self._gather = (work, out, send)
         self._gathered_versions = [p.sharded._version for p in self.params]
         self.shard_state = ShardState.GATHERING
 
     def wait_unshard(self) -> None:
         """Finish the all-gather; the modules then compute with the full parameters."""
-        if self.shard_state is ShardState.SHARDED:
+        if self.shard_state in (ShardState.SHARDED, ShardState.PARTIAL):
             self.unshard()
         if self.shard_state is not ShardState.GATHERING:
             return
@@ -162,6 +174,8 @@ class Unit:
             p.gather_view() if layout.wire is p.full.dtype else p.gather_view().view(layout.wire) for p in layout.order
         ]
         torch.split_with_sizes_copy(out.view(self.world, -1), layout.sizes, dim=1, out=[*outs, ids])
+        if self._keeps_piece():
+            self._piece = self._rows_to_keep(out)
         streams.note("use", f"{self.name}:gather-out", "compute")
         if streams.holds:  # freed by the next gather, once it waited for this event
             self._hold(f"{self.name}:gather-out", out, streams.record("compute"))
@@ -172,16 +186,35 @@ class Unit:
         self._checks().gathered(self, ids[:, 0])
         self.shard_state = ShardState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Free the full parameters; the modules register their local chunks again."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the full parameters; the modules register their local chunks again. After
+        forward with a partial reshard, keep this rank's piece of the gathered buffer."""
         if self.shard_state is ShardState.GATHERING:
             self.wait_unshard()
+        keep = after_forward and self._piece is not None
+        if not keep:
+            self._piece = None
+        if self.shard_state is ShardState.PARTIAL and not keep:
+            self.shard_state = ShardState.SHARDED
         if self.shard_state is not ShardState.UNSHARDED:
             return
         for p in self.params:
             p.register(p.sharded)
             p.free_full()
-        self.shard_state = ShardState.SHARDED
+        self.shard_state = ShardState.PARTIAL if keep else ShardState.SHARDED
+
+    def _keeps_piece(self) -> bool:
+        """Partial reshard: does this gather (a forward's, not the root's) leave a piece to keep?"""
+        forward = self.training_state is TrainingState.FORWARD and self._piece is None
+        root = self.root_state is not None and self.root_state.root is self
+        return self.post_forward_group is not None and forward and not root
+
+    def _rows_to_keep(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/k of the gathered buffer ``out`` (See [Note: Partial reshard after forward])."""
+        k = dist.get_world_size(self.post_forward_group)
+        per = self.world // k
+        j = dist.get_rank(self.post_forward_group)
+        return out.view(self.world, -1)[j * per : (j + 1) * per].clone().view(-1)
 
     def _hold(self, name: str, out: torch.Tensor, event) -> None:
         if self.root_state is not None:

@@ -193,12 +193,55 @@ def case_checkpoint_hsdp_to_plain_w3_w1_and_back(rank, world, root):
     assert full_state(back, back_opt) == box[0]
 
 
+# -- partial reshard after forward --------------------------------------------------------------
+
+
+def case_partial_reshard_parity_bytes_and_memory(rank, world, _root):
+    """reshard_after_forward=2 over 4 shards: parity; the named formulas of [Note: Partial
+    reshard after forward] for what a unit holds between forward and backward and for what
+    backward's all-gather sends, per group."""
+    shards, k = 4, 2
+    mesh = mesh_of((1, shards))
+
+    def wrap(m):
+        for b in m.blocks:
+            memfit.shard(b, mesh=mesh, reshard_after_forward=k)
+        return memfit.shard(m, mesh=mesh, reshard_after_forward=k)
+
+    train_parity("mlp", rank, world, wrap)
+    model = wrap(make_model("mlp"))
+    units = memfit.testing.sharded_units(model)
+    root, others = units[0], units[1:]
+    x, y = batch("mlp", rank, 0)
+    loss_of("mlp", model, x, y).backward()
+    stats = memfit.testing.collective_stats()
+    stats.reset()
+    loss = loss_of("mlp", model, x, y)
+    # Held from forward to backward by a non-root unit: 1/k of its S gathered slots (fp32).
+    gather_slot = {u: (sum(p.slot_numel for p in u.params) + 1) * 4 for u in units}
+    held = {u: shards // k * gather_slot[u] for u in others}
+    assert {u: u._piece.numel() * u._piece.element_size() for u in others} == held
+    assert root._piece is None
+    loss.backward()
+    assert all(u._piece is None for u in units)  # dropped once backward gathered
+    post = others[0].post_forward_group
+    assert dist.get_process_group_ranks(post) == [rank // k * k + i for i in range(k)]
+    # Forward gathers every unit over the shard group; backward gathers the non-root units over k ranks.
+    assert stats.of(mesh.get_group("shard")).all_gather_bytes == sum(
+        (shards - 1) / shards * shards * gather_slot[u] for u in units
+    )
+    assert stats.of(post).all_gather_bytes == sum((k - 1) / k * shards * gather_slot[u] for u in others)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=3 does not divide the shard group's 4 ranks"):
+        memfit.shard(make_model("mlp"), mesh=mesh, reshard_after_forward=3)
+
+
 CASES = [
     case_parity_2x2_1x4_4x1_uneven_shards,
     case_tied_lm_head_2x2,
     case_hybrid_shard_spellings_match_mesh,
     case_bytes_per_link,
     case_checkpoint_hsdp_to_plain_w3_w1_and_back,
+    case_partial_reshard_parity_bytes_and_memory,
 ]
 GROUP = Subtests(CASES)
 
