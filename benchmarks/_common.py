@@ -16,6 +16,8 @@ import torch
 
 import memfit
 from memfit.cli._bench_dist import run_distributed
+from memfit.cli._data import batch_at
+from memfit.cli._launch import spawn
 from memfit.cli._measure import Result, run
 from memfit.models import Shape
 
@@ -24,6 +26,7 @@ __all__ = [
     "Measured",
     "Result",
     "add_shape_args",
+    "batch_at",
     "command",
     "emit",
     "kept_after_forward",
@@ -31,6 +34,7 @@ __all__ = [
     "run",
     "run_distributed",
     "shape_from",
+    "spawn",
     "table",
     "with_kept",
 ]

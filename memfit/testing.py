@@ -64,7 +64,8 @@ NORM_LAYERS: tuple[type[nn.Module], ...] = _NORMS
 
 
 def collective_stats() -> CommStats:
-    """This process's counters of sharding's collectives (calls and ring bytes); ``.reset()`` them."""
+    """This process's counters of sharding's collectives (calls and ring bytes), in total and per
+    process group (``.of(group)``, ``.by_group``); ``.reset()`` them."""
     return STATS
 
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from memfit._shard import _runtime
 from memfit._shard._compat import (
     device_of,
+    mesh_of,
     mixed_precision_of,
     offload_of,
-    strategy_to_reshard,
+    strategy_of,
     wrap_policy_of,
 )
 from memfit._shard._device import compute_device, resolved
@@ -30,6 +32,7 @@ from memfit._shard._init import (
     shard_parameters,
     wrap_selector,
 )
+from memfit._shard._layout import Layout, layout_of
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._state_dict import install_state_dict_hooks
 from memfit._shard._unit import ShardedModule, Unit, user_class
@@ -76,11 +79,16 @@ class FullyShardedDataParallel(ShardedModule):
             ``fn(module, recurse, nonwrapped_numel)``).
         sharding_strategy: ``FULL_SHARD`` (reshard_after_forward=True), ``SHARD_GRAD_OP``
             (False); ``NO_SHARD`` runs as ``SHARD_GRAD_OP``: DDP's numbers with the state
-            sharded at rest; ``HYBRID_SHARD`` raises NotImplementedError.
+            sharded at rest; ``HYBRID_SHARD`` (``_HYBRID_SHARD_ZERO2``: without resharding)
+            shards within each shard group and replicates across them, as ``shard(mesh=<2-D
+            mesh>)``: the groups come from ``device_mesh=`` (2-D), from
+            ``process_group=(shard_group, replicate_group)``, or else from ``LOCAL_WORLD_SIZE``
+            (torchrun sets it: a node's ranks form a shard group).
+        device_mesh: torch's 2-D (replicate, shard) mesh for ``HYBRID_SHARD``, or a 1-D mesh.
         mixed_precision: also torch's ``MixedPrecision`` / ``MixedPrecisionPolicy``, or
             FairScale's ``True`` (fp16 compute).
         device_id: move the module to this device (an int: that accelerator) before sharding.
-        process_group: torch's name for ``group``.
+        process_group: torch's name for ``group`` (a pair of groups for ``HYBRID_SHARD``).
         cpu_offload: torch's ``CPUOffload(offload_params=True)``, FairScale's
             ``move_params_to_cpu=True``: ``offload="cpu"``.
         use_orig_params, flatten_parameters: accepted; memfit always keeps the original
@@ -95,14 +103,15 @@ class FullyShardedDataParallel(ShardedModule):
         *,
         auto_wrap_policy=None,
         group: dist.ProcessGroup | None = None,
-        reshard_after_forward: bool | None = None,
+        reshard_after_forward: bool | int | None = None,
         sync_module_states: bool = True,
         device: torch.device | str | None = None,
         mixed_precision=None,
         offload: str | None = None,
         sharding_strategy=None,
         device_id: int | torch.device | str | None = None,
-        process_group: dist.ProcessGroup | None = None,
+        process_group: dist.ProcessGroup | tuple | None = None,
+        device_mesh: DeviceMesh | None = None,
         cpu_offload=None,
         use_orig_params: bool = True,
         flatten_parameters: bool = True,
@@ -115,9 +124,12 @@ class FullyShardedDataParallel(ShardedModule):
             raise ValueError("memfit.FullyShardedDataParallel: pass group= or process_group=, not both")
         if device_id is not None:
             device = _device_for(module, device_of(device_id), device)
+        reshard, hybrid = strategy_of(sharding_strategy, reshard_after_forward)
+        mesh = mesh_of(group or process_group, device_mesh, hybrid)  # one mesh for every unit
         kwargs = {
-            "group": group or process_group,
-            "reshard_after_forward": strategy_to_reshard(sharding_strategy, reshard_after_forward),
+            "group": None if mesh is not None else group or process_group,
+            "mesh": mesh,
+            "reshard_after_forward": reshard,
             "sync_module_states": sync_module_states,
             "device": device,
             "mixed_precision": mixed_precision_of(mixed_precision),
@@ -173,7 +185,8 @@ def shard(
     module: nn.Module,
     *,
     group: dist.ProcessGroup | None = None,
-    reshard_after_forward: bool = True,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int = True,
     sync_module_states: bool = True,
     device: torch.device | str | None = None,
     mixed_precision: MixedPrecision | None = None,
@@ -191,11 +204,21 @@ def shard(
 
     Args:
         group: the data-parallel process group (default: the default group).
+        mesh: instead of ``group``, a ``DeviceMesh`` (``torch.distributed.device_mesh.
+            init_device_mesh``): 1-D, shard over it; 2-D (replicate, shard), hybrid sharding
+            (HSDP): parameters, gradients and optimizer state are sharded over each row (the
+            shard dimension, usually a node's GPUs), which all-gathers and reduce-scatters
+            among itself; the rows hold the same shards, and each rank's reduced gradient shard
+            is all-reduced across the replicate dimension, so only 1/shard_size of the
+            gradients crosses it (see [Note: Hybrid sharding] in ``_layout.py``).
         reshard_after_forward: free the full parameters after forward and gather them again
             for backward (ZeRO-3); False keeps them from forward to backward (ZeRO-2-like:
-            less communication, more memory). The root always keeps them.
-        sync_module_states: broadcast parameters and buffers from rank 0 first, so ranks start
-            equal.
+            less communication, more memory). The root always keeps them. An int k dividing
+            the shard group's size S (FSDP2's int, ZeRO++'s hpZ): keep 1/k of them after
+            forward, so that backward gathers over k consecutive ranks only (a node) instead
+            of S (see [Note: Partial reshard after forward] in ``_layout.py``).
+        sync_module_states: broadcast parameters and buffers from rank 0 first (of all ranks
+            of the mesh, when hybrid), so ranks start equal.
         device: the compute device: full parameters, buffers, collectives and the chunks
             (unless offloaded) live there. Default: the accelerator the parameters are on,
             else the process group's device (the current CUDA device with NCCL, as torchrun's
@@ -213,30 +236,32 @@ def shard(
             that saves its memory; on a CPU-only machine the compute device is the CPU too, so
             the copies are host-to-host: the logic is tested here, the savings need a GPU.
 
-    Ranks that diverge (one skips or reorders a unit's forward) fail at once when the units
-    they exchange differ (every collective carries the unit's index), else after the process
-    group's timeout, with an error naming the rank and the unit.
+    Ranks that diverge (one skips or reorders a unit's forward) fail with an error naming the
+    rank and the unit: every collective carries the unit's index, and those indices are checked
+    once per step, at the end of backward (the step's one host sync), or after each collective
+    with the environment variable ``MEMFIT_DEBUG_COLLECTIVES=1``. Ranks whose collectives
+    never meet fail after the process group's timeout.
     """
-    group = _checked_group(module, group)
+    layout = _checked_layout(module, group, mesh)
     managed = managed_modules(module)
     owned = claim_parameters(module, managed)
-    compute, host = _devices(device, check_one_device_and_dtype(module, owned), offload, group)
+    compute, host = _devices(device, check_one_device_and_dtype(module, owned), offload, layout.shard)
     check_adopted_homes(module, owned, compute, host)
     place_buffers(managed, compute)  # See [Note: Devices and the meta test device]
     if sync_module_states:
-        broadcast_buffers(managed, group)
+        broadcast_buffers(managed, layout)
     if mixed_precision is not None:
         mixed_precision.prepare([m for _, m in managed])
-    params = shard_parameters(owned, group, compute, mixed_precision, host, sync_module_states)
-    unit = new_unit(module, params, owned, managed, group, reshard_after_forward, mixed_precision)
+    params = shard_parameters(owned, layout, compute, mixed_precision, host, sync_module_states)
+    unit = new_unit(module, params, owned, managed, layout, reshard_after_forward, mixed_precision)
     ensure_optimizer_check()
     _install(module, unit)  # See [Note: One sharded training step]
     return module
 
 
-def _checked_group(module: nn.Module, group: dist.ProcessGroup | None) -> dist.ProcessGroup:
-    """The process group to shard over; refuses a missing one, and a module sharded already."""
-    if group is None and not (dist.is_available() and dist.is_initialized()):
+def _checked_layout(module: nn.Module, group, mesh: DeviceMesh | None) -> Layout:
+    """The process groups to shard over; refuses a missing one, and a module sharded already."""
+    if group is None and mesh is None and not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
             "memfit.shard: no process group. Call torch.distributed.init_process_group(...) first "
             "(torchrun sets up the environment for it), or pass group=."
@@ -246,7 +271,7 @@ def _checked_group(module: nn.Module, group: dist.ProcessGroup | None) -> dist.P
             f"memfit.shard: {user_class(module).__name__} is already sharded (its unit is "
             f"'{module._memfit_unit.name}'); shard each module once, bottom-up."
         )
-    return group or dist.group.WORLD
+    return layout_of(group, mesh, "memfit.shard")
 
 
 def _devices(

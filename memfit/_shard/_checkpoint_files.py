@@ -18,7 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from memfit._shard._device import device_of_units, moved
 from memfit._shard._param import ShardedParam
@@ -57,16 +57,20 @@ def _shard_params(model: nn.Module) -> tuple[dict[int, ShardedParam], Any]:
     units = [m._memfit_unit for m in model.modules() if isinstance(m, ShardedModule)]
     if not units:
         raise ValueError(f"memfit: {type(model).__name__} is not sharded; save it with torch.save or shard it first")
-    return {id(sp.sharded): sp for u in units for sp in u.params}, units[0].group
+    return {id(sp.sharded): sp for u in units for sp in u.params}, units[0].layout.everyone
 
 
 def _as_dtensor(local: torch.Tensor, sp: ShardedParam, mesh: DeviceMesh) -> DTensor:
     full = (sp.rows, *sp.shape[1:]) if len(sp.shape) else (sp.rows,)
     stride = torch.empty(full, device="meta").stride()
-    return DTensor.from_local(local.reshape(sp.local_rows, *full[1:]), mesh, [Shard(0)], shape=full, stride=stride)
+    place = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]  # See [Note: Hybrid sharding]
+    return DTensor.from_local(local.reshape(sp.local_rows, *full[1:]), mesh, place, shape=full, stride=stride)
 
 
 def _mesh(group, shards: dict[int, ShardedParam]) -> DeviceMesh:
+    layout = next(iter(shards.values())).owner.layout if shards else None
+    if layout is not None and layout.mesh is not None:
+        return layout.mesh
     device = next(iter(shards.values())).sharded.device.type if shards else "cpu"
     return DeviceMesh.from_group(group, device)
 

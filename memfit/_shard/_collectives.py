@@ -1,6 +1,7 @@
 """The collectives sharding uses, on torch.distributed (gloo on CPUs, NCCL on GPUs).
 
-All-gather into one flat buffer and reduce-scatter out of one, both asynchronous. A rank
+All-gather into one flat buffer and reduce-scatter out of one, both asynchronous (and, for
+hybrid sharding, an all-reduce of the reduced shard across replicas). A rank
 whose peers never reach the same collective gets, after the process group's timeout, an
 error naming the unit and its rank. Bytes are counted per rank as a ring moves them
 ((W-1)/W of the full buffer per collective) so tests and benchmarks can check the volume.
@@ -8,7 +9,7 @@ error naming the unit and its rank. Bytes are counted per rank as a ring moves t
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -18,20 +19,52 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 
 
 @dataclass
-class CommStats:
-    """Per-process counters of sharding's collectives (bytes a rank sends in a ring)."""
+class LinkStats:
+    """What one rank sent over one process group: calls and bytes, by collective (ring bytes)."""
 
     all_gathers: int = 0
     reduce_scatters: int = 0
+    all_reduces: int = 0
     all_gather_bytes: float = 0.0
     reduce_scatter_bytes: float = 0.0
+    all_reduce_bytes: float = 0.0
+
+    @property
+    def bytes(self) -> float:
+        return self.all_gather_bytes + self.reduce_scatter_bytes + self.all_reduce_bytes
+
+
+@dataclass
+class CommStats(LinkStats):
+    """Per-process counters of sharding's collectives (bytes a rank sends in a ring), in total
+    and per process group (``by_group``: the group's global ranks -> :class:`LinkStats`)."""
+
+    by_group: dict[tuple[int, ...], LinkStats] = field(default_factory=dict)
 
     def reset(self) -> None:
-        self.all_gathers = self.reduce_scatters = 0
-        self.all_gather_bytes = self.reduce_scatter_bytes = 0.0
+        self.all_gathers = self.reduce_scatters = self.all_reduces = 0
+        self.all_gather_bytes = self.reduce_scatter_bytes = self.all_reduce_bytes = 0.0
+        self.by_group = {}
+
+    def of(self, group) -> LinkStats:
+        """The counters of ``group`` (a ProcessGroup; zeros if nothing was sent over it)."""
+        return self.by_group.get(_ranks(group), LinkStats())
+
+    def _add(self, kind: str, group, nbytes: float) -> None:
+        link = self.by_group.setdefault(_ranks(group), LinkStats())
+        for stats in (self, link):
+            setattr(stats, kind + "s", getattr(stats, kind + "s") + 1)
+            setattr(stats, kind + "_bytes", getattr(stats, kind + "_bytes") + nbytes)
 
 
 STATS = CommStats()
+_RANKS: dict = {}
+
+
+def _ranks(group) -> tuple[int, ...]:
+    if group not in _RANKS:
+        _RANKS[group] = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    return _RANKS[group]
 
 
 def _ring_bytes(full: torch.Tensor, world: int) -> float:
@@ -40,18 +73,21 @@ def _ring_bytes(full: torch.Tensor, world: int) -> float:
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
     """Start gathering every rank's ``inp`` into ``out`` (rank-major); returns the handle."""
-    world = dist.get_world_size(group)
-    STATS.all_gathers += 1
-    STATS.all_gather_bytes += _ring_bytes(out, world)
+    STATS._add("all_gather", group, _ring_bytes(out, dist.get_world_size(group)))
     return _all_gather(out, inp, group=group, async_op=True)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
     """Start summing ``inp`` over ranks and keeping this rank's slice in ``out``."""
-    world = dist.get_world_size(group)
-    STATS.reduce_scatters += 1
-    STATS.reduce_scatter_bytes += _ring_bytes(inp, world)
+    STATS._add("reduce_scatter", group, _ring_bytes(inp, dist.get_world_size(group)))
     return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def all_reduce(tensor: torch.Tensor, group) -> dist.Work:
+    """Start summing ``tensor`` over the ranks of ``group``, in place (a ring: a reduce-scatter
+    then an all-gather, so 2 (W-1)/W of it leaves each rank)."""
+    STATS._add("all_reduce", group, 2 * _ring_bytes(tensor, dist.get_world_size(group)))
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 class CollectiveError(RuntimeError):

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import inspect
+import os
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from memfit._shard._layout import hybrid_from_groups, hybrid_mesh
 from memfit._shard._mixed import MixedPrecision
 
 # [Note: Spellings from torch FSDP and FairScale]
@@ -22,8 +24,9 @@ from memfit._shard._mixed import MixedPrecision
 #   sharding_strategy: FULL_SHARD -> reshard_after_forward=True; SHARD_GRAD_OP ->
 #     reshard_after_forward=False; NO_SHARD -> reshard_after_forward=False too: the same
 #     numbers as DDP (gradients averaged over the ranks) with the state sharded at rest, since
-#     memfit has no replicated mode (use DistributedDataParallel for that); the hybrid
-#     strategies are refused until memfit shards over a 2-D mesh.
+#     memfit has no replicated mode (use DistributedDataParallel for that); HYBRID_SHARD ->
+#     shard(mesh=<2-D mesh>) (_HYBRID_SHARD_ZERO2: reshard_after_forward=False), the mesh from
+#     device_mesh=, process_group=(shard_group, replicate_group), or LOCAL_WORLD_SIZE.
 #   mixed_precision: torch's MixedPrecision and FSDP2's MixedPrecisionPolicy become memfit's
 #     (param_dtype None: fp32); FairScale's `mixed_precision=True` is fp16 compute.
 #   process_group (torch) is group; cpu_offload=CPUOffload(offload_params=True) (torch) or
@@ -34,31 +37,57 @@ from memfit._shard._mixed import MixedPrecision
 #     always communicates one flat buffer per unit.
 
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True}
+_RESHARD["_HYBRID_SHARD_ZERO2"] = False
 
 
-def strategy_to_reshard(sharding_strategy, reshard_after_forward: bool | None) -> bool:
-    """``reshard_after_forward`` for torch's ``sharding_strategy`` (an enum member or its name)."""
+def strategy_of(sharding_strategy, reshard_after_forward: bool | int | None) -> tuple[bool | int, bool]:
+    """(reshard_after_forward, hybrid) for torch's ``sharding_strategy`` (an enum member or its name)."""
     if sharding_strategy is None:
-        return True if reshard_after_forward is None else reshard_after_forward
+        return (True if reshard_after_forward is None else reshard_after_forward), False
     name = sharding_strategy if isinstance(sharding_strategy, str) else getattr(sharding_strategy, "name", None)
-    if name in _HYBRID:
-        raise NotImplementedError(
-            f"memfit.FullyShardedDataParallel: sharding_strategy={name} (shard within a node, replicate across "
-            "nodes) is not implemented yet. Use FULL_SHARD or SHARD_GRAD_OP over all ranks, or pass group= to "
-            "shard over one node's ranks."
-        )
-    wanted = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False}.get(name)  # See [Note: Spellings ...]
+    wanted = _RESHARD.get(name)  # See [Note: Spellings from torch FSDP and FairScale]
     if wanted is None:
         raise ValueError(
-            f"memfit.FullyShardedDataParallel: unknown sharding_strategy {sharding_strategy!r}; "
-            "expected FULL_SHARD, SHARD_GRAD_OP or NO_SHARD (torch.distributed.fsdp.ShardingStrategy or its name)"
+            f"memfit.FullyShardedDataParallel: unknown sharding_strategy {sharding_strategy!r}; expected FULL_SHARD, "
+            "SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or _HYBRID_SHARD_ZERO2 (torch.distributed.fsdp.ShardingStrategy "
+            "or its name)"
         )
     if reshard_after_forward is not None and reshard_after_forward != wanted:
         raise ValueError(
             f"memfit.FullyShardedDataParallel: sharding_strategy={name} means reshard_after_forward={wanted}, "
             f"but reshard_after_forward={reshard_after_forward} was passed too; pass one of them."
         )
-    return wanted
+    return wanted, name in _HYBRID
+
+
+def mesh_of(group, device_mesh, hybrid: bool):
+    """The device mesh torch FSDP's hybrid spellings stand for (None: shard over ``group``)."""
+    where = "memfit.FullyShardedDataParallel"
+    if device_mesh is not None:
+        if group is not None:
+            raise ValueError(f"{where}: pass process_group= or device_mesh=, not both")
+        if hybrid and device_mesh.ndim != 2:
+            raise ValueError(f"{where}: HYBRID_SHARD needs a 2-D (replicate, shard) device_mesh, got {device_mesh}")
+        return device_mesh
+    if not hybrid:
+        if isinstance(group, (tuple, list)):
+            raise ValueError(f"{where}: a pair of process groups needs sharding_strategy=HYBRID_SHARD")
+        return None
+    if isinstance(group, (tuple, list)) and len(group) == 2:
+        return hybrid_from_groups(group[0], group[1], where).mesh
+    if group is not None:
+        raise ValueError(
+            f"{where}: HYBRID_SHARD takes process_group=(shard_group, replicate_group) or device_mesh=, "
+            f"not one group ({group!r})"
+        )
+    local = os.environ.get("LOCAL_WORLD_SIZE")
+    if local is None:
+        raise ValueError(
+            f"{where}: HYBRID_SHARD without process_group= or device_mesh= shards within a node, and "
+            "LOCAL_WORLD_SIZE (set by torchrun) is not set; pass device_mesh=init_device_mesh(..., (nodes, per_node))"
+        )
+    return hybrid_mesh(int(local), where)
 
 
 def mixed_precision_of(spec) -> MixedPrecision | None:

@@ -54,7 +54,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     NCCL takes it), every rank keeps its rows. No rank holds more than its chunks plus one
     full tensor beyond what rank 0 already has."""
     units = units_of(model)
-    group = units[0].group
+    group = units[0].layout.everyone  # rank 0 of all ranks holds it, whatever the replicas
     device = device_of_units(units)
     src = dist.get_global_rank(group, 0)
     shards = {id(sp.sharded): sp for u in units for sp in u.params}
@@ -82,7 +82,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
             )
         dist.broadcast(buf, src=src, group=group)
         if sp is not None:
-            sp.keep_rows(buf, dist.get_rank(group))
+            sp.keep_rows(buf, sp.owner.rank)
             sp.deferred = False
         else:
             fill(t, buf)

@@ -47,7 +47,7 @@ def export_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype | None
     from safetensors.torch import save_file
 
     units = units_of(model)
-    group = units[0].group
+    group = units[0].layout.everyone  # one rank writes, whatever the replicas
     rank = dist.get_rank(group)
     owned = [u for u in units if u.params]
     dtype = dtype or (owned[0].params[0].sharded.dtype if owned else torch.float32)

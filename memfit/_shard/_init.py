@@ -14,6 +14,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memfit._shard import _runtime
 from memfit._shard._device import moved, same_device
+from memfit._shard._layout import Layout
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._param import ShardedParam, shard_of, sharded_as
 from memfit._shard._unit import ShardedModule, Unit, user_class
@@ -240,8 +241,10 @@ def place_buffers(managed: list[tuple[str, nn.Module]], device: torch.device) ->
 
 
 @torch.no_grad()
-def broadcast_buffers(managed: list[tuple[str, nn.Module]], group) -> None:
-    """Copy rank 0's buffers of the managed modules to every rank (they are on the compute device)."""
+def broadcast_buffers(managed: list[tuple[str, nn.Module]], layout: Layout) -> None:
+    """Copy rank 0's buffers of the managed modules to every rank of every replica (they are on
+    the compute device)."""
+    group = layout.everyone
     if dist.get_world_size(group) <= 1:
         return
     for _, m in managed:
@@ -253,23 +256,25 @@ def broadcast_buffers(managed: list[tuple[str, nn.Module]], group) -> None:
 @torch.no_grad()
 def shard_parameters(
     owned: Ownership,
-    group,
+    layout: Layout,
     device: torch.device,
     mixed_precision: MixedPrecision | None,
     shard_device: torch.device | None,
     sync: bool = False,
 ) -> list[ShardedParam]:
     """Replace each new parameter, wherever it is registered, by this rank's chunk of it; with
-    ``sync``, of rank 0's values, broadcast one parameter at a time on the compute device."""
+    ``sync``, of rank 0's values (rank 0 of every replica's ranks), broadcast one parameter at a
+    time on the compute device."""
     # See [Note: Sharded parameter layout] and [Note: Devices and the meta test device]
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = dist.get_rank(layout.shard), dist.get_world_size(layout.shard)
+    everyone = layout.everyone
     params = []
     for p, p_uses in owned.new:
         dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
         values = None
-        if sync and world > 1 and not p.is_meta:
+        if sync and dist.get_world_size(everyone) > 1 and not p.is_meta:
             values = moved(p.detach(), device)  # a temporary copy when p is not on the device
-            dist.broadcast(values, src=dist.get_global_rank(group, 0), group=group)
+            dist.broadcast(values, src=dist.get_global_rank(everyone, 0), group=everyone)
         params.append(ShardedParam(p, p_uses, owned.paths[p], rank, world, device, dtype, shard_device, values))
     return params
 
@@ -279,7 +284,7 @@ def new_unit(
     params: list[ShardedParam],
     owned: Ownership,
     managed: list[tuple[str, nn.Module]],
-    group,
+    layout: Layout,
     reshard_after_forward: bool,
     mixed_precision: MixedPrecision | None,
 ) -> Unit:
@@ -288,7 +293,7 @@ def new_unit(
     unit = Unit(
         module,
         [*params, *owned.adopted],
-        group,
+        layout,
         reshard_after_forward,
         reduce_dtype,
         input_dtype=mixed_precision.param_dtype if mixed_precision else None,
@@ -315,7 +320,7 @@ def pre_forward_with_lazy_init(module: nn.Module, args: tuple, kwargs: dict):
                 f"memfit sharding: parameters {deferred[:5]} were built on the meta device and have no values; "
                 "call memfit.materialize(model) or memfit.load_full_state_dict(model, state_dict) first"
             )
-    return _runtime.pre_forward(module, args, kwargs)
+    return unit.root_state.pre_forward(unit, args, kwargs)
 
 
 def _init_root(unit: Unit) -> None:
@@ -347,7 +352,7 @@ def _init_root(unit: Unit) -> None:
             # A gradient reaching any sharded parameter guarantees the end-of-backward callback,
             # even when no unit output could be hooked.
             if sp.requires_grad:
-                sp.full.register_post_accumulate_grad_hook(lambda _p, st=state: _runtime.ensure_finish_queued(st))
+                sp.full.register_post_accumulate_grad_hook(lambda _p, st=state: st.ensure_finish_queued())
 
 
 # -- optimizer built before sharding ---------------------------------------------------------

@@ -14,7 +14,7 @@ from memfit._checkpoint import is_recomputing
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
-from memfit._shard._unit import TrainingState, Unit
+from memfit._shard._unit import GradSync, TrainingState, Unit
 
 # [Note: One sharded training step]
 # Forward, per unit: the pre-forward hook finishes the unit's all-gather (started early by
@@ -37,7 +37,8 @@ from memfit._shard._unit import TrainingState, Unit
 
 
 class RootState:
-    """Shared by the units under one root (the outermost sharded module)."""
+    """Shared by the units under one root (the outermost sharded module); its methods are the
+    hooks of [Note: One sharded training step], each called with the unit it concerns."""
 
     def __init__(self, root: Unit, units: list[Unit]) -> None:
         self.root = root
@@ -63,6 +64,126 @@ class RootState:
         i = self.forward_order.index(unit)
         return self.forward_order[i - 1] if i > 0 else None
 
+    # -- forward ------------------------------------------------------------------------------
+
+    def pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
+        """Gather ``unit`` (prefetch the next), hook the inputs that need a gradient."""
+        # See [Note: One sharded training step]
+        if is_recomputing():
+            # A checkpointed region around this unit is being recomputed in backward: the unit
+            # only needs its parameters; its own backward hooks were set in the real forward.
+            unit.wait_unshard()
+            return None
+        grad = torch.is_grad_enabled()
+        if grad:  # before the gather finishes: a partial reshard keeps its piece of a forward gather
+            unit.training_state = TrainingState.FORWARD
+        if unit is self.root:
+            self.checks.settle()  # what a forward without backward left (nothing in a training loop)
+        if unit is self.root and not self.order_done and self.forward_order:
+            self.order_done = True  # the first step's order is known once the root runs again
+        if not self.order_done and unit not in self.forward_order:
+            self.forward_order.append(unit)
+        unit.wait_unshard()
+        nxt = self.next_in_forward(unit)
+        if nxt is not None and nxt.training_state is not TrainingState.FORWARD:
+            nxt.unshard()
+        flat, spec = tree_flatten((args, kwargs))
+        if unit.input_dtype is not None:  # mixed precision: floating inputs in the compute dtype
+            cast = unit.input_dtype
+            flat = [x.to(cast) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
+        if not grad:
+            return tree_unflatten(flat, spec) if unit.input_dtype is not None else None
+        pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if not pos:
+            if unit.grad_sync.syncs:  # this call's backward cannot be seen ending: reduce at the end
+                unit.grad_sync = GradSync.SYNC_AT_END
+            return tree_unflatten(flat, spec) if unit.input_dtype is not None else None
+        outs = _PostBackward.apply(unit, *[flat[i] for i in pos])
+        for i, t in zip(pos, outs):
+            flat[i] = t
+        unit.pending_backward += 1
+        return tree_unflatten(flat, spec)
+
+    def post_forward(self, unit: Unit, output) -> None:
+        """Hook the outputs for the pre-backward; free the full parameters (not the root's)."""
+        if is_recomputing():
+            if unit.reshard_after_forward and unit is not self.root:
+                unit.reshard(after_forward=True)
+            return
+        if not torch.is_grad_enabled():
+            unit.reshard()
+            if unit is self.root:  # evaluation ends: drop gathers prefetched for nothing
+                for u in self.units:
+                    u.reshard()
+                self.checks.settle()
+            return
+        for t in _tensors_in(output):
+            if t.requires_grad:
+                t.register_hook(lambda _grad, u=unit: self.pre_backward(u))
+        if unit.reshard_after_forward and unit is not self.root:
+            unit.reshard(after_forward=True)
+
+    # -- backward -----------------------------------------------------------------------------
+
+    def pre_backward(self, unit: Unit) -> None:
+        """The first gradient of ``unit``'s outputs: gather it again, prefetch the unit before it."""
+        # FORWARD: the first backward after the forward. IDLE or REDUCED: another backward pass
+        # through a graph that is still alive (retain_graph, or two forwards and two backwards):
+        # gather again. BACKWARD: already gathered in this pass.
+        if unit.training_state is TrainingState.BACKWARD:
+            return
+        self.ensure_finish_queued()
+        unit.training_state = TrainingState.BACKWARD
+        unit.wait_unshard()
+        prev = self.prev_in_forward(unit)
+        if prev is not None and prev.training_state is TrainingState.FORWARD:
+            prev.unshard()
+
+    def post_backward(self, unit: Unit) -> None:
+        """Free the unit's parameters and start reducing its gradients; the reduce-scatter runs
+        while the next unit computes its backward, and finishes when that unit's starts."""
+        if unit.training_state is TrainingState.REDUCED:
+            return
+        unit.reshard()  # the parameters are no longer needed: free them before the reduce buffers
+        if unit.grad_sync.syncs:
+            self.finish_pending_reduce()
+            self.pending_reduce = unit.start_reduce()
+            if unit.grad_sync is GradSync.HELD:
+                unit.grad_sync = GradSync.SYNC
+        else:
+            unit.grad_sync = GradSync.ACCUMULATED  # full gradients wait for the next synced backward
+        unit.training_state = TrainingState.REDUCED
+
+    def finish_pending_reduce(self) -> None:
+        if self.pending_reduce is not None:
+            pending, self.pending_reduce = self.pending_reduce, None
+            pending.finish()
+
+    def ensure_finish_queued(self) -> None:
+        """Make sure `finish_backward` runs when the current backward pass ends."""
+        if not self.callback_queued:
+            Variable._execution_engine.queue_callback(self.finish_backward)
+            self.callback_queued = True
+
+    def finish_backward(self) -> None:
+        """End of the backward pass: reduce what is left, free everything, reset for the next step."""
+        for unit in reversed(self.units):
+            ran = unit.training_state in (TrainingState.FORWARD, TrainingState.BACKWARD)
+            if ran or unit.grad_sync is GradSync.HELD:  # incl. gradients left by no_sync steps
+                unit.training_state = TrainingState.BACKWARD
+                self.post_backward(unit)
+            unit.reshard()
+        self.finish_pending_reduce()
+        self.streams.after("compute", "reduce")  # the gradient shards are written
+        for unit in self.units:
+            unit.training_state = TrainingState.IDLE
+            unit.pending_backward = 0
+            if unit.grad_sync is GradSync.SYNC_AT_END:
+                unit.grad_sync = GradSync.SYNC
+        self.callback_queued = False
+        wait_host_copies()  # offloaded gradients are in host memory before the optimizer reads them
+        self.checks.settle()  # the step's one host sync
+
 
 class _PostBackward(torch.autograd.Function):
     """Identity on the unit's inputs; its backward runs once the unit's backward is done."""
@@ -76,131 +197,15 @@ class _PostBackward(torch.autograd.Function):
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
         unit: Unit = ctx.unit
         unit.pending_backward -= 1
-        if unit.pending_backward == 0 and not unit.reduce_at_end:
-            post_backward(unit)
+        if unit.pending_backward == 0 and unit.grad_sync is not GradSync.SYNC_AT_END:
+            unit.root_state.post_backward(unit)
         return (None, *grads)
 
 
-def post_backward(unit: Unit) -> None:
-    """Free the unit's parameters and start reducing its gradients; the reduce-scatter runs
-    while the next unit computes its backward, and finishes when that unit's starts."""
-    if unit.training_state is TrainingState.REDUCED:
-        return
-    unit.reshard()  # the parameters are no longer needed: free them before the reduce buffers
-    if unit.sync_grads:
-        state: RootState = unit.root_state
-        finish_pending_reduce(state)
-        state.pending_reduce = unit.start_reduce()
-        unit.unsynced = False
-    else:
-        unit.unsynced = True  # full gradients wait for the next synced backward
-    unit.training_state = TrainingState.REDUCED
-
-
-def finish_pending_reduce(state: RootState) -> None:
-    if state.pending_reduce is not None:
-        pending, state.pending_reduce = state.pending_reduce, None
-        pending.finish()
-
-
-def ensure_finish_queued(state: RootState) -> None:
-    """Make sure `finish_backward` runs when the current backward pass ends."""
-    if not state.callback_queued:
-        Variable._execution_engine.queue_callback(lambda: finish_backward(state))
-        state.callback_queued = True
-
-
-def pre_backward(unit: Unit) -> None:
-    # FORWARD: the first backward after the forward. IDLE or REDUCED: another backward pass
-    # through a graph that is still alive (retain_graph, or two forwards and two backwards):
-    # gather again. BACKWARD: already gathered in this pass.
-    if unit.training_state is TrainingState.BACKWARD:
-        return
-    state: RootState = unit.root_state
-    ensure_finish_queued(state)
-    unit.training_state = TrainingState.BACKWARD
-    unit.wait_unshard()
-    prev = state.prev_in_forward(unit)
-    if prev is not None and prev.training_state is TrainingState.FORWARD:
-        prev.unshard()
-
-
-def finish_backward(state: RootState) -> None:
-    """End of the backward pass: reduce what is left, free everything, reset for the next step."""
-    for unit in reversed(state.units):
-        ran = unit.training_state in (TrainingState.FORWARD, TrainingState.BACKWARD)
-        if ran or (unit.unsynced and unit.sync_grads):  # incl. gradients left by no_sync steps
-            unit.training_state = TrainingState.BACKWARD
-            post_backward(unit)
-        unit.reshard()
-    finish_pending_reduce(state)
-    state.streams.after("compute", "reduce")  # the gradient shards are written
-    for unit in state.units:
-        unit.training_state = TrainingState.IDLE
-        unit.pending_backward = 0
-        unit.reduce_at_end = False
-    state.callback_queued = False
-    wait_host_copies()  # offloaded gradients are in host memory before the optimizer reads them
-    state.checks.settle()  # the step's one host sync
-
-
-def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
-    # See [Note: One sharded training step]
-    unit: Unit = module._memfit_unit
-    state: RootState = unit.root_state
-    if is_recomputing():
-        # A checkpointed region around this unit is being recomputed in backward: the unit
-        # only needs its parameters; its own backward hooks were set in the real forward.
-        unit.wait_unshard()
-        return None
-    grad = torch.is_grad_enabled()
-    if unit is state.root:
-        state.checks.settle()  # what a forward without backward left (nothing in a training loop)
-    if unit is state.root and not state.order_done and state.forward_order:
-        state.order_done = True  # the first step's order is known once the root runs again
-    if not state.order_done and unit not in state.forward_order:
-        state.forward_order.append(unit)
-    unit.wait_unshard()
-    nxt = state.next_in_forward(unit)
-    if nxt is not None and nxt.training_state is not TrainingState.FORWARD:
-        nxt.unshard()
-    flat, spec = tree_flatten((args, kwargs))
-    if unit.input_dtype is not None:  # mixed precision: floating inputs in the compute dtype
-        flat = [x.to(unit.input_dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x for x in flat]
-    if not grad:
-        return tree_unflatten(flat, spec) if unit.input_dtype is not None else None
-    unit.training_state = TrainingState.FORWARD
-    pos = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if not pos:
-        unit.reduce_at_end = True  # this call's backward cannot be seen ending: reduce at the end
-        return tree_unflatten(flat, spec) if unit.input_dtype is not None else None
-    outs = _PostBackward.apply(unit, *[flat[i] for i in pos])
-    for i, t in zip(pos, outs):
-        flat[i] = t
-    unit.pending_backward += 1
-    return tree_unflatten(flat, spec)
-
-
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output):
+    """The module's forward hook: the root state's post-forward for the module's unit."""
     unit: Unit = module._memfit_unit
-    state: RootState = unit.root_state
-    if is_recomputing():
-        if unit.reshard_after_forward and unit is not state.root:
-            unit.reshard()
-        return None
-    if not torch.is_grad_enabled():
-        unit.reshard()
-        if unit is state.root:  # evaluation ends: drop gathers prefetched for nothing
-            for u in state.units:
-                u.reshard()
-            state.checks.settle()
-        return None
-    for t in _tensors_in(output):
-        if t.requires_grad:
-            t.register_hook(lambda _grad, u=unit: pre_backward(u))
-    if unit.reshard_after_forward and unit is not state.root:
-        unit.reshard()
-    return None
+    unit.root_state.post_forward(unit, output)
 
 
 def _tensors_in(obj) -> list[torch.Tensor]:

@@ -17,6 +17,7 @@ from torch import nn
 from memfit._shard import _collectives as comm
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import copy_in, land, wait_host_copies
+from memfit._shard._layout import Layout, post_forward_group
 from memfit._shard._mixed import gradient_divide_factors
 from memfit._shard._param import ShardedParam
 from memfit._shard._streams import Streams
@@ -29,6 +30,8 @@ class ShardState(Enum):
     SHARDED = auto()  # live: the local chunks; the full tensors have empty storage
     GATHERING = auto()  # live: the chunks and the all-gather buffer; the collective is in flight
     UNSHARDED = auto()  # live: the chunks and the full tensors, which the modules now register
+    PARTIAL = auto()  # live: the chunks and this rank's 1/k of the gathered buffer (partial reshard
+    #                   after forward, See [Note: Partial reshard after forward]); full tensors freed
 
 
 class TrainingState(Enum):
@@ -38,6 +41,28 @@ class TrainingState(Enum):
     REDUCED = auto()  # gradients reduce-scattered into the shards for this step
 
 
+class GradSync(Enum):
+    """Where a unit's full gradients go at its post-backward (see [Note: One sharded training step])."""
+
+    SYNC = auto()  # reduce-scattered when the unit's input gradients arrive; no full gradients kept
+    SYNC_AT_END = auto()  # as SYNC, but a forward call this step had no input needing grad, so
+    #                       its backward cannot be seen ending: reduced by the end-of-backward callback
+    NO_SYNC = auto()  # inside no_sync(), nothing accumulated yet
+    ACCUMULATED = auto()  # inside no_sync(): full gradients accumulate in the full parameters' .grad
+    HELD = auto()  # no_sync() ended with full gradients held: the next synced backward reduces them
+
+    @property
+    def syncs(self) -> bool:
+        """Does the post-backward reduce-scatter (outside no_sync)?"""
+        return self in (GradSync.SYNC, GradSync.SYNC_AT_END, GradSync.HELD)
+
+    def entering_no_sync(self) -> GradSync:
+        return GradSync.ACCUMULATED if self in (GradSync.HELD, GradSync.ACCUMULATED) else GradSync.NO_SYNC
+
+    def leaving_no_sync(self) -> GradSync:
+        return {GradSync.ACCUMULATED: GradSync.HELD, GradSync.NO_SYNC: GradSync.SYNC}.get(self, self)
+
+
 class Unit:
     """The parameters one ``shard()`` call manages, and what moves them."""
 
@@ -45,8 +70,8 @@ class Unit:
         self,
         module: nn.Module,
         params: list[ShardedParam],
-        group,
-        reshard_after_forward: bool,
+        layout: Layout,
+        reshard_after_forward: bool | int,
         reduce_dtype: torch.dtype | None = None,
         *,
         input_dtype: torch.dtype | None = None,
@@ -59,18 +84,25 @@ class Unit:
         self.params = params
         for sp in params:
             sp.owner = self
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-        self.reshard_after_forward = reshard_after_forward
+        self.layout = layout  # See [Note: Hybrid sharding]
+        self.group = layout.shard  # the parameters are sharded over it
+        self.rank = dist.get_rank(self.group)
+        self.world = dist.get_world_size(self.group)
+        self.reshard_after_forward = bool(reshard_after_forward)  # after forward, free (or keep 1/k)
+        self.post_forward_group = None  # partial reshard: the k ranks backward gathers over
+        if not isinstance(reshard_after_forward, bool):
+            self.post_forward_group = post_forward_group(layout, reshard_after_forward, "memfit.shard")
+            self.reshard_after_forward = reshard_after_forward != 1
+        self._piece: torch.Tensor | None = None  # partial reshard: this rank's rows of the gathered buffer
         self.name = type(module).__name__  # replaced by its path once the root knows it
         self.index = 0  # position in the root's list of units; checked in every all-gather
         self.shard_state = ShardState.SHARDED
         self.training_state = TrainingState.IDLE
-        self.pending_backward = 0  # forward calls whose post-backward has not fired yet
-        self.sync_grads = True  # False inside no_sync(): keep full gradients, reduce later
-        self.unsynced = False  # full gradients from no_sync steps wait to be reduced
-        self.reduce_at_end = False  # a forward call had no input needing grad: reduce in finish_backward
+        self.grad_sync = GradSync.SYNC
+        # Forward calls (with inputs needing grad) whose backward has not ended yet: a count, not
+        # a state, since a unit may run several times in one forward (a shared block) and its
+        # post-backward must wait for the last of them.
+        self.pending_backward = 0
         self._gathered_versions: list[int] = []  # the shards' versions the gather started from
         self._gather: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # (work, output, send buffer)
         self._gather_plan: GatherLayout | None = None  # built at the first gather
@@ -96,24 +128,27 @@ class Unit:
     def unshard(self) -> None:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
         # See [Note: Sharded parameter layout], [Note: Mixed precision] and [Note: Streams and buffer lifetimes]
-        if self.shard_state is not ShardState.SHARDED or not self.params:
+        if self.shard_state not in (ShardState.SHARDED, ShardState.PARTIAL) or not self.params:
             return
         layout, streams = self._gather_layout(), self._streams()
-        streams.after("gather", "compute")  # the shards are written (optimizer step)
+        streams.after("gather", "compute")  # the shards are written (optimizer step), or the piece kept
         with streams.on("gather"):
             self._release_held(streams)
-            send = torch.empty(layout.slot, dtype=layout.wire, device=layout.device)
-            copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
+            if self.shard_state is ShardState.PARTIAL:  # See [Note: Partial reshard after forward]
+                send, group = self._piece, self.post_forward_group
+            else:
+                send, group = torch.empty(layout.slot, dtype=layout.wire, device=layout.device), self.group
+                copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
             out = torch.empty(self.world * layout.slot, dtype=layout.wire, device=layout.device)
             streams.note("alloc", f"{self.name}:gather-out", "gather")
-            work = comm.all_gather(out, send, self.group)
+            work = comm.all_gather(out, send, group)
         self._gather = (work, out, send)
         self._gathered_versions = [p.sharded._version for p in self.params]
         self.shard_state = ShardState.GATHERING
 
     def wait_unshard(self) -> None:
         """Finish the all-gather; the modules then compute with the full parameters."""
-        if self.shard_state is ShardState.SHARDED:
+        if self.shard_state in (ShardState.SHARDED, ShardState.PARTIAL):
             self.unshard()
         if self.shard_state is not ShardState.GATHERING:
             return
@@ -139,6 +174,8 @@ class Unit:
             p.gather_view() if layout.wire is p.full.dtype else p.gather_view().view(layout.wire) for p in layout.order
         ]
         torch.split_with_sizes_copy(out.view(self.world, -1), layout.sizes, dim=1, out=[*outs, ids])
+        if self._keeps_piece():
+            self._piece = self._rows_to_keep(out)
         streams.note("use", f"{self.name}:gather-out", "compute")
         if streams.holds:  # freed by the next gather, once it waited for this event
             self._hold(f"{self.name}:gather-out", out, streams.record("compute"))
@@ -149,16 +186,35 @@ class Unit:
         self._checks().gathered(self, ids[:, 0])
         self.shard_state = ShardState.UNSHARDED
 
-    def reshard(self) -> None:
-        """Free the full parameters; the modules register their local chunks again."""
+    def reshard(self, after_forward: bool = False) -> None:
+        """Free the full parameters; the modules register their local chunks again. After
+        forward with a partial reshard, keep this rank's piece of the gathered buffer."""
         if self.shard_state is ShardState.GATHERING:
             self.wait_unshard()
+        keep = after_forward and self._piece is not None
+        if not keep:
+            self._piece = None
+        if self.shard_state is ShardState.PARTIAL and not keep:
+            self.shard_state = ShardState.SHARDED
         if self.shard_state is not ShardState.UNSHARDED:
             return
         for p in self.params:
             p.register(p.sharded)
             p.free_full()
-        self.shard_state = ShardState.SHARDED
+        self.shard_state = ShardState.PARTIAL if keep else ShardState.SHARDED
+
+    def _keeps_piece(self) -> bool:
+        """Partial reshard: does this gather (a forward's, not the root's) leave a piece to keep?"""
+        forward = self.training_state is TrainingState.FORWARD and self._piece is None
+        root = self.root_state is not None and self.root_state.root is self
+        return self.post_forward_group is not None and forward and not root
+
+    def _rows_to_keep(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/k of the gathered buffer ``out`` (See [Note: Partial reshard after forward])."""
+        k = dist.get_world_size(self.post_forward_group)
+        per = self.world // k
+        j = dist.get_rank(self.post_forward_group)
+        return out.view(self.world, -1)[j * per : (j + 1) * per].clone().view(-1)
 
     def _hold(self, name: str, out: torch.Tensor, event) -> None:
         if self.root_state is not None:
@@ -292,7 +348,8 @@ class ReduceLayout:
         self.slot = self.flags + len(trainable) + 2
         self._tails: dict[tuple[bool, ...], torch.Tensor] = {}
         self.exact = self.dtype in (torch.float32, torch.float64)  # sums of squares round in 16-bit floats
-        self.pre, self.post = gradient_divide_factors(self.dtype, unit.world)  # by W, before and after the sum
+        # by the data-parallel ranks (replicas x shards), before and after the sum
+        self.pre, self.post = gradient_divide_factors(self.dtype, unit.layout.data_parallel)
 
     def tail(self, have: tuple[bool, ...]) -> torch.Tensor:
         """The flags and check values every rank's slot ends with, for this pattern of gradients."""
@@ -334,6 +391,9 @@ class PendingReduce:
         streams = unit._streams()
         with streams.on("reduce"):
             comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
+            replicate = unit.layout.replicate
+            if replicate is not None:  # hybrid: sum this shard over the replicas (See [Note: Hybrid sharding])
+                comm.wait(comm.all_reduce(out, replicate), f"all-reduce of sharded unit '{unit.name}'", replicate)
             out.div_(layout.post)
             out = land(out, layout.params[0].sharded, lambda: streams.record("reduce"))  # offloaded: to the host
             streams.record("reduce")
@@ -372,12 +432,12 @@ class ShardedModule:
         reduces the sum (same result as one large batch, more memory meanwhile)."""
         units = self._units_below()
         for u in units:
-            u.sync_grads = False
+            u.grad_sync = u.grad_sync.entering_no_sync()
         try:
             yield
         finally:
             for u in units:
-                u.sync_grads = True
+                u.grad_sync = u.grad_sync.leaving_no_sync()
 
 
 def user_class(module: nn.Module) -> type:

@@ -103,6 +103,13 @@ def _train_flags(t: argparse.ArgumentParser, models: str) -> None:
     t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
     t.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
     t.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"], help="per block")
+    t.add_argument(
+        "--hybrid-shards",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hybrid sharding: shard over groups of N consecutive ranks (a node), replicate across them (0: over all)",
+    )
     _shape_flags(t, batch_note=" (rows per rank per micro-batch)")
     t.add_argument("--seed", type=int, default=0, help="initialisation, dropout and masking")
     t.add_argument("--checkpoint-dir", help="checkpoints go to DIR/step-N")

@@ -51,6 +51,7 @@ class TrainConfig:
     accumulate: int = 1  # micro-batches per step, each of --batch rows per rank
     clip: float = 1.0
     checkpointing: str = "full"
+    hybrid_shards: int = 0  # shard within groups of N consecutive ranks (a node), replicate across; 0: over all
     layers: int | None = None  # preset overrides
     hidden: int | None = None
     seq: int | None = None
@@ -77,8 +78,8 @@ class TrainConfig:
             raise ValueError("memfit train: --resume and --save-every need --checkpoint-dir")
         if min(self.steps, self.accumulate, self.log_every, self.eval_batches) < 1 or self.warmup < 0:
             raise ValueError("memfit train: --steps, --accumulate, --log-every, --eval-batches >= 1, --warmup >= 0")
-        if min(self.save_every, self.keep_last, self.eval_every) < 0:
-            raise ValueError("memfit train: --save-every, --keep-last and --eval-every must be >= 0")
+        if min(self.save_every, self.keep_last, self.eval_every, self.hybrid_shards) < 0:
+            raise ValueError("memfit train: --save-every, --keep-last, --eval-every and --hybrid-shards must be >= 0")
         self.spec()  # an unknown model fails here, before any process group forms
 
     def spec(self) -> ModelSpec:
@@ -157,16 +158,35 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
     memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
-    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={block})
+    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={block}, device_mesh=_hybrid_mesh(cfg, world))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
+    n = cfg.hybrid_shards
+    hybrid = f" (hybrid: {world // n} replicas x {n} shards)" if n else ""
     log.say(
-        f"memfit train: {cfg.model} ({n_params / 1e6:.2f}M parameters, {spec.arch} LM), world size {world}, "
+        f"memfit train: {cfg.model} ({n_params / 1e6:.2f}M parameters, {spec.arch} LM), world size {world}{hybrid}, "
         f"global batch {batch * cfg.accumulate * world} sequences of {seq} tokens "
         f"({cfg.accumulate} x {batch} per rank), {cfg.steps} steps; data: {tokens.source}"
     )
     return _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device)
+
+
+def _hybrid_mesh(cfg: TrainConfig, world: int):
+    """--hybrid-shards N: the (world / N) x N mesh, a shard group per N consecutive ranks (a
+    node under torchrun), the replicas across them (hybrid sharding); None without it."""
+    if not cfg.hybrid_shards:
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if world % cfg.hybrid_shards:
+        raise ValueError(
+            f"memfit train: --hybrid-shards {cfg.hybrid_shards} does not divide the world size {world}; "
+            "use the number of processes per node (torchrun --nproc-per-node)"
+        )
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    shape = (world // cfg.hybrid_shards, cfg.hybrid_shards)
+    return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def _step(run: _Run, step: int, measure: bool) -> dict:

@@ -2,6 +2,7 @@
 own policy and mixed-precision objects. One group of 2 ranks runs every case."""
 
 import functools
+import os
 
 import pytest
 import torch
@@ -83,8 +84,17 @@ def case_sharding_strategy(rank, world):
         make_model("lm"), auto_wrap_policy=AttnBlock, sharding_strategy=ShardingStrategy.SHARD_GRAD_OP
     )
     assert one_step_loss(ref) == one_step_loss(zero2)
-    with pytest.raises(NotImplementedError, match=r"HYBRID_SHARD .* not implemented yet"):
-        memfit.FullyShardedDataParallel(make_model("lm"), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    with pytest.raises(ValueError, match=r"HYBRID_SHARD takes process_group=\(shard_group, replicate_group\)"):
+        memfit.FullyShardedDataParallel(
+            make_model("lm"), sharding_strategy=ShardingStrategy.HYBRID_SHARD, process_group=dist.group.WORLD
+        )
+    local = os.environ.pop("LOCAL_WORLD_SIZE", None)
+    try:
+        with pytest.raises(ValueError, match=r"LOCAL_WORLD_SIZE .* is not set"):
+            memfit.FullyShardedDataParallel(make_model("lm"), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+    finally:
+        if local is not None:
+            os.environ["LOCAL_WORLD_SIZE"] = local
     with pytest.raises(ValueError, match="pass one of them"):
         memfit.FullyShardedDataParallel(make_model("lm"), sharding_strategy="FULL_SHARD", reshard_after_forward=False)
 

@@ -1,0 +1,256 @@
+"""Hybrid sharding (HSDP) on a 2-D (replicate x shard) mesh: parity with one process, bytes
+per process group, torch FSDP's HYBRID_SHARD spellings, checkpoints across layouts.
+
+One spawned group of 4 ranks runs every case (as 2x2, 1x4 and 4x1 meshes; the checkpoint case
+also shards over 3 and over 1 of the 4 ranks). Parity tolerances are test_shard's: fp32, only
+the order of the gradient sum differs (1e-6 relative).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import ShardingStrategy
+
+import memfit
+import memfit.testing
+from tests._dist import Subtests, case_id
+from tests._models import AttnBlock, make_model
+from tests._parity import my_rows
+from tests.distributed.test_shard import batch, loss_of, train_parity
+
+SHAPES = [(2, 2), (1, 4), (4, 1)]  # (replicas, shards)
+
+
+def mesh_of(shape):
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def hybrid(mesh):
+    def wrap(m):
+        for b in m.blocks:
+            memfit.shard(b, mesh=mesh)
+        return memfit.shard(m, mesh=mesh)
+
+    return wrap
+
+
+# -- parity ------------------------------------------------------------------------------------
+
+
+def case_parity_2x2_1x4_4x1_uneven_shards(rank, world, _root):
+    for shape in SHAPES:
+        mesh = mesh_of(shape)
+        model, ref = train_parity("mlp", rank, world, hybrid(mesh))
+        shard_rank, shards = mesh.get_local_rank(1), shape[1]
+        local = dict(model.named_parameters())
+        for n, p in ref.named_parameters():  # sharded over the shard dimension only
+            assert local[n].shape == my_rows(p, shard_rank, shards).shape, (shape, n)
+        if shards == 4:
+            assert local["scale"].numel() == (1 if shard_rank == 0 else 0)  # empty shards
+
+
+def case_tied_lm_head_2x2(rank, world, _root):
+    mesh = mesh_of((2, 2))
+
+    def wrap(m):
+        return memfit.FullyShardedDataParallel(
+            m, auto_wrap_policy=AttnBlock, sharding_strategy="HYBRID_SHARD", device_mesh=mesh
+        )
+
+    train_parity("lm", rank, world, wrap)
+
+
+def case_hybrid_shard_spellings_match_mesh(rank, world, _root):
+    mesh = mesh_of((2, 2))
+    shard_pg, replicate_pg = mesh.get_group("shard"), mesh.get_group("replicate")
+    spellings = [
+        {"device_mesh": mesh},
+        {"process_group": (shard_pg, replicate_pg)},
+        {},  # LOCAL_WORLD_SIZE, as torchrun sets it: consecutive ranks share a shard group
+    ]
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    try:
+        for kwargs in spellings:
+
+            def wrap(m, kw=kwargs):
+                return memfit.FullyShardedDataParallel(
+                    m, auto_wrap_policy=nn.Sequential, sharding_strategy=ShardingStrategy.HYBRID_SHARD, **kw
+                )
+
+            model, _ = train_parity("mlp", rank, world, wrap, steps=2)
+            for u in memfit.testing.sharded_units(model):
+                assert dist.get_process_group_ranks(u.group) == dist.get_process_group_ranks(shard_pg), kwargs
+    finally:
+        del os.environ["LOCAL_WORLD_SIZE"]
+    zero2 = memfit.FullyShardedDataParallel(
+        make_model("mlp"), device_mesh=mesh, sharding_strategy=ShardingStrategy._HYBRID_SHARD_ZERO2
+    )
+    assert {u.reshard_after_forward for u in memfit.testing.sharded_units(zero2)} == {False}
+    with pytest.raises(ValueError, match="pass group= or mesh=, not both"):
+        memfit.shard(make_model("mlp"), group=dist.group.WORLD, mesh=mesh)
+    with pytest.raises(ValueError, match="HYBRID_SHARD needs a 2-D"):
+        memfit.FullyShardedDataParallel(
+            make_model("mlp"), device_mesh=init_device_mesh("cpu", (4,)), sharding_strategy="HYBRID_SHARD"
+        )
+
+
+# -- bytes per process group -------------------------------------------------------------------
+
+
+def case_bytes_per_link(rank, world, _root):
+    """Per rank and step: the replicate group carries only the all-reduce of each unit's reduced
+    shard, 2 (R-1)/R x its reduce slot (1/S of the gradients, plus the flags and check sums);
+    the shard group carries plain sharding's traffic at W = S."""
+    replicas, shards = 2, 2
+    mesh = mesh_of((replicas, shards))
+    model = hybrid(mesh)(make_model("mlp"))
+    units = memfit.testing.sharded_units(model)
+    x, y = batch("mlp", rank, 0)
+    loss_of("mlp", model, x, y).backward()
+    stats = memfit.testing.collective_stats()
+    stats.reset()
+    loss_of("mlp", model, x, y).backward()
+    shard_pg, replicate_pg = mesh.get_group("shard"), mesh.get_group("replicate")
+    across, within = stats.of(replicate_pg), stats.of(shard_pg)
+    # Each unit's reduce slot on this rank: its rows of every parameter, a flag per parameter, 2 check sums.
+    reduce_slot = {u: (sum(p.slot_numel + 1 for p in u.params) + 2) * 4 for u in units}
+    gather_slot = {u: (sum(p.slot_numel for p in u.params) + 1) * 4 for u in units}
+    ring_r, ring_s = (replicas - 1) / replicas, (shards - 1) / shards
+    assert across.all_reduce_bytes == sum(2 * ring_r * b for b in reduce_slot.values())
+    assert across.all_gathers == across.reduce_scatters == 0
+    assert across.all_reduces == len(units)
+    regathered = units[1:]  # every unit but the root gathers again for backward
+    assert within.all_gather_bytes == sum(shards * ring_s * gather_slot[u] for u in [*units, *regathered])
+    assert within.reduce_scatter_bytes == sum(shards * ring_s * reduce_slot[u] for u in units)
+    assert within.all_reduces == 0
+    # The gradient bytes crossing the replicate dimension are about Psi/S of them, not Psi.
+    psi = sum(p.numel() for p in make_model("mlp").parameters()) * 4
+    padding = sum(p.row_numel for u in units for p in u.params) * 4  # at most one row per parameter
+    extras = sum(len(u.params) + 2 for u in units) * 4  # flags and check sums
+    assert psi / shards <= sum(reduce_slot.values()) <= psi / shards + padding + extras
+
+
+# -- checkpoints across layouts ----------------------------------------------------------------
+
+
+def full_state(model, opt):
+    """Full parameters and full AdamW state by name, gathered over the model's shard group."""
+    group = memfit.testing.sharded_units(model)[0].group
+    names = {id(p): n for n, p in model.named_parameters()}
+    with memfit.summon_full_params(model, writeback=False):
+        out = {n: p.detach().reshape(-1).tolist() for n, p in model.named_parameters()}
+    for p, st in sorted(opt.state.items(), key=lambda kv: names[id(kv[0])]):
+        for k, v in st.items():
+            if v.dim() == 0:
+                out[f"{names[id(p)]}/{k}"] = [v.item()]
+                continue
+            parts = [None] * dist.get_world_size(group)
+            dist.all_gather_object(parts, v.reshape(-1).tolist(), group=group)
+            out[f"{names[id(p)]}/{k}"] = [x for part in parts for x in part]
+    return out
+
+
+def build(**where):
+    model = memfit.FullyShardedDataParallel(make_model("mlp"), auto_wrap_policy=nn.Sequential, **where)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def steps(model, opt, rank, n=2):
+    for step in range(n):
+        x, y = batch("mlp", rank, step)
+        loss_of("mlp", model, x, y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def case_checkpoint_hsdp_to_plain_w3_w1_and_back(rank, world, root):
+    mesh = mesh_of((2, 2))
+    model, opt = build(device_mesh=mesh, sharding_strategy="HYBRID_SHARD")
+    steps(model, opt, rank)
+    path = os.path.join(root, "hsdp")
+    memfit.save_checkpoint(path, model, opt, step=2)
+    saved = full_state(model, opt)
+    for ranks in ([0, 1, 2], [0]):  # plain sharding at W=3 and W=1; the other ranks wait
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            plain, plain_opt = build(group=group)
+            steps(plain, plain_opt, rank, n=1)  # other values, and an optimizer state to overwrite
+            assert memfit.load_checkpoint(path, plain, plain_opt) == {"step": 2}
+            assert full_state(plain, plain_opt) == saved, ranks
+            if len(ranks) == 3:
+                steps(plain, plain_opt, rank, n=1)
+                memfit.save_checkpoint(os.path.join(root, "w3"), plain, plain_opt, step=3)
+                saved_w3 = full_state(plain, plain_opt)
+        dist.barrier()
+    box = [saved_w3 if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    back, back_opt = build(device_mesh=mesh, sharding_strategy="HYBRID_SHARD")
+    assert memfit.load_checkpoint(os.path.join(root, "w3"), back, back_opt) == {"step": 3}
+    assert full_state(back, back_opt) == box[0]
+
+
+# -- partial reshard after forward --------------------------------------------------------------
+
+
+def case_partial_reshard_parity_bytes_and_memory(rank, world, _root):
+    """reshard_after_forward=2 over 4 shards: parity; the named formulas of [Note: Partial
+    reshard after forward] for what a unit holds between forward and backward and for what
+    backward's all-gather sends, per group."""
+    shards, k = 4, 2
+    mesh = mesh_of((1, shards))
+
+    def wrap(m):
+        for b in m.blocks:
+            memfit.shard(b, mesh=mesh, reshard_after_forward=k)
+        return memfit.shard(m, mesh=mesh, reshard_after_forward=k)
+
+    train_parity("mlp", rank, world, wrap)
+    model = wrap(make_model("mlp"))
+    units = memfit.testing.sharded_units(model)
+    root, others = units[0], units[1:]
+    x, y = batch("mlp", rank, 0)
+    loss_of("mlp", model, x, y).backward()
+    stats = memfit.testing.collective_stats()
+    stats.reset()
+    loss = loss_of("mlp", model, x, y)
+    # Held from forward to backward by a non-root unit: 1/k of its S gathered slots (fp32).
+    gather_slot = {u: (sum(p.slot_numel for p in u.params) + 1) * 4 for u in units}
+    held = {u: shards // k * gather_slot[u] for u in others}
+    assert {u: u._piece.numel() * u._piece.element_size() for u in others} == held
+    assert root._piece is None
+    loss.backward()
+    assert all(u._piece is None for u in units)  # dropped once backward gathered
+    post = others[0].post_forward_group
+    assert dist.get_process_group_ranks(post) == [rank // k * k + i for i in range(k)]
+    # Forward gathers every unit over the shard group; backward gathers the non-root units over k ranks.
+    assert stats.of(mesh.get_group("shard")).all_gather_bytes == sum(
+        (shards - 1) / shards * shards * gather_slot[u] for u in units
+    )
+    assert stats.of(post).all_gather_bytes == sum((k - 1) / k * shards * gather_slot[u] for u in others)
+    with pytest.raises(ValueError, match=r"reshard_after_forward=3 does not divide the shard group's 4 ranks"):
+        memfit.shard(make_model("mlp"), mesh=mesh, reshard_after_forward=3)
+
+
+CASES = [
+    case_parity_2x2_1x4_4x1_uneven_shards,
+    case_tied_lm_head_2x2,
+    case_hybrid_shard_spellings_match_mesh,
+    case_bytes_per_link,
+    case_checkpoint_hsdp_to_plain_w3_w1_and_back,
+    case_partial_reshard_parity_bytes_and_memory,
+]
+GROUP = Subtests(CASES)
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("hybrid"))
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_hybrid(case, root):
+    GROUP.check(case, 4, root)
