@@ -317,7 +317,8 @@ def plan(
     budget_bytes = parse_bytes(budget)
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
-    shard = Sharding(world_size, shard_size) if (sharding if sharding is not None else world_size > 1) else None
+    layout = Sharding(world_size, shard_size)  # checked even when not sharded (world_size 0, shard_size 8 of 1)
+    shard = layout if (sharding if sharding is not None else world_size > 1) else None
     device = _device_profile(device_profile, _device_type(model))
     opts = {"decisions": decisions, "device": device}
     if profile is None:

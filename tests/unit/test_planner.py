@@ -66,6 +66,18 @@ def test_infeasible_budget_names_the_smallest(seed):
     memfit.plan(model, {}, budget=f"{smallest} KiB", profile=profile)  # fits as printed (rounded up)
 
 
+@pytest.mark.parametrize(
+    ("world_size", "shard_size", "error"),
+    [(0, None, ValueError), (-1, None, ValueError), (1, 4, ValueError), (2.0, None, TypeError), (4, True, TypeError)],
+)
+def test_bad_world_and_shard_sizes_are_refused(world_size, shard_size, error):
+    # world_size 0 or -1 planned silently for one process; shard_size 4 without world_size was
+    # ignored (one process, no sharding); a float or a bool was taken as a count of ranks.
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(error, match=r"memfit\.plan: (world|shard)_size"):
+        memfit.plan(model, {}, budget="1GB", profile=synthetic(3), world_size=world_size, shard_size=shard_size)
+
+
 def test_sharded_terms_divide_state_by_world_size():
     profile = synthetic(4)
     one, four = terms(profile, None), terms(profile, Sharding(4))
