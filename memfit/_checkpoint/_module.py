@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -44,9 +45,33 @@ class _CheckpointedForward:
         return type(self.module).forward(self.module, *args, **kwargs)
 
     def __call__(self, *args, **kwargs):
+        if self.module.training and getattr(type(self.module), "_can_checkpoint_with_cache", True) is False:
+            args, kwargs = _without_cache(args, kwargs)
         return _checkpoint(
             self._plain_forward, args, kwargs, offload=self.offload, save=self.save, name=self.name, module=self.module
         )
+
+
+# [Note: Key/value caches under recompute]
+# A transformers decoder layer (a GradientCheckpointingLayer that writes its key/value cache)
+# appends its keys and values to the cache given to it in forward, and again in recompute: the
+# replayed layer then sees twice the keys (selective recompute fails in backward, "aten.slice
+# encountered during backward but not found in storage") and the cache holds every layer's
+# keys and values until the step ends (memory the planner does not forecast: it plans without
+# a cache). In training, transformers' own checkpointing drops the cache for such layers; so
+# does ours: use_cache=False, and None for any transformers Cache argument (GPT-2 passes it
+# by position).
+
+
+def _without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    if cache is None:
+        return args, kwargs
+    args = tuple(None if isinstance(a, cache) else a for a in args)
+    kwargs = {k: None if isinstance(v, cache) else v for k, v in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return args, kwargs
 
 
 def checkpoint_module(

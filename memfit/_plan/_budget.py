@@ -51,8 +51,10 @@ def parse_bytes(budget: int | float | str) -> int:
     return int(value * _UNITS[unit])
 
 
-def format_bytes(n: float) -> str:
+def format_bytes(n: float, *, up: bool = False) -> str:
+    """``n`` bytes in the largest binary unit, to 2 decimals; ``up``: rounded up, for a budget
+    that must be enough (a smallest budget printed rounded down does not fit)."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
+            return f"{(math.ceil(n / size * 100) / 100 if up else n / size):.2f} {unit}"
+    return f"{math.ceil(n) if up else n:.0f} B"

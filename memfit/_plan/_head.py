@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-import types
+import inspect
 from dataclasses import dataclass
 
 from torch import nn
@@ -54,31 +54,45 @@ def find_head(model: nn.Module) -> LMHead | None:
     return LMHead(prefix, paths[id(transform)] if isinstance(transform, nn.Module) else None, proj_path, shift)
 
 
-def chunk_head(model: nn.Module, head: LMHead, chunk_size: int | None = None) -> nn.Module:
-    """Make ``model(**batch)`` compute its loss with :func:`memfit.chunked_cross_entropy`
-    (in place; ``unchunk_head`` undoes it). The output has ``.loss`` only (no logits).
-    ``chunk_size``: rows per chunk; None: an eighth of the rows, from 16 to 1024."""
-    base, proj = model.get_submodule(head.base), model.get_submodule(head.proj)
-    transform = model.get_submodule(head.transform) if head.transform else None
+class _ChunkedForward:
+    """The instance-level ``forward`` of a model whose head is chunked. A class, not a closure:
+    ``copy.deepcopy(model)`` gives the copy a forward over the copy's own modules, and the model
+    still pickles. It shows the plain forward's signature (the HF Trainer keeps the batch's
+    columns by it) and honours ``num_items_in_batch`` as the plain loss does (the Trainer passes
+    it with gradient accumulation: the loss is then a sum over that many tokens)."""
 
-    def forward(*args, labels=None, **kwargs):
+    def __init__(self, model: nn.Module, head: LMHead, chunk_size: int | None) -> None:
+        self.model, self.head, self.chunk_size = model, head, chunk_size
+        self.__signature__ = inspect.signature(type(model).forward.__get__(model))
+
+    def __call__(self, *args, labels=None, num_items_in_batch=None, **kwargs):
+        model, head = self.model, self.head
         if labels is None:
             raise ValueError(
                 f"memfit: {type(model).__name__}'s head is chunked (memfit.plan decided so): its forward needs "
                 "labels= and returns only the loss; plan with chunk_head=False to keep the plain head"
             )
         kwargs.pop("return_dict", None)
-        hidden = base(*args, **kwargs)[0]
-        if transform is not None:
-            hidden = transform(hidden)
+        hidden = model.get_submodule(head.base)(*args, **kwargs)[0]
+        if head.transform is not None:
+            hidden = model.get_submodule(head.transform)(hidden)
         if head.shift:
             hidden, labels = hidden[..., :-1, :], labels[..., 1:]
-        rows = labels.numel()
-        chunk = chunk_size or min(1024, max(16, rows // 8))
+        chunk = self.chunk_size or min(1024, max(16, labels.numel() // 8))
+        proj = model.get_submodule(head.proj)
         loss = chunked_cross_entropy(hidden, proj.weight, labels, bias=proj.bias, chunk_size=chunk)
-        return types.SimpleNamespace(loss=loss)
+        if num_items_in_batch is not None:  # a sum over the tokens, divided by the batch's count
+            loss = loss * (labels != -100).sum() / num_items_in_batch
+        from transformers.modeling_outputs import CausalLMOutput, MaskedLMOutput  # a transformers model's head
 
-    model.forward = forward
+        return (CausalLMOutput if head.shift else MaskedLMOutput)(loss=loss)
+
+
+def chunk_head(model: nn.Module, head: LMHead, chunk_size: int | None = None) -> nn.Module:
+    """Make ``model(**batch)`` compute its loss with :func:`memfit.chunked_cross_entropy`
+    (in place; ``unchunk_head`` undoes it). The output has ``.loss`` only (no logits).
+    ``chunk_size``: rows per chunk; None: an eighth of the rows, from 16 to 1024."""
+    model.forward = _ChunkedForward(model, head, chunk_size)
     return model
 
 

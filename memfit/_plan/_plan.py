@@ -142,7 +142,8 @@ class Plan:
             head,
             *self._head_line(),
             *self._offload_line(),
-            f"smallest budget any plan fits: {format_bytes(floor)}; keeping every activation: {format_bytes(keep_all)}",
+            f"smallest budget any plan fits: {format_bytes(floor, up=True)}; keeping every activation: "
+            f"{format_bytes(keep_all, up=True)}",
             f"what to change: {self._change(keep_all)}",
             f"time on {self.profile.device or 'the device profile'}{source}: predicted step "
             f"{f['step_time'] * 1e3:.1f} ms, of which recompute and offload {f['extra_time'] * 1e3:.1f} ms "
@@ -178,7 +179,7 @@ class Plan:
         if self.budget is not None and keep_all <= self.budget:
             return "nothing: every activation is kept (no recompute)"
         shard = self.sharding if self.sharding and self.sharding.world_size > 1 else None
-        more = format_bytes(keep_all - (self.budget if self.budget is not None else self.forecast["peak"]))
+        more = format_bytes(keep_all - (self.budget if self.budget is not None else self.forecast["peak"]), up=True)
         text = f"{more} more {'per rank' if shard else 'memory'} keeps every activation (no recompute)"
         if self.budget is not None and (wider := _wider_sharding(self.profile, shard, self.budget)):
             text += f", or {wider.describe()} ({_shard_advice(shard, wider)}) keeps them within the budget"
@@ -316,7 +317,8 @@ def plan(
     budget_bytes = parse_bytes(budget)
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
-    shard = Sharding(world_size, shard_size) if (sharding if sharding is not None else world_size > 1) else None
+    layout = Sharding(world_size, shard_size)  # checked even when not sharded (world_size 0, shard_size 8 of 1)
+    shard = layout if (sharding if sharding is not None else world_size > 1) else None
     device = _device_profile(device_profile, _device_type(model))
     opts = {"decisions": decisions, "device": device}
     if profile is None:
@@ -409,8 +411,8 @@ def _no_fit(profile: ModelProfile, budget_bytes: int, shard: Sharding | None, de
     least = forecast(profile, ["keep"] * len(profile.blocks), shard)
     return PlanError(
         f"memfit.plan: no plan fits {format_bytes(budget_bytes)}. The smallest budget that fits is "
-        f"{format_bytes(floor)}; keeping every activation needs {format_bytes(least['peak'])}. What no "
-        f"decision reduces: parameters, buffers and optimizer state {format_bytes(profile.state_bytes)}, "
+        f"{format_bytes(floor, up=True)}; keeping every activation needs {format_bytes(least['peak'], up=True)}. "
+        f"What no decision reduces: parameters, buffers and optimizer state {format_bytes(profile.state_bytes)}, "
         f"optimizer step peak {format_bytes(profile.optimizer_peak)}, head and loss "
         f"{format_bytes(profile.head_transient)}. {_no_fit_advice(shard)}"
     )

@@ -21,6 +21,9 @@ class Sharding:
     shard_size: int | None = None  # ranks a unit is sharded over; None: world_size
 
     def __post_init__(self) -> None:
+        for name, v in (("world_size", self.world_size), ("shard_size", self.shard_size)):
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool)):
+                raise TypeError(f"memfit.plan: {name} must be a whole number of ranks, got {v!r}")
         if self.world_size < 1:
             raise ValueError(f"memfit.plan: world_size must be >= 1, got {self.world_size}")
         s = self.shard_size

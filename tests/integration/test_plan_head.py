@@ -60,3 +60,45 @@ def test_the_planner_chunks_the_head_only_when_a_budget_needs_it():
         memfit.plan(model, batch, budget=budget, profile=probe.profile, chunk_head=False)
     with pytest.raises(ValueError, match="chunk_head=True needs a transformers masked or causal LM"):
         memfit.plan(model, batch, budget="1TB", loss_fn=lambda out: out.loss, chunk_head=True, device_profile="cpu")
+
+
+def _chunked(model, batch):
+    probe = memfit.plan(model, batch, budget="1TB", device_profile="cpu")
+    return memfit.Plan.fixed(dict.fromkeys(probe.decisions, "keep"), probe.profile, head="chunked")
+
+
+def test_chunked_model_copies_pickles_and_indexes_as_a_model_output():
+    import pickle
+
+    model, batch = _model("gpt2")
+    chunked = _chunked(model, batch).apply(copy.deepcopy(model))
+    twin = copy.deepcopy(chunked)  # the closure forward computed with the original's modules
+    with torch.no_grad():
+        twin.transformer.wte.weight.zero_()  # tied: the logits are all zero, the loss log(V)
+    torch.testing.assert_close(twin(**batch).loss, torch.log(torch.tensor(512.0)))
+    assert chunked(**batch).loss > 0 and not torch.equal(chunked(**batch).loss, twin(**batch).loss)
+    out = pickle.loads(pickle.dumps(chunked))(**batch)
+    assert torch.equal(out[0], out["loss"]) and torch.equal(out.loss, chunked(**batch).loss)
+
+
+def test_chunked_model_trains_under_the_hf_trainer_as_the_plain_one(tmp_path):
+    # The Trainer keeps the columns the forward's signature names (a bare (*args, labels, **kwargs)
+    # lost input_ids), indexes the output (outputs[0]) and, with gradient accumulation, passes
+    # num_items_in_batch (the loss is then a sum over that many tokens). SGD: Adam's normalised
+    # update would turn the rounding of near-zero gradients into whole steps.
+    from transformers import Trainer, TrainingArguments
+
+    model, batch = _model("gpt2")
+    plan = _chunked(model, batch)
+    ids = torch.randint(0, 512, (8, 32), generator=torch.Generator().manual_seed(0))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+    trained = []
+    for m in (copy.deepcopy(model), plan.apply(copy.deepcopy(model))):
+        args = TrainingArguments(
+            str(tmp_path), max_steps=2, per_device_train_batch_size=2, gradient_accumulation_steps=2, report_to=[],
+            use_cpu=True, save_strategy="no", optim="sgd", learning_rate=1.0, dataloader_num_workers=0,
+        )  # fmt: skip
+        Trainer(model=m, args=args, train_dataset=data).train()
+        trained.append(m)
+    for (name, p), q in zip(trained[0].named_parameters(), trained[1].parameters()):
+        torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)

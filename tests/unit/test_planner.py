@@ -54,13 +54,28 @@ def test_solver_is_optimal_on_small_chains(seed):
         assert f["extra_time"] >= want[0] - 1e-12
 
 
-def test_infeasible_budget_names_the_smallest():
-    profile = synthetic(6)
+@pytest.mark.parametrize("seed", [0, 6, 7])
+def test_infeasible_budget_names_the_smallest(seed):
+    # The smallest budget is printed rounded up: rounded to nearest (seed 6: 14.66 KiB for
+    # 15012 bytes) the budget the error named did not fit.
+    profile = synthetic(6, seed)
     model = torch.nn.Linear(2, 2)
     with pytest.raises(memfit.PlanError, match=r"no plan fits .*smallest budget that fits is ([0-9.]+) KiB") as e:
         memfit.plan(model, {}, budget=5_000, profile=profile)
-    smallest = float(e.value.args[0].split("smallest budget that fits is ")[1].split(" KiB")[0]) * 1024
-    memfit.plan(model, {}, budget=int(smallest) + 64, profile=profile)  # fits (to the solver's grain)
+    smallest = e.value.args[0].split("smallest budget that fits is ")[1].split(" KiB")[0]
+    memfit.plan(model, {}, budget=f"{smallest} KiB", profile=profile)  # fits as printed (rounded up)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "shard_size", "error"),
+    [(0, None, ValueError), (-1, None, ValueError), (1, 4, ValueError), (2.0, None, TypeError), (4, True, TypeError)],
+)
+def test_bad_world_and_shard_sizes_are_refused(world_size, shard_size, error):
+    # world_size 0 or -1 planned silently for one process; shard_size 4 without world_size was
+    # ignored (one process, no sharding); a float or a bool was taken as a count of ranks.
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(error, match=r"memfit\.plan: (world|shard)_size"):
+        memfit.plan(model, {}, budget="1GB", profile=synthetic(3), world_size=world_size, shard_size=shard_size)
 
 
 def test_sharded_terms_divide_state_by_world_size():
