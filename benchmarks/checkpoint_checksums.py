@@ -22,9 +22,8 @@ import time
 import torch
 
 import memfit
-from memfit.cli._launch import init_process_group
 from memfit.models import PRESETS
-from memfit.testing import checkpoint_checksums
+from memfit.testing import checkpoint_checksums, init_process_group
 
 
 def main() -> None:

@@ -28,9 +28,8 @@ import torch
 from _common import MIB, command, emit, progress_log
 
 import memfit
-from memfit.cli._launch import spawn
 from memfit.models import PRESETS, Preset, Shape, lm_batch, mlm_batch
-from memfit.testing import BlockProfile, ModelProfile, calibrate, forecast, measured_sharded_peak, solve
+from memfit.testing import BlockProfile, ModelProfile, calibrate, forecast, measured_sharded_peak, solve, spawn
 
 GIB = 2**30
 SMALL = {"layers": 4, "hidden": 128, "heads": 4, "seq": 64, "batch": 4, "dropout": 0.0}
@@ -187,9 +186,7 @@ def real_sizes(log) -> list[str]:
         "memfit model states GiB | DeepSpeed GiB |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    from memfit.cli._data import batch_at
-    from memfit.cli._plan import DTYPES
-    from memfit.testing import smallest_budget
+    from memfit.testing import DTYPES, batch_at, smallest_budget
 
     for name, world, budget, dtype, device in cases:
         preset = PRESETS[name]

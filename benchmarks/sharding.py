@@ -1,6 +1,6 @@
 """Data parallel on 2 gloo ranks (CPU): DDP vs torch FSDP2 vs memfit sharding, HF BERT-MLM.
 
-One run (memfit.cli._bench_dist, the loop behind `memfit bench --world-size N`): each rank builds
+One run (memfit.testing.run_distributed, the loop behind `memfit bench --world-size N`): each rank builds
 the three models from the same random init (fp32, AdamW), each on its own batch of standard
 library tokens. Step time: rank 0's median of interleaved repeats after warm-up, each step
 between barriers (so it includes waiting for the slower rank). Memory: the per-rank peak of

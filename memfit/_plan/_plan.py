@@ -318,6 +318,11 @@ def plan(
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
     layout = Sharding(world_size, shard_size)  # checked even when not sharded (world_size 0, shard_size 8 of 1)
+    if sharding is False and shard_size is not None:
+        raise ValueError(
+            f"memfit.plan: shard_size={shard_size} with sharding=False; hybrid sharding shards over "
+            "groups of shard_size ranks: drop sharding=False, or drop shard_size to forecast unsharded ranks"
+        )
     shard = layout if (sharding if sharding is not None else world_size > 1) else None
     device = _device_profile(device_profile, _device_type(model))
     opts = {"decisions": decisions, "device": device}

@@ -78,6 +78,13 @@ def test_bad_world_and_shard_sizes_are_refused(world_size, shard_size, error):
         memfit.plan(model, {}, budget="1GB", profile=synthetic(3), world_size=world_size, shard_size=shard_size)
 
 
+def test_shard_size_without_sharding_is_refused():
+    with pytest.raises(ValueError, match=r"memfit\.plan: shard_size=2 with sharding=False"):
+        memfit.plan(
+            torch.nn.Linear(2, 2), {}, budget="1GB", profile=synthetic(3), world_size=4, shard_size=2, sharding=False
+        )
+
+
 def test_sharded_terms_divide_state_by_world_size():
     profile = synthetic(4)
     one, four = terms(profile, None), terms(profile, Sharding(4))
