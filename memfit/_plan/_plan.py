@@ -12,7 +12,7 @@ from torch import nn
 
 import memfit
 from memfit._plan._budget import format_bytes, parse_bytes
-from memfit._plan._head import chunk_head
+from memfit._plan._head import chunk_head, unchunk_head
 from memfit._plan._profile import (
     DECISIONS,
     Inputs,
@@ -97,6 +97,14 @@ class Plan:
             self.decision(kind).apply(model.get_submodule(path), name=path)
         if self.head == "chunked":
             chunk_head(model, self.profile.head)
+        return model
+
+    def unapply(self, model: nn.Module) -> nn.Module:
+        """Undo :meth:`apply`: every block plain again and the head whole (``model(**batch)``
+        returns logits again, for evaluation or ``generate()``)."""
+        for path in self.decisions:
+            memfit.remove_checkpointing(model.get_submodule(path))
+        unchunk_head(model)
         return model
 
     def decision(self, kind: str) -> memfit.Decision:

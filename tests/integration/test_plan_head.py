@@ -81,6 +81,18 @@ def test_chunked_model_copies_pickles_and_indexes_as_a_model_output():
     assert torch.equal(out[0], out["loss"]) and torch.equal(out.loss, chunked(**batch).loss)
 
 
+def test_unapply_gives_the_plain_model_back():
+    model, batch = _model("gpt2")
+    plain = model(**batch)
+    plan = _chunked(model, batch)
+    plan.apply(model)
+    assert model(**batch).logits is None
+    plan.unapply(model)
+    back = model(**batch)
+    torch.testing.assert_close(back.logits, plain.logits, rtol=0, atol=0)
+    torch.testing.assert_close(back.loss, plain.loss, rtol=0, atol=0)
+
+
 def test_chunked_model_trains_under_the_hf_trainer_as_the_plain_one(tmp_path):
     # The Trainer keeps the columns the forward's signature names (a bare (*args, labels, **kwargs)
     # lost input_ids), indexes the output (outputs[0]) and, with gradient accumulation, passes
