@@ -56,7 +56,9 @@ class Audit:
 
 
 AUDIT = Audit()
-_pending_host_copy = None  # the event after the last copy to the host, not waited for yet
+# Events after copies to the host not waited for yet: one per copy (copies of several sharded
+# roots may run on different streams, so the last event alone need not cover them all).
+_pending_host_copies: list = []
 
 
 def compute_device(group: dist.ProcessGroup) -> torch.device:
@@ -115,7 +117,6 @@ def to_host(src: torch.Tensor, dtype: torch.dtype, stream_event=None) -> torch.T
     """``src`` in host memory as ``dtype``: one copy into pinned memory, non-blocking on the
     current stream; the host waits for it in :func:`wait_host_copies`. ``stream_event`` records
     an event after the copy (the caller's stream's ``record``)."""
-    global _pending_host_copy  # noqa: PLW0603 (one pending copy per process)
     if src.device.type == "cpu":
         return src.to(dtype)  # computing on the CPU: nothing crosses
     if src.dtype != dtype:
@@ -126,20 +127,21 @@ def to_host(src: torch.Tensor, dtype: torch.dtype, stream_event=None) -> torch.T
     if not src.is_meta:  # See [Note: Devices and the meta test device]
         dst.copy_(src, non_blocking=True)
     if stream_event is not None:
-        _pending_host_copy = stream_event()
+        _pending_host_copies.append(stream_event())
     return dst
 
 
 def wait_host_copies() -> None:
-    """Block the host until the copies to the host queued so far have landed (once per step:
-    they run in order on one stream, so the last one's event covers them all)."""
-    global _pending_host_copy
-    event, _pending_host_copy = _pending_host_copy, None
-    if event is None:
+    """Block the host until the copies to the host queued so far have landed (once per step;
+    once the latest has landed, waiting for the earlier events costs nothing)."""
+    if not _pending_host_copies:
         return
+    events = _pending_host_copies[::-1]
+    _pending_host_copies.clear()
     AUDIT.host_waits += AUDIT.active
-    if hasattr(event, "synchronize"):  # pragma: no cover (a CUDA event: needs a GPU)
-        event.synchronize()
+    for event in events:
+        if hasattr(event, "synchronize"):  # pragma: no cover (a CUDA event: needs a GPU)
+            event.synchronize()
 
 
 def host_read(t: torch.Tensor) -> list | None:
