@@ -6,6 +6,7 @@ also shards over 3 and over 1 of the 4 ranks). Parity tolerances are test_shard'
 the order of the gradient sum differs (1e-6 relative).
 """
 
+import copy
 import os
 
 import pytest
@@ -20,7 +21,7 @@ import memfit.testing
 from tests._dist import Subtests, case_id
 from tests._models import AttnBlock, make_model
 from tests._parity import my_rows
-from tests.distributed.test_shard import batch, loss_of, train_parity
+from tests.distributed.test_shard import batch, global_batch, loss_of, train_parity
 
 SHAPES = [(2, 2), (1, 4), (4, 1)]  # (replicas, shards)
 
@@ -96,6 +97,38 @@ def case_hybrid_shard_spellings_match_mesh(rank, world, _root):
         memfit.FullyShardedDataParallel(
             make_model("mlp"), device_mesh=init_device_mesh("cpu", (4,)), sharding_strategy="HYBRID_SHARD"
         )
+
+
+def case_clip_grad_norm_hsdp_and_mixed_layouts(rank, world, _root):
+    """The norm counts each shard once (the replicas hold the same ones), whether every unit is
+    hybrid or the blocks are hybrid and the root is plainly sharded over all 4 ranks: equal to
+    the single-process norm, the same float on every rank."""
+    mesh = mesh_of((2, 2))
+
+    def mixed(m):
+        for b in m.blocks:
+            memfit.shard(b, mesh=mesh)
+        return memfit.shard(m)
+
+    for wrap in (hybrid(mesh), mixed):
+        for norm_type in (2.0, float("inf")):
+            ref = make_model("lm")
+            model = wrap(copy.deepcopy(ref))
+            loss_of("lm", model, *batch("lm", rank, 0)).backward()
+            loss_of("lm", ref, *global_batch("lm", world, 0)).backward()
+            got = memfit.clip_grad_norm_(model, 0.01, norm_type)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type).item()
+            assert abs(got - want) <= 1e-5 * want, (wrap, norm_type, got, want)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, got)
+            assert len(set(gathered)) == 1, gathered
+    model = make_model("lm")
+    for b in model.blocks:
+        memfit.shard(b, group=mesh.get_group("shard"))  # 2 ranks; the root over 4
+    model = memfit.shard(model)
+    loss_of("lm", model, *batch("lm", rank, 0)).backward()
+    with pytest.raises(ValueError, match="sharded over different sets of ranks"):
+        memfit.clip_grad_norm_(model, 1.0)
 
 
 # -- bytes per process group -------------------------------------------------------------------
@@ -238,6 +271,7 @@ def case_partial_reshard_parity_bytes_and_memory(rank, world, _root):
 CASES = [
     case_parity_2x2_1x4_4x1_uneven_shards,
     case_tied_lm_head_2x2,
+    case_clip_grad_norm_hsdp_and_mixed_layouts,
     case_hybrid_shard_spellings_match_mesh,
     case_bytes_per_link,
     case_checkpoint_hsdp_to_plain_w3_w1_and_back,
