@@ -21,7 +21,7 @@ import memfit.testing
 from tests._dist import Subtests, case_id
 from tests._models import AttnBlock, make_model
 from tests._parity import my_rows
-from tests.distributed.test_shard import batch, global_batch, loss_of, train_parity
+from tests.distributed.test_shard import batch, full_params, global_batch, loss_of, train_parity
 
 SHAPES = [(2, 2), (1, 4), (4, 1)]  # (replicas, shards)
 
@@ -224,6 +224,29 @@ def case_checkpoint_hsdp_to_plain_w3_w1_and_back(rank, world, root):
     back, back_opt = build(device_mesh=mesh, sharding_strategy="HYBRID_SHARD")
     assert memfit.load_checkpoint(os.path.join(root, "w3"), back, back_opt) == {"step": 3}
     assert full_state(back, back_opt) == box[0]
+
+    # Hybrid blocks under a root sharded plainly over the 4 ranks: each unit's chunks are
+    # placed on its own mesh (on the root's they loaded as other rows, silently).
+    def mixed():
+        model = make_model("mlp")
+        for b in model.blocks:
+            memfit.shard(b, mesh=mesh)
+        model = memfit.shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = mixed()
+    steps(model, opt, rank)
+    memfit.save_checkpoint(os.path.join(root, "mixed"), model, opt)
+    plain, plain_opt = build()
+    memfit.load_checkpoint(os.path.join(root, "mixed"), plain, plain_opt)
+    want = full_params(model)
+    assert all(torch.equal(v, want[n]) for n, v in full_params(plain).items())
+    again, again_opt = mixed()
+    memfit.load_checkpoint(os.path.join(root, "mixed"), again, again_opt)
+    assert all(torch.equal(v, want[n]) for n, v in full_params(again).items())
+    for p, q in zip(opt.param_groups[0]["params"], again_opt.param_groups[0]["params"]):
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, again_opt.state[q][k]), k
 
 
 # -- partial reshard after forward --------------------------------------------------------------
