@@ -131,6 +131,18 @@ def case_clip_grad_norm_hsdp_and_mixed_layouts(rank, world, _root):
         memfit.clip_grad_norm_(model, 1.0)
 
 
+def case_mesh_sliced_from_a_larger_one(rank, world, _root):
+    """A 2-D mesh sliced from a 3-D one (FSDP2's mesh["dp_replicate", "dp_shard"] beside a
+    pipeline dimension) holds other ranks on other ranks: its groups are made by its members
+    (every rank asking for the group of its own slice hung in shard)."""
+    mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    model = memfit.shard(make_model("mlp"), mesh=mesh3["dp_replicate", "dp_shard"])
+    loss_of("mlp", model, *batch("mlp", rank, 0)).backward()
+    unit = memfit.testing.sharded_units(model)[0]
+    assert dist.get_process_group_ranks(unit.layout.everyone) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    memfit.clip_grad_norm_(model, 1.0)
+
+
 # -- bytes per process group -------------------------------------------------------------------
 
 
@@ -296,6 +308,7 @@ CASES = [
     case_tied_lm_head_2x2,
     case_clip_grad_norm_hsdp_and_mixed_layouts,
     case_hybrid_shard_spellings_match_mesh,
+    case_mesh_sliced_from_a_larger_one,
     case_bytes_per_link,
     case_checkpoint_hsdp_to_plain_w3_w1_and_back,
     case_partial_reshard_parity_bytes_and_memory,
