@@ -93,6 +93,8 @@ def case_hybrid_shard_spellings_match_mesh(rank, world, _root):
     assert {u.reshard_after_forward for u in memfit.testing.sharded_units(zero2)} == {False}
     with pytest.raises(ValueError, match="pass group= or mesh=, not both"):
         memfit.shard(make_model("mlp"), group=dist.group.WORLD, mesh=mesh)
+    with pytest.raises(ValueError, match="sharding_strategy=FULL_SHARD shards over every rank of a 1-D"):
+        memfit.FullyShardedDataParallel(make_model("mlp"), device_mesh=mesh, sharding_strategy="FULL_SHARD")
     with pytest.raises(ValueError, match="HYBRID_SHARD needs a 2-D"):
         memfit.FullyShardedDataParallel(
             make_model("mlp"), device_mesh=init_device_mesh("cpu", (4,)), sharding_strategy="HYBRID_SHARD"
