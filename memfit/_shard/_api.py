@@ -125,7 +125,7 @@ class FullyShardedDataParallel(ShardedModule):
         if device_id is not None:
             device = _device_for(module, device_of(device_id), device)
         reshard, hybrid = strategy_of(sharding_strategy, reshard_after_forward)
-        mesh = mesh_of(group or process_group, device_mesh, hybrid)  # one mesh for every unit
+        mesh = mesh_of(group or process_group, device_mesh, hybrid, sharding_strategy)  # one mesh for every unit
         kwargs = {
             "group": None if mesh is not None else group or process_group,
             "mesh": mesh,

@@ -60,26 +60,39 @@ def _shard_params(model: nn.Module) -> tuple[dict[int, ShardedParam], Any]:
     return {id(sp.sharded): sp for u in units for sp in u.params}, units[0].layout.everyone
 
 
-def _as_dtensor(local: torch.Tensor, sp: ShardedParam, mesh: DeviceMesh) -> DTensor:
+def _as_dtensor(local: torch.Tensor, sp: ShardedParam, meshes: dict[int, DeviceMesh]) -> DTensor:
     full = (sp.rows, *sp.shape[1:]) if len(sp.shape) else (sp.rows,)
     stride = torch.empty(full, device="meta").stride()
+    mesh = meshes[id(sp.owner)]
     place = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]  # See [Note: Hybrid sharding]
     return DTensor.from_local(local.reshape(sp.local_rows, *full[1:]), mesh, place, shape=full, stride=stride)
 
 
-def _mesh(group, shards: dict[int, ShardedParam]) -> DeviceMesh:
-    layout = next(iter(shards.values())).owner.layout if shards else None
-    if layout is not None and layout.mesh is not None:
-        return layout.mesh
-    device = next(iter(shards.values())).sharded.device.type if shards else "cpu"
-    return DeviceMesh.from_group(group, device)
+def _meshes(shards: dict[int, ShardedParam]) -> dict[int, DeviceMesh]:
+    """Each unit's mesh, by ``id(unit)``: its 2-D (replicate, shard) mesh when hybrid, else a
+    1-D mesh over its shard group. Units of one model may differ (hybrid blocks under a plainly
+    sharded root): each parameter's chunks are placed on its own unit's mesh."""
+    out: dict[int, DeviceMesh] = {}
+    plain: dict[tuple[int, ...], DeviceMesh] = {}
+    for sp in shards.values():
+        unit = sp.owner
+        if id(unit) in out:
+            continue
+        if unit.layout.mesh is not None:
+            out[id(unit)] = unit.layout.mesh
+            continue
+        ranks = tuple(dist.get_process_group_ranks(unit.group))
+        if ranks not in plain:
+            plain[ranks] = DeviceMesh.from_group(unit.group, sp.sharded.device.type)
+        out[id(unit)] = plain[ranks]
+    return out
 
 
-def _model_state(model: nn.Module, mesh: DeviceMesh, shards: dict[int, ShardedParam]) -> dict[str, Any]:
+def _model_state(model: nn.Module, meshes: dict[int, DeviceMesh], shards: dict[int, ShardedParam]) -> dict[str, Any]:
     state: dict[str, Any] = {}
     for name, t in model.state_dict(keep_vars=True).items():
         sp = shards.get(id(t))
-        state[f"model/{name}"] = _as_dtensor(t.detach(), sp, mesh) if sp else t.detach()
+        state[f"model/{name}"] = _as_dtensor(t.detach(), sp, meshes) if sp else t.detach()
     return state
 
 
@@ -87,7 +100,7 @@ def _names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def _optim_state(optimizer, model, mesh, shards) -> tuple[dict[str, Any], list[dict]]:
+def _optim_state(optimizer, model, meshes, shards) -> tuple[dict[str, Any], list[dict]]:
     names = _names(model)
     state: dict[str, Any] = {}
     groups = []
@@ -100,7 +113,7 @@ def _optim_state(optimizer, model, mesh, shards) -> tuple[dict[str, Any], list[d
                 if not torch.is_tensor(v):
                     continue
                 sharded = sp is not None and v.shape == p.shape and v.dim() > 0
-                state[f"optim/{names[id(p)]}/{k}"] = _as_dtensor(v, sp, mesh) if sharded else v
+                state[f"optim/{names[id(p)]}/{k}"] = _as_dtensor(v, sp, meshes) if sharded else v
     return state, groups
 
 
@@ -138,11 +151,11 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if isinstance(box[0], Exception):
         raise box[0]
     tmp = box[0]
-    mesh = _mesh(group, shards)
-    state = _model_state(model, mesh, shards)
+    meshes = _meshes(shards)
+    state = _model_state(model, meshes, shards)
     groups: list[dict] = []
     if optimizer is not None:
-        opt_state, groups = _optim_state(optimizer, model, mesh, shards)
+        opt_state, groups = _optim_state(optimizer, model, meshes, shards)
         state.update(opt_state)
     plain = {k: v for k, v in extra.items() if not torch.is_tensor(v)}
     bad = [k for k, v in plain.items() if not _jsonable(v)]
@@ -377,8 +390,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     info = _read_info(path)
     if "checksums" in info:
         _verify(path, meta, info["checksums"], group)
-    mesh = _mesh(group, shards)
-    state = _model_state(model, mesh, shards)
+    meshes = _meshes(shards)
+    state = _model_state(model, meshes, shards)
     _check_keys(meta, state, "model")
     opt_keys: dict[str, tuple[torch.Tensor, str]] = {}
     if optimizer is not None:
@@ -394,7 +407,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
             sp = shards.get(id(p))
             if sp is not None and tuple(m.size) == (sp.rows, *sp.shape[1:]) and len(m.size) > 0:
                 local = torch.zeros_like(p.detach(), dtype=m.properties.dtype)
-                state[key] = _as_dtensor(local, sp, mesh)
+                state[key] = _as_dtensor(local, sp, meshes)
             else:
                 local = torch.zeros(tuple(m.size), dtype=m.properties.dtype)
                 state[key] = local

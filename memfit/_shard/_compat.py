@@ -61,14 +61,21 @@ def strategy_of(sharding_strategy, reshard_after_forward: bool | int | None) -> 
     return wanted, name in _HYBRID
 
 
-def mesh_of(group, device_mesh, hybrid: bool):
-    """The device mesh torch FSDP's hybrid spellings stand for (None: shard over ``group``)."""
+def mesh_of(group, device_mesh, hybrid: bool, strategy=None):
+    """The device mesh torch FSDP's hybrid spellings stand for (None: shard over ``group``);
+    ``strategy``: the sharding_strategy passed, if any."""
     where = "memfit.FullyShardedDataParallel"
     if device_mesh is not None:
         if group is not None:
             raise ValueError(f"{where}: pass process_group= or device_mesh=, not both")
         if hybrid and device_mesh.ndim != 2:
             raise ValueError(f"{where}: HYBRID_SHARD needs a 2-D (replicate, shard) device_mesh, got {device_mesh}")
+        if strategy is not None and not hybrid and device_mesh.ndim == 2:  # torch FSDP refuses it too
+            name = getattr(strategy, "name", strategy)
+            raise ValueError(
+                f"{where}: sharding_strategy={name} shards over every rank of a 1-D device_mesh, but a 2-D mesh "
+                f"was passed ({device_mesh}); for hybrid sharding pass sharding_strategy=HYBRID_SHARD (or none)"
+            )
         return device_mesh
     if not hybrid:
         if isinstance(group, (tuple, list)):

@@ -83,9 +83,10 @@ def post_forward_group(layout: Layout, size: int, where: str) -> dist.ProcessGro
         return None
     start = ranks.index(dist.get_rank()) // size * size
     mine = ranks[start : start + size]
-    # Every rank makes every group in the same order where all shard groups are known (a mesh,
-    # or the default group); else only the members make theirs.
-    if layout.mesh is not None:
+    # Every rank makes every group in the same order where all shard groups are known (a mesh
+    # over every rank, or the default group); else (a plain group, a mesh sliced from a larger
+    # one: each rank knows its own slice only) only the members make theirs.
+    if layout.mesh is not None and layout.mesh.size() == dist.get_world_size():
         rows = layout.mesh.mesh.tolist()
     elif len(ranks) == dist.get_world_size():
         rows = [ranks]
@@ -115,7 +116,9 @@ def layout_of(group, mesh: DeviceMesh | None, where: str) -> Layout:
         g = mesh.get_group()
         return Layout(g, None, g)
     replicate, shard = mesh.get_group(0), mesh.get_group(1)
-    everyone = _group_over(mesh.mesh.flatten().tolist())
+    # The mesh's ranks, made by them only: a 2-D mesh sliced from a larger one (dp x tp x pp:
+    # mesh["replicate", "shard"]) holds other ranks on other ranks, which never call for it.
+    everyone = _group_over(mesh.mesh.flatten().tolist(), local=True)
     return Layout(shard, replicate if mesh.size(0) > 1 else None, everyone, mesh)
 
 

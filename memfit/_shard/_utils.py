@@ -26,17 +26,18 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     """
     units = units_of(model)
     grads = [sp.sharded.grad for u in units for sp in u.params if sp.sharded.grad is not None]
-    group = units[0].group
+    counted = [g for u in units if _counts(u) for sp in u.params if (g := sp.sharded.grad) is not None]
+    group = _norm_group(units)
     norm_type = float(norm_type)
     device = device_of_units(units)  # See [Note: Devices and the meta test device]
     if norm_type == float("inf"):
-        parts = _by_device([g for g in grads if g.numel()])
+        parts = _by_device([g for g in counted if g.numel()])
         maxima = [torch.stack([g.abs().amax().float() for g in part]).amax().to(device) for part in parts]
         total = torch.stack(maxima).amax() if maxima else torch.zeros((), device=device)
         dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
     else:
         total = torch.zeros((), dtype=torch.float64, device=device)
-        for part in _by_device(grads):
+        for part in _by_device(counted):
             local = sum((g.double().abs().pow(norm_type).sum() for g in part), torch.zeros((), dtype=torch.float64))
             total += local.to(device)
         dist.all_reduce(total, group=group)
@@ -48,6 +49,25 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         for g in grads:
             g.mul_(coef)
     return total_f
+
+
+def _counts(unit) -> bool:
+    """Whether this rank adds ``unit``'s gradient shards to the norm: under hybrid sharding the
+    replicas hold the same shards, so only the first replica's count (See [Note: Hybrid sharding])."""
+    return unit.layout.replicate is None or dist.get_rank(unit.layout.replicate) == 0
+
+
+def _norm_group(units: list) -> dist.ProcessGroup:
+    """Every data-parallel rank, over which the norm is reduced; the same for every unit (units
+    sharded over different groups or meshes in one model may mix: a plain unit's shard group is
+    all of them, a hybrid unit's is one row of its mesh)."""
+    groups = {tuple(dist.get_process_group_ranks(u.layout.everyone)): u.layout.everyone for u in units}
+    if len(groups) > 1:
+        raise ValueError(
+            "memfit.clip_grad_norm_: the model's units are sharded over different sets of ranks "
+            f"({sorted(groups)}); shard every unit over the same ranks (one group, or one mesh)"
+        )
+    return next(iter(groups.values()))
 
 
 def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

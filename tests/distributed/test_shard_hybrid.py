@@ -6,6 +6,7 @@ also shards over 3 and over 1 of the 4 ranks). Parity tolerances are test_shard'
 the order of the gradient sum differs (1e-6 relative).
 """
 
+import copy
 import os
 
 import pytest
@@ -20,7 +21,7 @@ import memfit.testing
 from tests._dist import Subtests, case_id
 from tests._models import AttnBlock, make_model
 from tests._parity import my_rows
-from tests.distributed.test_shard import batch, loss_of, train_parity
+from tests.distributed.test_shard import batch, full_params, global_batch, loss_of, train_parity
 
 SHAPES = [(2, 2), (1, 4), (4, 1)]  # (replicas, shards)
 
@@ -92,10 +93,56 @@ def case_hybrid_shard_spellings_match_mesh(rank, world, _root):
     assert {u.reshard_after_forward for u in memfit.testing.sharded_units(zero2)} == {False}
     with pytest.raises(ValueError, match="pass group= or mesh=, not both"):
         memfit.shard(make_model("mlp"), group=dist.group.WORLD, mesh=mesh)
+    with pytest.raises(ValueError, match="sharding_strategy=FULL_SHARD shards over every rank of a 1-D"):
+        memfit.FullyShardedDataParallel(make_model("mlp"), device_mesh=mesh, sharding_strategy="FULL_SHARD")
     with pytest.raises(ValueError, match="HYBRID_SHARD needs a 2-D"):
         memfit.FullyShardedDataParallel(
             make_model("mlp"), device_mesh=init_device_mesh("cpu", (4,)), sharding_strategy="HYBRID_SHARD"
         )
+
+
+def case_clip_grad_norm_hsdp_and_mixed_layouts(rank, world, _root):
+    """The norm counts each shard once (the replicas hold the same ones), whether every unit is
+    hybrid or the blocks are hybrid and the root is plainly sharded over all 4 ranks: equal to
+    the single-process norm, the same float on every rank."""
+    mesh = mesh_of((2, 2))
+
+    def mixed(m):
+        for b in m.blocks:
+            memfit.shard(b, mesh=mesh)
+        return memfit.shard(m)
+
+    for wrap in (hybrid(mesh), mixed):
+        for norm_type in (2.0, float("inf")):
+            ref = make_model("lm")
+            model = wrap(copy.deepcopy(ref))
+            loss_of("lm", model, *batch("lm", rank, 0)).backward()
+            loss_of("lm", ref, *global_batch("lm", world, 0)).backward()
+            got = memfit.clip_grad_norm_(model, 0.01, norm_type)
+            want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01, norm_type).item()
+            assert abs(got - want) <= 1e-5 * want, (wrap, norm_type, got, want)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, got)
+            assert len(set(gathered)) == 1, gathered
+    model = make_model("lm")
+    for b in model.blocks:
+        memfit.shard(b, group=mesh.get_group("shard"))  # 2 ranks; the root over 4
+    model = memfit.shard(model)
+    loss_of("lm", model, *batch("lm", rank, 0)).backward()
+    with pytest.raises(ValueError, match="sharded over different sets of ranks"):
+        memfit.clip_grad_norm_(model, 1.0)
+
+
+def case_mesh_sliced_from_a_larger_one(rank, world, _root):
+    """A 2-D mesh sliced from a 3-D one (FSDP2's mesh["dp_replicate", "dp_shard"] beside a
+    pipeline dimension) holds other ranks on other ranks: its groups are made by its members
+    (every rank asking for the group of its own slice hung in shard)."""
+    mesh3 = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp_replicate", "dp_shard"))
+    model = memfit.shard(make_model("mlp"), mesh=mesh3["dp_replicate", "dp_shard"])
+    loss_of("mlp", model, *batch("mlp", rank, 0)).backward()
+    unit = memfit.testing.sharded_units(model)[0]
+    assert dist.get_process_group_ranks(unit.layout.everyone) == [rank // 2 * 2, rank // 2 * 2 + 1]
+    memfit.clip_grad_norm_(model, 1.0)
 
 
 # -- bytes per process group -------------------------------------------------------------------
@@ -192,6 +239,29 @@ def case_checkpoint_hsdp_to_plain_w3_w1_and_back(rank, world, root):
     assert memfit.load_checkpoint(os.path.join(root, "w3"), back, back_opt) == {"step": 3}
     assert full_state(back, back_opt) == box[0]
 
+    # Hybrid blocks under a root sharded plainly over the 4 ranks: each unit's chunks are
+    # placed on its own mesh (on the root's they loaded as other rows, silently).
+    def mixed():
+        model = make_model("mlp")
+        for b in model.blocks:
+            memfit.shard(b, mesh=mesh)
+        model = memfit.shard(model)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = mixed()
+    steps(model, opt, rank)
+    memfit.save_checkpoint(os.path.join(root, "mixed"), model, opt)
+    plain, plain_opt = build()
+    memfit.load_checkpoint(os.path.join(root, "mixed"), plain, plain_opt)
+    want = full_params(model)
+    assert all(torch.equal(v, want[n]) for n, v in full_params(plain).items())
+    again, again_opt = mixed()
+    memfit.load_checkpoint(os.path.join(root, "mixed"), again, again_opt)
+    assert all(torch.equal(v, want[n]) for n, v in full_params(again).items())
+    for p, q in zip(opt.param_groups[0]["params"], again_opt.param_groups[0]["params"]):
+        for k, v in opt.state[p].items():
+            assert torch.equal(v, again_opt.state[q][k]), k
+
 
 # -- partial reshard after forward --------------------------------------------------------------
 
@@ -238,7 +308,9 @@ def case_partial_reshard_parity_bytes_and_memory(rank, world, _root):
 CASES = [
     case_parity_2x2_1x4_4x1_uneven_shards,
     case_tied_lm_head_2x2,
+    case_clip_grad_norm_hsdp_and_mixed_layouts,
     case_hybrid_shard_spellings_match_mesh,
+    case_mesh_sliced_from_a_larger_one,
     case_bytes_per_link,
     case_checkpoint_hsdp_to_plain_w3_w1_and_back,
     case_partial_reshard_parity_bytes_and_memory,
