@@ -325,13 +325,7 @@ def plan(
     budget_bytes = parse_bytes(budget)
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
-    layout = Sharding(world_size, shard_size)  # checked even when not sharded (world_size 0, shard_size 8 of 1)
-    if sharding is False and shard_size is not None:
-        raise ValueError(
-            f"memfit.plan: shard_size={shard_size} with sharding=False; hybrid sharding shards over "
-            "groups of shard_size ranks: drop sharding=False, or drop shard_size to forecast unsharded ranks"
-        )
-    shard = layout if (sharding if sharding is not None else world_size > 1) else None
+    shard = _sharding(world_size, shard_size, sharding)
     device = _device_profile(device_profile, _device_type(model))
     opts = {"decisions": decisions, "device": device}
     if profile is None:
@@ -352,6 +346,17 @@ def plan(
         solve_seconds=time.perf_counter() - t0,
         head=head,
     )
+
+
+def _sharding(world_size: int, shard_size: int | None, sharding: bool | None) -> Sharding | None:
+    """The layout forecasts are per rank of (None: one unsharded process)."""
+    layout = Sharding(world_size, shard_size)  # checked even when not sharded (world_size 0, shard_size 8 of 1)
+    if sharding is False and shard_size is not None:
+        raise ValueError(
+            f"memfit.plan: shard_size={shard_size} with sharding=False; hybrid sharding shards over "
+            "groups of shard_size ranks: drop sharding=False, or drop shard_size to forecast unsharded ranks"
+        )
+    return layout if (sharding if sharding is not None else world_size > 1) else None
 
 
 def _solve_with_heads(
