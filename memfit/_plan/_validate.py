@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 
 import torch
 import torch.distributed as dist
@@ -23,10 +24,17 @@ def measured_sharded_peak(
     model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer})
     opt = _make_optimizer("adamw", model)
     for _ in range(steps):
-        with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
-            step_loss(model, inputs, loss_fn).backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        # Garbage in reference cycles is freed when Python's collector runs, which other threads
+        # (a multiprocessing queue's feeder) can move: collect first, and not during the step.
+        gc.collect()
+        gc.disable()
+        try:
+            with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
+                step_loss(model, inputs, loss_fn).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        finally:
+            gc.enable()
     peak = torch.tensor([meter.peak_bytes], dtype=torch.int64)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     return int(peak)
