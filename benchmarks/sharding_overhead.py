@@ -12,8 +12,10 @@ for both, in one steady-state forward+backward (after 2 steps):
   (each stops the host until the device drains on an accelerator);
 - launches per unit: aten ops other than views and allocations that reach the dispatcher
   (a TorchDispatchMode), minus the plain model's, divided by the number of units;
-- wire bytes per step: the ring bytes of the all-gather and reduce-scatter ops the dispatcher
-  sees (c10d ``_allgather_base_`` / ``_reduce_scatter_base_``: output resp. input x (W-1)/W).
+- wire bytes per step: the ring bytes of the collectives the dispatcher sees (c10d
+  ``_allgather_base_`` / ``_reduce_scatter_base_``: output resp. input x (W-1)/W; ``allreduce_``:
+  2 x (W-1)/W, which memfit's reduce-scatter is on gloo; gloo's own ``_reduce_scatter_base_``
+  is also an all-reduce inside, of a clone of its input, but counts as a reduce-scatter here).
 
 Time: rank 0's median over interleaved repeats of one forward+backward+SGD step between
 barriers; host time per unit = (sharded step - plain step) / units.

@@ -1,7 +1,8 @@
 """The collectives sharding uses, on torch.distributed (gloo on CPUs, NCCL on GPUs).
 
 All-gather into one flat buffer and reduce-scatter out of one, both asynchronous (and, for
-hybrid sharding, an all-reduce of the reduced shard across replicas). A rank
+hybrid sharding, an all-reduce of the reduced shard across replicas). On gloo the
+reduce-scatter is an all-reduce of the input in place (see :func:`reduce_scatter`). A rank
 whose peers never reach the same collective gets, after the process group's timeout, an
 error naming the unit and its rank. Bytes are counted per rank as a ring moves them
 ((W-1)/W of the full buffer per collective) so tests and benchmarks can check the volume.
@@ -77,10 +78,46 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
     return _all_gather(out, inp, group=group, async_op=True)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
-    """Start summing ``inp`` over ranks and keeping this rank's slice in ``out``."""
-    STATS._add("reduce_scatter", group, _ring_bytes(inp, dist.get_world_size(group)))
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work | _SliceAfter:
+    """Start summing ``inp`` over ranks and keeping this rank's slice in ``out``; ``inp`` is
+    the caller's to lose (on gloo it holds the whole sum afterwards).
+
+    gloo has no reduce-scatter of its own: its ``reduce_scatter_tensor`` clones the input on
+    the calling thread, all-reduces the clone and copies this rank's slice out on ``wait``
+    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``). On a CPU tensor over gloo memfit
+    does the same without the clone: the all-reduce runs on ``inp`` itself, so the compute
+    thread neither copies nor allocates a second full buffer. The sums are gloo's own either
+    way. The counters count the reduce-scatter asked for (what NCCL moves), not gloo's
+    all-reduce.
+    """
+    world = dist.get_world_size(group)
+    STATS._add("reduce_scatter", group, _ring_bytes(inp, world))
+    if inp.device.type == "cpu" and _is_gloo(group):
+        work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _SliceAfter(work, out, inp.view(world, -1)[dist.get_rank(group)])
     return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+class _SliceAfter:
+    """An all-reduce in flight whose ``wait`` then copies this rank's slice of the sum into
+    ``out``: a reduce-scatter's handle (see :func:`reduce_scatter`)."""
+
+    def __init__(self, work: dist.Work, out: torch.Tensor, mine: torch.Tensor) -> None:
+        self.work, self.out, self.mine = work, out, mine
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.out.copy_(self.mine)
+        return True
+
+
+def _is_gloo(group) -> bool:
+    """Whether ``group`` sends CPU tensors through gloo."""
+    try:
+        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
+    except RuntimeError:  # no backend for CPU tensors in this group
+        return False
+    return isinstance(backend, dist.ProcessGroupGloo)
 
 
 def all_reduce(tensor: torch.Tensor, group) -> dist.Work:

@@ -17,8 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Tensor methods that copy a value to the host (each one a device sync on an accelerator).
 _SYNC_METHODS = ("item", "tolist", "__bool__")
-# c10d ops that move data, and which argument holds the full buffer of the ring.
-_WIRE = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}
+# c10d ops that move data: which argument holds the full buffer of the ring, and how many times
+# (W-1)/W of it a rank sends (an all-reduce is a reduce-scatter then an all-gather). memfit's
+# reduce-scatter on gloo is an all-reduce (memfit/_shard/_collectives.py), as gloo's own is.
+_WIRE = {"_allgather_base_": (0, 1), "_reduce_scatter_base_": (1, 1), "allreduce_": (0, 2)}
 
 
 class HostSyncCounter:
@@ -95,16 +97,17 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.ops: collections.Counter[str] = collections.Counter()
         self.kernels: collections.Counter[str] = collections.Counter()
-        self.wire_bytes = 0.0  # ring bytes this rank sends: all-gather output, reduce-scatter input
+        self.wire_bytes = 0.0  # ring bytes this rank sends (see _WIRE)
         self._inside_custom = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         self.ops[name] += 1
         if name in _WIRE:
-            t = args[_WIRE[name]]
+            arg, times = _WIRE[name]
             world = dist.get_world_size()
-            self.wire_bytes += t.numel() * t.element_size() * (world - 1) / world
+            for t in args[arg] if isinstance(args[arg], list) else [args[arg]]:
+                self.wire_bytes += times * t.numel() * t.element_size() * (world - 1) / world
         if not func.is_view and not name.startswith(_NOT_KERNELS) and not self._inside_custom:
             self.kernels[name] += 1
         if func.namespace in ("aten", "c10d", "prims"):

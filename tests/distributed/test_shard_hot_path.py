@@ -60,8 +60,9 @@ def launches(model, x) -> int:
 
 # Launches per unit and step (fp32, reshard after forward; the root keeps its parameters):
 PER_GATHER = 3  # copy-in into the send buffer, the all-gather, the split-copy out
-# Gradient copy-in (flags included), the reduce-scatter, gloo's copy of its result into the
-# output at wait (NCCL reduces in place; FSDP2 on gloo shows the same copy), the division by W.
+# Gradient copy-in (flags included), the reduce-scatter (an all-reduce in place on gloo), the copy
+# of this rank's slice into the output at wait (NCCL writes the output itself; FSDP2 on gloo
+# shows the same copy, made by gloo), the division by W.
 PER_REDUCE = 4
 PER_UNIT = 2 * PER_GATHER + PER_REDUCE  # gathered for forward and again for backward, reduced once
 # The root: one gather (it keeps its parameters for backward), one reduce; the step's one read
@@ -92,6 +93,22 @@ def case_launches_per_unit_independent_of_params_and_world(rank, world):
             m.zero_grad()
         extra = launches(model, x) - launches(plain, x)
         assert extra == units * PER_UNIT + PER_STEP_FIXED, (k, world, extra)
+
+
+def case_gloo_reduce_runs_in_place(rank, world):
+    # gloo's reduce_scatter_tensor clones its whole input on the calling thread before it
+    # all-reduces the clone: a full-size allocation and copy per unit on the compute thread.
+    # memfit all-reduces its own send buffer in place instead; the sums are the same.
+    units = 4
+    _, model = sharded(units, 3)
+    x = torch.randn(4, 8)
+    step(model, x)
+    model.zero_grad()
+    with OpCounter() as ops:
+        step(model, x)
+    assert ops.ops["_reduce_scatter_base_"] == 0, ops.ops
+    assert ops.ops["allreduce_"] == units + 1  # every block and the root, once
+    assert "clone" not in ops.ops
 
 
 def case_unused_parameter_still_keeps_no_grad(rank, world):
@@ -161,6 +178,7 @@ def case_stream_order_holds(rank, world):
 CASES = [
     case_at_most_one_host_sync_per_step,
     case_launches_per_unit_independent_of_params_and_world,
+    case_gloo_reduce_runs_in_place,
     case_unused_parameter_still_keeps_no_grad,
     case_wire_bytes_one_dtype_per_unit,
     case_stream_order_holds,
