@@ -27,6 +27,12 @@ from torch import nn
 #      the copies' fixed costs outweigh the bytes;
 #   4. tensors that share storage with a parameter or buffer of the checkpointed module
 #      (`weight.detach()`, BatchNorm's running statistics), when the block is a module.
+# Neither kept nor moved: a cast of a parameter (autocast's bf16 copy of a Linear's weight, or a
+# view of it: what autograd saves is `weight.to(bf16).t()`) is made again from the parameter
+# when backward needs it (Recast), as a checkpointed block's forward is recomputed from the
+# parameters as they are then. Moving it would cost its bytes twice per step on the link and
+# save nothing in forward (autocast's cache holds the cast until the autocast region ends);
+# keeping it would hold a second copy of every weight until backward.
 # A copy moves the storage region a tensor spans, once, and the tensor comes back as a view of
 # it with its own sizes, strides and offset: channels_last stays channels_last, an expanded
 # (stride 0) tensor moves its small storage, not its expanded size. A tensor whose region has
@@ -80,6 +86,7 @@ class OffloadStats:
     shared: int = 0  # saves that reused an earlier copy
     from_stash: int = 0  # unpacks served by a source still on the device
     kept: int = 0  # saves left in place (parameters, small, not on a device)
+    recast: int = 0  # casts of parameters, made again from the parameter in backward
 
     def reset(self) -> None:
         for f in fields(self):
@@ -329,6 +336,42 @@ class Kept:
         if self.t._version != self.version:
             raise _modified(self.t, self.t._version, self.version)
         return self.t
+
+
+class Recast:
+    """A cast of a parameter (or a view of one) saved for backward: made again from the
+    parameter on unpack (see [Note: Host offload]). The parameter must not have been modified
+    in place since the save (the error autograd gives for a saved parameter), nor the cast."""
+
+    __slots__ = ("dtype", "offset", "param", "param_version", "size", "stride", "version")
+
+    def __init__(self, t: torch.Tensor, param: torch.Tensor) -> None:
+        self.param, self.param_version, self.dtype = param, param._version, t.dtype
+        self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
+        self.version = SavedVersion(t)
+
+    def unpack(self) -> torch.Tensor:
+        self.version.check()
+        if self.param._version != self.param_version:
+            raise _modified(self.param, self.param._version, self.param_version)
+        with torch.no_grad():
+            cast = self.param.detach().to(self.dtype)
+        return cast.as_strided(self.size, self.stride, self.offset)
+
+
+def cast_of_parameter(t: torch.Tensor) -> torch.Tensor | None:
+    """The parameter ``t`` is a same-layout cast of (or a view of one), else None: the cast's
+    node is a ``_to_copy`` whose only input is the parameter's gradient accumulator."""
+    base = t if t._base is None else t._base
+    node = base.grad_fn
+    if node is None or node.name() != "ToCopyBackward0" or len(node.next_functions) != 1:
+        return None
+    param = getattr(node.next_functions[0][0], "variable", None)
+    if param is None or param.device != t.device or base.storage_offset() != 0:
+        return None
+    if param.shape != base.shape or param.stride() != base.stride():
+        return None
+    return param
 
 
 class _Saved:
@@ -589,6 +632,10 @@ class HostHooks(torch.autograd.graph.saved_tensors_hooks):
         if not offloadable(t, self.min_bytes) or self._module_state(t):
             STATS.kept += 1
             return Kept(t)
+        param = cast_of_parameter(t)
+        if param is not None:
+            STATS.recast += 1
+            return Recast(t, param)
         off = _offloader(t.device)
         group = self.groups.get(t.device)
         if group is None:

@@ -450,3 +450,43 @@ def test_double_backward_through_kept_and_offloaded_tensors(harness_on):
     with memfit.testing.host_offload_on_cpu() if harness_on else contextlib.nullcontext():
         assert_same(run(memfit.Offload("cpu", min_bytes=256)), ref)
     assert stats.kept > 0 and (stats.d2h_copies > 0) == harness_on  # some kept, some copied
+
+
+def _autocast_blocks(offload, h=256):
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(h, h), nn.Tanh()) for _ in range(6)])
+    memfit.apply_activation_checkpointing(model, lambda m: m in list(model), save="all", offload=offload)
+    return model
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+def test_autocast_weight_casts_are_made_again_not_moved(harness, offload):
+    # Under autocast a Linear saves weight.to(bf16).t(): a cast of the parameter. Offload makes
+    # it again from the weight in backward instead of moving it (twice its bytes on the link
+    # per step, for nothing: autocast's cache holds it on the device until forward ends).
+    stats, _ = harness
+    x = torch.randn(4, 256)
+    results = []
+    for target in (None, offload):
+        model = _autocast_blocks(target)
+        leaf = x.clone().requires_grad_()
+        stats.reset()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(leaf).float().square().sum()
+        loss.backward()
+        results.append((grads(model), leaf.grad))
+    assert_same(results[1][0], results[0][0])  # bitwise: the same cast, made twice
+    assert_same([results[1][1]], [results[0][1]])
+    assert stats.recast == 6 + 1  # one weight cast per Linear, and the input's (a leaf that requires grad)
+    activation = 4 * 256 * 2  # a bf16 activation; a bf16 weight is 64x larger
+    assert offload == "disk" or (stats.d2h_bytes % activation == 0 and stats.d2h_bytes <= 2 * 6 * activation)
+
+
+def test_weight_modified_after_an_autocast_save_fails(harness):
+    model = _autocast_blocks("cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(torch.randn(4, 256, requires_grad=True)).float().sum()
+    with torch.no_grad():
+        model[0][0].weight.mul_(2)  # the recast would silently use the new values
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
