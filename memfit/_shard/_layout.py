@@ -115,6 +115,13 @@ def layout_of(group, mesh: DeviceMesh | None, where: str) -> Layout:
     if mesh.ndim == 1:
         g = mesh.get_group()
         return Layout(g, None, g)
+    names = mesh.mesh_dim_names or ("", "")
+    if "shard" in names[0].lower() and "replic" in names[1].lower():
+        raise ValueError(
+            f"{where}: a 2-D mesh's dimensions are (replicate, shard), as in torch FSDP2; this mesh names them "
+            f"{names}: build it in that order, init_device_mesh(device_type, (replicas, shards), "
+            f"mesh_dim_names=({names[1]!r}, {names[0]!r}))"
+        )
     replicate, shard = mesh.get_group(0), mesh.get_group(1)
     # The mesh's ranks, made by them only: a 2-D mesh sliced from a larger one (dp x tp x pp:
     # mesh["replicate", "shard"]) holds other ranks on other ranks, which never call for it.

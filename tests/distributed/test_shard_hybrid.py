@@ -95,6 +95,10 @@ def case_hybrid_shard_spellings_match_mesh(rank, world, _root):
         memfit.shard(make_model("mlp"), group=dist.group.WORLD, mesh=mesh)
     with pytest.raises(ValueError, match="sharding_strategy=FULL_SHARD shards over every rank of a 1-D"):
         memfit.FullyShardedDataParallel(make_model("mlp"), device_mesh=mesh, sharding_strategy="FULL_SHARD")
+    flipped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "dp_replicate"))
+    flip_fix = r"dimensions are \(replicate, shard\).*mesh_dim_names=\('dp_replicate', 'dp_shard'\)"
+    with pytest.raises(ValueError, match=flip_fix):
+        memfit.shard(make_model("mlp"), mesh=flipped)
     with pytest.raises(ValueError, match="HYBRID_SHARD needs a 2-D"):
         memfit.FullyShardedDataParallel(
             make_model("mlp"), device_mesh=init_device_mesh("cpu", (4,)), sharding_strategy="HYBRID_SHARD"
