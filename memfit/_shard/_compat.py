@@ -53,12 +53,13 @@ def strategy_of(sharding_strategy, reshard_after_forward: bool | int | None) -> 
             "SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or _HYBRID_SHARD_ZERO2 (torch.distributed.fsdp.ShardingStrategy "
             "or its name)"
         )
-    if reshard_after_forward is not None and reshard_after_forward != wanted:
+    partial = type(reshard_after_forward) is int and wanted is True  # resharding to k ranks: a kind of resharding
+    if reshard_after_forward is not None and reshard_after_forward != wanted and not partial:
         raise ValueError(
             f"memfit.FullyShardedDataParallel: sharding_strategy={name} means reshard_after_forward={wanted}, "
             f"but reshard_after_forward={reshard_after_forward} was passed too; pass one of them."
         )
-    return wanted, name in _HYBRID
+    return (reshard_after_forward if partial else wanted), name in _HYBRID
 
 
 def mesh_of(group, device_mesh, hybrid: bool, strategy=None):

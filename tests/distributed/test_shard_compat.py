@@ -97,6 +97,13 @@ def case_sharding_strategy(rank, world):
             os.environ["LOCAL_WORLD_SIZE"] = local
     with pytest.raises(ValueError, match="pass one of them"):
         memfit.FullyShardedDataParallel(make_model("lm"), sharding_strategy="FULL_SHARD", reshard_after_forward=False)
+    with pytest.raises(ValueError, match="pass one of them"):
+        memfit.FullyShardedDataParallel(make_model("lm"), sharding_strategy="SHARD_GRAD_OP", reshard_after_forward=1)
+    if world % 2 == 0:  # FULL_SHARD, keeping 1/2 of the parameters after forward (FSDP2's int)
+        kw = {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": 2}
+        partial = memfit.FullyShardedDataParallel(make_model("lm"), **kw)
+        groups = [u.post_forward_group for u in memfit.testing.sharded_units(partial)]
+        assert groups and all(dist.get_world_size(g) == 2 for g in groups)
 
 
 def case_torch_keywords(rank, world):
