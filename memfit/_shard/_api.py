@@ -83,7 +83,8 @@ class FullyShardedDataParallel(ShardedModule):
             shards within each shard group and replicates across them, as ``shard(mesh=<2-D
             mesh>)``: the groups come from ``device_mesh=`` (2-D), from
             ``process_group=(shard_group, replicate_group)``, or else from ``LOCAL_WORLD_SIZE``
-            (torchrun sets it: a node's ranks form a shard group).
+            (torchrun sets it: a node's ranks form a shard group). With ``FULL_SHARD`` or
+            ``HYBRID_SHARD`` an int ``reshard_after_forward=k`` keeps 1/k after forward.
         device_mesh: torch's 2-D (replicate, shard) mesh for ``HYBRID_SHARD``, or a 1-D mesh.
         mixed_precision: also torch's ``MixedPrecision`` / ``MixedPrecisionPolicy``, or
             FairScale's ``True`` (fp16 compute).
