@@ -2,7 +2,7 @@
 
 All-gather into one flat buffer and reduce-scatter out of one, both asynchronous (and, for
 hybrid sharding, an all-reduce of the reduced shard across replicas). On gloo the
-reduce-scatter is an all-reduce of the input in place (see :func:`reduce_scatter`). A rank
+reduce-scatter is gloo's all-to-all or all-reduce (see :func:`reduce_scatter`). A rank
 whose peers never reach the same collective gets, after the process group's timeout, an
 error naming the unit and its rank. Bytes are counted per rank as a ring moves them
 ((W-1)/W of the full buffer per collective) so tests and benchmarks can check the volume.
@@ -78,36 +78,46 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
     return _all_gather(out, inp, group=group, async_op=True)
 
 
-def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work | _SliceAfter:
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work | _AddAfter:
     """Start summing ``inp`` over ranks and keeping this rank's slice in ``out``; ``inp`` is
-    the caller's to lose (on gloo it holds the whole sum afterwards).
+    the caller's to lose (on gloo it may hold partial sums afterwards).
 
     gloo has no reduce-scatter of its own: its ``reduce_scatter_tensor`` clones the input on
-    the calling thread, all-reduces the clone and copies this rank's slice out on ``wait``
-    (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``). On a CPU tensor over gloo memfit
-    does the same without the clone: the all-reduce runs on ``inp`` itself, so the compute
-    thread neither copies nor allocates a second full buffer. The sums are gloo's own either
-    way. The counters count the reduce-scatter asked for (what NCCL moves), not gloo's
-    all-reduce.
+    the calling thread, all-reduces the clone (2 (W-1)/W of the input leaves each rank) and
+    copies this rank's slice out on ``wait`` (``ProcessGroupGloo::reduce_scatter_tensor_coalesced``).
+    On CPU tensors over gloo memfit does without the clone and, on two ranks, without half
+    the bytes: each rank sends the other its slice (an all-to-all, (W-1)/W as in NCCL's ring)
+    straight into ``out``, and adds its own slice on ``wait``; on more ranks it all-reduces
+    ``inp`` in place and copies its slice out (an all-to-all would need a receive buffer as
+    large as the input). The counters count the reduce-scatter asked for (what NCCL moves).
     """
     world = dist.get_world_size(group)
     STATS._add("reduce_scatter", group, _ring_bytes(inp, world))
-    if inp.device.type == "cpu" and _is_gloo(group):
-        work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
-        return _SliceAfter(work, out, inp.view(world, -1)[dist.get_rank(group)])
-    return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    if inp.device.type != "cpu" or not _is_gloo(group):
+        return _reduce_scatter(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    rank, slices = dist.get_rank(group), inp.view(world, -1)
+    if world == 2:
+        sizes = [0, out.numel()] if rank == 0 else [out.numel(), 0]  # nothing to itself
+        work = dist.all_to_all_single(out, slices[1 - rank], sizes, sizes, group=group, async_op=True)
+        return _AddAfter(work, out, slices[rank], add=True)
+    work = dist.all_reduce(inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _AddAfter(work, out, slices[rank], add=False)
 
 
-class _SliceAfter:
-    """An all-reduce in flight whose ``wait`` then copies this rank's slice of the sum into
-    ``out``: a reduce-scatter's handle (see :func:`reduce_scatter`)."""
+class _AddAfter:
+    """A gloo collective in flight whose ``wait`` then adds this rank's own slice into
+    ``out`` (``add``), or copies its summed slice there: a reduce-scatter's handle (see
+    :func:`reduce_scatter`)."""
 
-    def __init__(self, work: dist.Work, out: torch.Tensor, mine: torch.Tensor) -> None:
-        self.work, self.out, self.mine = work, out, mine
+    def __init__(self, work: dist.Work, out: torch.Tensor, mine: torch.Tensor, add: bool) -> None:
+        self.work, self.out, self.mine, self.add = work, out, mine, add
 
     def wait(self) -> bool:
         self.work.wait()
-        self.out.copy_(self.mine)
+        if self.add:
+            self.out.add_(self.mine)
+        else:
+            self.out.copy_(self.mine)
         return True
 
 

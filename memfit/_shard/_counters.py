@@ -19,8 +19,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _SYNC_METHODS = ("item", "tolist", "__bool__")
 # c10d ops that move data: which argument holds the full buffer of the ring, and how many times
 # (W-1)/W of it a rank sends (an all-reduce is a reduce-scatter then an all-gather). memfit's
-# reduce-scatter on gloo is an all-reduce (memfit/_shard/_collectives.py), as gloo's own is.
+# reduce-scatter on gloo is an all-to-all on 2 ranks, else an all-reduce (see
+# memfit/_shard/_collectives.py); an all-to-all sends its input but what it sends to itself.
 _WIRE = {"_allgather_base_": (0, 1), "_reduce_scatter_base_": (1, 1), "allreduce_": (0, 2)}
+
+
+def _all_to_all_bytes(args) -> float:
+    inp, splits = args[1], args[4]  # (output, input, group, output_split_sizes, input_split_sizes, ...)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    own = splits[rank] * inp[0].numel() if splits else inp.numel() / world
+    return (inp.numel() - own) * inp.element_size()
 
 
 class HostSyncCounter:
@@ -108,6 +116,8 @@ class OpCounter(TorchDispatchMode):
             world = dist.get_world_size()
             for t in args[arg] if isinstance(args[arg], list) else [args[arg]]:
                 self.wire_bytes += times * t.numel() * t.element_size() * (world - 1) / world
+        elif name == "alltoall_base_":
+            self.wire_bytes += _all_to_all_bytes(args)
         if not func.is_view and not name.startswith(_NOT_KERNELS) and not self._inside_custom:
             self.kernels[name] += 1
         if func.namespace in ("aten", "c10d", "prims"):

@@ -60,9 +60,9 @@ def launches(model, x) -> int:
 
 # Launches per unit and step (fp32, reshard after forward; the root keeps its parameters):
 PER_GATHER = 3  # copy-in into the send buffer, the all-gather, the split-copy out
-# Gradient copy-in (flags included), the reduce-scatter (an all-reduce in place on gloo), the copy
-# of this rank's slice into the output at wait (NCCL writes the output itself; FSDP2 on gloo
-# shows the same copy, made by gloo), the division by W.
+# Gradient copy-in (flags included), the reduce-scatter, on gloo the add of this rank's own slice
+# (2 ranks) or the copy of its summed slice (more) into the output at wait (NCCL writes the
+# output itself; FSDP2 on gloo shows the copy, made by gloo), the division by W.
 PER_REDUCE = 4
 PER_UNIT = 2 * PER_GATHER + PER_REDUCE  # gathered for forward and again for backward, reduced once
 # The root: one gather (it keeps its parameters for backward), one reduce; the step's one read
@@ -95,20 +95,27 @@ def case_launches_per_unit_independent_of_params_and_world(rank, world):
         assert extra == units * PER_UNIT + PER_STEP_FIXED, (k, world, extra)
 
 
-def case_gloo_reduce_runs_in_place(rank, world):
-    # gloo's reduce_scatter_tensor clones its whole input on the calling thread before it
-    # all-reduces the clone: a full-size allocation and copy per unit on the compute thread.
-    # memfit all-reduces its own send buffer in place instead; the sums are the same.
+def case_gloo_reduce_without_gloos_clone(rank, world):
+    # gloo's reduce_scatter_tensor clones its whole input on the calling thread and
+    # all-reduces the clone: a full-size copy on the compute thread and 2 (W-1)/W of the input
+    # on the wire. memfit sends the other rank its slice on 2 ranks (an all-to-all, (W-1)/W of
+    # the input, as NCCL's ring), and all-reduces its own send buffer in place on more.
     units = 4
     _, model = sharded(units, 3)
     x = torch.randn(4, 8)
     step(model, x)
     model.zero_grad()
+    stats = memfit.testing.collective_stats()
+    stats.reset()
     with OpCounter() as ops:
         step(model, x)
-    assert ops.ops["_reduce_scatter_base_"] == 0, ops.ops
-    assert ops.ops["allreduce_"] == units + 1  # every block and the root, once
+    used, times = ("alltoall_base_", 1) if world == 2 else ("allreduce_", 2)
+    assert ops.ops[used] == units + 1, ops.ops  # every block and the root, once
+    assert ops.ops["_reduce_scatter_base_"] == 0
     assert "clone" not in ops.ops
+    slots = [world * (sum(p.slot_numel + 1 for p in u.params) + 2) for u in memfit.testing.sharded_units(model)]
+    reduced = times * 4 * sum(slots) * (world - 1) / world
+    assert ops.wire_bytes == pytest.approx(stats.all_gather_bytes + reduced)
 
 
 def case_unused_parameter_still_keeps_no_grad(rank, world):
@@ -178,7 +185,7 @@ def case_stream_order_holds(rank, world):
 CASES = [
     case_at_most_one_host_sync_per_step,
     case_launches_per_unit_independent_of_params_and_world,
-    case_gloo_reduce_runs_in_place,
+    case_gloo_reduce_without_gloos_clone,
     case_unused_parameter_still_keeps_no_grad,
     case_wire_bytes_one_dtype_per_unit,
     case_stream_order_holds,
