@@ -73,7 +73,9 @@ def _ring_bytes(full: torch.Tensor, world: int) -> float:
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work:
-    """Start gathering every rank's ``inp`` into ``out`` (rank-major); returns the handle."""
+    """Start gathering every rank's ``inp`` into ``out`` (rank-major); returns the handle.
+    ``inp`` may be this rank's slot of ``out`` (an in-place all-gather, as NCCL allows; gloo
+    gathers into a buffer of its own and then copies it into ``out``)."""
     STATS._add("all_gather", group, _ring_bytes(out, dist.get_world_size(group)))
     return _all_gather(out, inp, group=group, async_op=True)
 

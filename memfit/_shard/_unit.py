@@ -134,13 +134,13 @@ class Unit:
         streams.after("gather", "compute")  # the shards are written (optimizer step), or the piece kept
         with streams.on("gather"):
             self._release_held(streams)
-            if self.shard_state is ShardState.PARTIAL:  # See [Note: Partial reshard after forward]
-                send, group = self._piece, self.post_forward_group
-            else:
-                send, group = torch.empty(layout.slot, dtype=layout.wire, device=layout.device), self.group
-                copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
             out = torch.empty(self.world * layout.slot, dtype=layout.wire, device=layout.device)
             streams.note("alloc", f"{self.name}:gather-out", "gather")
+            if self.shard_state is ShardState.PARTIAL:  # See [Note: Partial reshard after forward]
+                send, group = self._piece, self.post_forward_group
+            else:  # in place, as FSDP2: this rank's slot of the output is the input
+                send, group = out.view(self.world, -1)[self.rank], self.group
+                copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
             work = comm.all_gather(out, send, group)
         self._gather = (work, out, send)
         self._gathered_versions = [p.sharded._version for p in self.params]

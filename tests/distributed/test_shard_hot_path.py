@@ -59,7 +59,7 @@ def launches(model, x) -> int:
 
 
 # Launches per unit and step (fp32, reshard after forward; the root keeps its parameters):
-PER_GATHER = 3  # copy-in into the send buffer, the all-gather, the split-copy out
+PER_GATHER = 3  # copy-in into this rank's slot of the output, the all-gather, the split-copy out
 # Gradient copy-in (flags included), the reduce-scatter, on gloo the add of this rank's own slice
 # (2 ranks) or the copy of its summed slice (more) into the output at wait (NCCL writes the
 # output itself; FSDP2 on gloo shows the copy, made by gloo), the division by W.
@@ -97,9 +97,11 @@ def case_launches_per_unit_independent_of_params_and_world(rank, world):
 
 def case_gloo_reduce_without_gloos_clone(rank, world):
     # gloo's reduce_scatter_tensor clones its whole input on the calling thread and
-    # all-reduces the clone: a full-size copy on the compute thread and 2 (W-1)/W of the input
-    # on the wire. memfit sends the other rank its slice on 2 ranks (an all-to-all, (W-1)/W of
-    # the input, as NCCL's ring), and all-reduces its own send buffer in place on more.
+    # all-reduces the clone (2 (W-1)/W of the input on the wire). memfit, on 2 ranks, sends the
+    # other rank its slice straight into the output (an all-to-all: (W-1)/W, as NCCL's ring);
+    # on more, it all-reduces its own send buffer in place. (An all-to-all all-gather would
+    # save gloo's copy of the output too, but on ranks that diverge it pairs collectives of
+    # different sizes where gloo's all-gather did not, and gloo aborts the process there.)
     units = 4
     _, model = sharded(units, 3)
     x = torch.randn(4, 8)
@@ -109,12 +111,13 @@ def case_gloo_reduce_without_gloos_clone(rank, world):
     stats.reset()
     with OpCounter() as ops:
         step(model, x)
-    used, times = ("alltoall_base_", 1) if world == 2 else ("allreduce_", 2)
-    assert ops.ops[used] == units + 1, ops.ops  # every block and the root, once
+    reduces, gathers = units + 1, 2 * units + 1  # blocks gathered for forward and backward, the root once
+    assert ops.ops["alltoall_base_" if world == 2 else "allreduce_"] == reduces, ops.ops
+    assert ops.ops["_allgather_base_"] == gathers
     assert ops.ops["_reduce_scatter_base_"] == 0
     assert "clone" not in ops.ops
     slots = [world * (sum(p.slot_numel + 1 for p in u.params) + 2) for u in memfit.testing.sharded_units(model)]
-    reduced = times * 4 * sum(slots) * (world - 1) / world
+    reduced = (1 if world == 2 else 2) * 4 * sum(slots) * (world - 1) / world
     assert ops.wire_bytes == pytest.approx(stats.all_gather_bytes + reduced)
 
 
