@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -54,7 +53,7 @@ class BlockProfile:
     output_bytes: int
     kept: dict[str, int] = field(default_factory=dict)  # per decision, input included unless offloaded
     peak: dict[str, int] = field(default_factory=dict)  # B_i per decision
-    forward_time: float = 0.0  # forward and backward with activations kept
+    forward_time: float = 0.0  # its forward with activations kept (priced)
     extra_time: dict[str, float] = field(default_factory=dict)  # added to a step per decision
 
 
@@ -159,13 +158,6 @@ def _signature(block: nn.Module, args, kwargs) -> tuple:
     return (type(block), repr(block), tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
 
 
-def _saved_by(rule) -> Callable:
-    from memfit._checkpoint._selective import _READY, _always_recompute
-
-    keep = _READY.get(rule, rule) if isinstance(rule, str) else rule
-    return lambda op: callable(keep) and not _always_recompute(op) and keep(op)
-
-
 def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) -> BlockProfile:
     """Bytes of ``block`` under each decision (on fake tensors) and their priced extra time."""
     trainable = sum(p.untyped_storage().nbytes() for p in block.parameters() if p.requires_grad)
@@ -177,19 +169,26 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
     out_bytes = _tensor_bytes(((a, k), out)) - in_bytes
     prof = BlockProfile(path, _state_bytes(block), trainable, in_bytes, out_bytes)
     measured = [d for d in DECISIONS if d == "keep" or d in decisions or (d == "full" and "offload" in decisions)]
-    recorder = CostRecorder()
+    work: dict[str, list[OpCost]] = {}  # per decision: the ops of the block's forward and backward
     for decision in measured:
         if decision == "offload":
             continue
         memfit.Decision.parse(decision, save=rule).apply(block)
         a, k = _fresh(args, kwargs)
+        recorder = CostRecorder()
         with _Meter(model=block) as meter:
-            with recorder if decision == "keep" else contextlib.nullcontext():
+            with recorder:
                 out = block(*a, **k)
+            forward = len(recorder.ops)
             alive = meter.current_bytes
             outs = _outputs_with_grad(out)
             if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                grads = [torch.ones_like(t) for t in outs]
+                with recorder:
+                    torch.autograd.backward(outs, grads)
+        work[decision] = recorder.costs
+        if decision == "keep":
+            prof.forward_time = device.ops_time(recorder.costs[:forward])
         internal = max(0, alive - prof.param_bytes - prof.input_bytes - prof.output_bytes)
         prof.kept[decision] = internal + prof.input_bytes
         # In the chain the block's output is gone by its backward (the next block released it).
@@ -200,16 +199,11 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
     if "offload" in measured:  # full checkpointing with the input elsewhere until backward
         prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
         prof.peak["offload"] = prof.peak["full"]
-    # See [Note: The planner's time model].
-    saved = _saved_by(rule)
-    forward = device.ops_time(recorder.costs)
-    prof.forward_time = forward
-    prices = {
-        "keep": 0.0,
-        "full": forward,
-        "selective": device.ops_time([c for op, c in recorder.ops if not saved(op)]),
-        "offload": forward + 2 * prof.input_bytes / device.offload_bandwidth,
-    }
+    # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
+    keep = device.ops_time(work["keep"])
+    prices = {d: max(0.0, device.ops_time(c) - keep) for d, c in work.items()}
+    if "offload" in measured:
+        prices["offload"] = prices["full"] + 2 * prof.input_bytes / device.offload_bandwidth
     prof.extra_time = {d: prices[d] for d in measured}
     return prof
 

@@ -31,18 +31,26 @@ aten = torch.ops.aten
 # flops (both only for ops with flops: small matmuls on a CPU run below F); BW the memory
 # bandwidth, per size of op where calibrated (caches make small ops faster); M the element rate
 # of ops whose arithmetic bounds them (exp, softmax, GELU, sqrt on a CPU: 5-10x slower than
-# their bytes); on a CPU an output of 32 MiB or more also pays for its fresh pages (malloc maps
+# their bytes); S[op] the rate at which an attention kernel gets through its scores beyond its
+# matmul flops (the b*h*sq*sk scores of a CPU's flash kernel each take an exp and a rescale,
+# and its per-head tiles run below F: 4x4 heads of 64x32 ran at 57 GFLOP/s here against 100 for
+# a large matmul), so that an attention op costs flops / F + scores / S[op]; on a CPU an output
+# of 32 MiB or more also pays for its fresh pages (malloc maps
 # such blocks anew: a fresh 32 MiB fill took 13.8 ms here, a reused one 0.7 ms); t_op what an
 # op pays in a training step beside its work (dispatch, autograd,
 # module calls, the optimizer's loop), the constant that dominates small ops on a CPU. Views
 # and metadata ops (view, t, transpose, detach) move no bytes and cost t_op; prim ops
 # (prim.device) never reach a kernel and cost nothing. `memfit calibrate` fits F and t_mm to
 # matmuls of several sizes and BW to copies of several sizes (least squares on time = work /
-# rate + constant), times M per op on 4M elements, and t_op on the training step of a tiny
-# model (its work negligible). The extra time of a decision is what it adds to a step:
+# rate + constant), times M per op on 4M elements, fits S to attention ops of a few shapes, and
+# t_op on the training step of a tiny model (its work negligible); every time is the fastest of
+# a few repeats (another process on the machine only ever adds time). The extra time of a
+# decision is what it adds to a step: the block's forward and backward recorded under the
+# decision, priced, less the same under keep:
 #     keep       0
-#     full       sum of t(op) over the block's forward (recomputed in backward)
-#     selective  the same over the ops its rule does not keep
+#     full       the block's forward again (recomputed in backward), and checkpoint's own ops
+#                (a detach per saved tensor, the recompute's bookkeeping)
+#     selective  the same for the ops its rule does not keep
 #     offload    full + 2 x the block input's bytes / BW_offload (written in forward, read back)
 # and the predicted step time is sum t(op) over one measured step (forward, backward, optimizer
 # step) plus the extra times. The same model, batch and profile give the same numbers: the
@@ -70,6 +78,10 @@ class DeviceProfile:
         math_rates: output elements per second of ops whose arithmetic, not their bytes,
             bounds them on this device (exp, softmax, GELU, ... on a CPU), by op name
             ("aten.exp"); measured by `memfit calibrate`. Empty: bytes bound them.
+        score_rates: attention scores per second beyond the op's matmul flops, by op name
+            ("aten._scaled_dot_product_flash_attention_for_cpu"): what a CPU's attention kernel
+            spends on the softmax of its b*h*sq*sk scores and on its small per-head tiles;
+            measured by `memfit calibrate`. Empty: flops bound attention as any matmul.
         fresh_threshold, fresh_bandwidth: an output of ``fresh_threshold`` bytes or more is
             written to pages the operating system maps on first touch (glibc's malloc maps
             blocks of 32 MiB and more afresh each time), at ``fresh_bandwidth`` bytes per
@@ -85,6 +97,7 @@ class DeviceProfile:
     matmul_latency: float = 0.0
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
     math_rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    score_rates: dict[str, float] = dataclasses.field(default_factory=dict)
     fresh_threshold: float = 0.0  # outputs of at least this many bytes land in fresh pages (0: none do)
     fresh_bandwidth: float = 0.0  # bytes per second of touching fresh pages the first time
 
@@ -99,6 +112,8 @@ class DeviceProfile:
 
     def op_time(self, cost: OpCost) -> float:
         compute = cost.flops / self.rate(cost.dtype) + self.matmul_latency if cost.flops else 0.0
+        if cost.scores and cost.op in self.score_rates:
+            compute += cost.scores / self.score_rates[cost.op]
         if cost.op in self.math_rates:
             compute = max(compute, cost.elements / self.math_rates[cost.op])
         fresh = 0.0
@@ -169,6 +184,7 @@ class OpCost:
     dtype: torch.dtype
     elements: int = 0  # of its outputs
     largest_output: int = 0  # bytes of its largest output
+    scores: int = 0  # attention ops: elements of the b*h*sq*sk score matrix they compute through
 
 
 def _sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -202,6 +218,14 @@ def _nbytes(items) -> tuple[int, torch.dtype | None]:
 _NO_DATA = {"aten._unsafe_view", "aten.alias", "aten.lift_fresh", "aten.size", "aten.stride", "aten.sym_size"}
 
 
+def _scores(name: str, args) -> int:
+    """Elements of the score matrix an attention op computes through (b*h*sq*sk; 0 for others)."""
+    if "scaled_dot_product" not in name:
+        return 0
+    q, k = args[1:3] if name.endswith("_backward") else args[0:2]  # a backward gets grad_out first
+    return math.prod(q.shape[:-1]) * k.shape[-2]
+
+
 def op_cost(func, args, kwargs, out) -> OpCost:
     packet = func._overloadpacket
     if func.is_view or str(packet) in _NO_DATA:
@@ -217,7 +241,8 @@ def op_cost(func, args, kwargs, out) -> OpCost:
     tensors = [t for t in outs if isinstance(t, torch.Tensor)]
     elements = sum(t.numel() for t in tensors)
     largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-    return OpCost(str(packet), flops, read + written, dtype or out_dtype or torch.float32, elements, largest)
+    dtype = dtype or out_dtype or torch.float32
+    return OpCost(str(packet), flops, read + written, dtype, elements, largest, _scores(str(packet), args))
 
 
 class CostRecorder(TorchDispatchMode):
@@ -239,17 +264,60 @@ class CostRecorder(TorchDispatchMode):
         return [c for _, c in self.ops]
 
 
+class _AttentionCalls(TorchDispatchMode):
+    """The attention ops run inside it, with their arguments (to time them again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = op_cost(func, args, kwargs, out)
+        if cost.scores:
+            self.calls.append((func, args, kwargs, cost))
+        return out
+
+
 # -- calibration ---------------------------------------------------------------------------
 
 
-def _median_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
+def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
+    """The fastest of ``repeats`` timed calls after one warm-up: another process on the machine
+    (or its cache misses and page faults) only ever adds time to a run."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = clock()
         fn()
         times.append(clock() - t0)
-    return statistics.median(times)
+    return min(times)
+
+
+# [Note: Calibrating on cold data]
+# In a training step an op reads what other ops wrote well before (the step's tensors, tens of
+# MiB and more, do not stay in the caches), and the step's elementwise ops ran at the rate of
+# data from memory: on this 2-core EPYC (32 MiB L3) the mul, div, add and lerp_ ops of a Llama
+# step streamed 36-54 GB/s, where the same op repeated on one 128 KiB tensor streams 118 GB/s
+# from the cache; small matmuls on operands from memory ran 86-96 GFLOP/s against 101-104 on
+# operands in cache. So calibration times each op over a pool of distinct operands of 256 MiB
+# in all (at most 4096 of them), visited in turn, so that each call meets its data out of cache.
+_POOL = 256 * 2**20
+
+
+def _cold(make, op, timed) -> float:
+    """Seconds per call of ``op`` over a pool of operand tuples from ``make()``, each visited
+    once per pass (see [Note: Calibrating on cold data])."""
+    first = make()
+    nbytes = sum(t.nbytes for t in first)
+    pool = [first] + [make() for _ in range(min(4096, max(2, _POOL // nbytes)) - 1)]
+
+    def sweep():
+        for args in pool:
+            op(*args)
+
+    return timed(sweep, 3) / len(pool)
 
 
 def _fit(work: list[float], seconds: list[float]) -> tuple[float, float]:
@@ -284,33 +352,40 @@ def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time
             if sync:
                 sync()
 
-        return _median_seconds(run, repeats, clock)
+        return _best_seconds(run, repeats, clock)
 
+    # See [Note: Calibrating on cold data].
     flops, latency = {}, 0.0
     sizes = (64, 128, 256, 512) if device.type == "cpu" else (1024, 2048, 4096, 8192)
     for dtype in (torch.float32, torch.bfloat16):
-        mats = [torch.randn(n, n, device=device, dtype=dtype) for n in sizes]
-        work = [2.0 * n**3 for n in sizes]
-        rate, c = _fit(work, [timed(lambda a=a: a @ a) for a in mats])
+
+        def square(n, dtype=dtype):
+            a = torch.full((n, n), 0.5, device=device, dtype=dtype)  # values do not change a matmul's speed
+            return a, torch.full_like(a, 0.25), torch.zeros_like(a)
+
+        seconds = [_cold(lambda n=n: square(n), lambda a, b, o: torch.mm(a, b, out=o), timed) for n in sizes]
+        rate, c = _fit([2.0 * n**3 for n in sizes], seconds)
         flops[str(dtype).removeprefix("torch.")] = rate
         latency = c if dtype is torch.float32 else latency
     # Written first: pages never touched read as one shared zero page, far faster than memory.
-    copies = [torch.ones(2**k // 4, device=device) for k in (16, 18, 20, 22, 24, 26)]  # 64 KiB .. 64 MiB
-    outs = [torch.zeros_like(t) for t in copies]
-    seconds = [timed(lambda t=t, o=o: o.copy_(t)) for t, o in zip(copies, outs)]
-    moved = [2.0 * t.nbytes for t in copies]  # read and written
+    numels = [2**k // 4 for k in (16, 18, 20, 22, 24, 26)]  # 64 KiB .. 64 MiB
+    pair = lambda n: (torch.ones(n, device=device), torch.zeros(n, device=device))  # noqa: E731
+    seconds = [_cold(lambda n=n: pair(n), lambda a, o: torch.mul(a, 2.0, out=o), timed) for n in numels]
+    moved = [8.0 * n for n in numels]  # read and written
     memory_bandwidth, op_cost_constant = _fit(moved, seconds)
     curve = tuple((m, m / max(t - op_cost_constant, t / 2)) for m, t in zip(moved, seconds))
+    big = pair(numels[-1])[0]
     profile = DeviceProfile(
         f"calibrated-{device.type}",
         flops,
         memory_bandwidth,
-        _offload_bandwidth(device, copies[-1], timed),
+        _offload_bandwidth(device, big, timed),
         _op_overhead(device, timed),
         f"measured by memfit calibrate on {os.uname().nodename} at {time.strftime('%Y-%m-%d %H:%M')}",
         matmul_latency=latency,
         bandwidth_curve=curve,
         math_rates=_math_rates(device, timed),
+        score_rates=_score_rates(device, timed, flops["float32"]),
         **(_fresh_pages(timed) if device.type == "cpu" else {}),
     )
     if save:
@@ -326,11 +401,13 @@ def _math_rates(device: torch.device, timed) -> dict[str, float]:
     aten, f = torch.ops.aten, torch.nn.functional
     x = torch.randn(1024, 4096, device=device)  # 16 MiB: from memory, as the large ones (logits) are
     # Each backward gets what it gets in a step (its forward's output): speed depends on values.
-    y, ly, g = torch.softmax(x, -1), torch.log_softmax(x, -1), torch.randn_like(x)
+    # Only the op itself is timed: its inputs are made before (a tanh inside tanh_backward's
+    # timing priced it at a tenth of its rate).
+    y, ly, g, t, a = torch.softmax(x, -1), torch.log_softmax(x, -1), torch.randn_like(x), torch.tanh(x), x.abs()
     ops = {
         "aten.exp": lambda: torch.exp(x),
         "aten.tanh": lambda: torch.tanh(x),
-        "aten.tanh_backward": lambda: aten.tanh_backward(g, torch.tanh(x)),
+        "aten.tanh_backward": lambda: aten.tanh_backward(g, t),
         "aten.sigmoid": lambda: torch.sigmoid(x),
         "aten._softmax": lambda: torch.softmax(x, -1),
         "aten._softmax_backward_data": lambda: aten._softmax_backward_data(g, y, -1, x.dtype),
@@ -341,13 +418,30 @@ def _math_rates(device: torch.device, timed) -> dict[str, float]:
         "aten.silu": lambda: f.silu(x),
         "aten.silu_backward": lambda: aten.silu_backward(g, x),
         "aten.pow": lambda: torch.pow(x, 3.0),
-        "aten.rsqrt": lambda: torch.rsqrt(x.abs()),
-        "aten.sqrt": lambda: torch.sqrt(x.abs()),
+        "aten.rsqrt": lambda: torch.rsqrt(a),
+        "aten.sqrt": lambda: torch.sqrt(a),
     }
     out = torch.empty_like(x)
     copy = timed(lambda: out.copy_(x))
     rates = {name: x.numel() / seconds for name, op in ops.items() if (seconds := timed(op, 3)) > copy}
     return rates
+
+
+def _score_rates(device: torch.device, timed, rate: float) -> dict[str, float]:
+    """Scores per second of the attention ops beyond their matmul flops at ``rate``: the fp32
+    forward and backward that F.scaled_dot_product_attention reaches on ``device`` (its kernel
+    is the device's choice), timed on heads of a few sizes (64x32 to 256x64), the mean over
+    them of (time - flops / rate) / scores; none where the flops alone account for the time."""
+    per_op: dict[str, list[float]] = {}
+    for b, h, s, d in ((4, 4, 64, 32), (2, 4, 128, 64), (1, 4, 256, 64)):
+        q = torch.randn(b, h, s, d, device=device, requires_grad=True)
+        g = torch.randn(b, h, s, d, device=device)
+        with _AttentionCalls() as calls:  # the ops the public function dispatches to, and their backward
+            torch.nn.functional.scaled_dot_product_attention(q, q, q).backward(g)
+        for func, args, kwargs, cost in calls.calls:
+            seconds = timed(lambda func=func, args=args, kwargs=kwargs: func(*args, **kwargs), 3)
+            per_op.setdefault(cost.op, []).append((seconds - cost.flops / rate) / cost.scores)
+    return {op: 1 / statistics.fmean(c) for op, c in per_op.items() if statistics.fmean(c) > 0}
 
 
 _FRESH = 32 * 2**20  # glibc's largest mmap threshold (64-bit): blocks this large are mapped afresh
@@ -404,7 +498,7 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
             with open(path, "rb") as f:
                 f.read()
 
-        return 2 * len(data) / _median_seconds(write_read, repeats=3)
+        return 2 * len(data) / _best_seconds(write_read, repeats=3)
 
 
 def default_profile(device: str | torch.device = "cpu") -> DeviceProfile:
