@@ -200,8 +200,9 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
         prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
         prof.peak["offload"] = prof.peak["full"]
     # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
-    keep = device.ops_time(work["keep"])
-    prices = {d: max(0.0, device.ops_time(c) - keep) for d, c in work.items()}
+    keep, n_keep = device.ops_time(work["keep"]), len(work["keep"])
+    prices = {d: max(0.0, device.ops_time(c) - keep + device.checkpoint_time(len(c) - n_keep)) for d, c in work.items()}
+    prices["keep"] = 0.0
     if "offload" in measured:
         prices["offload"] = prices["full"] + 2 * prof.input_bytes / device.offload_bandwidth
     prof.extra_time = {d: prices[d] for d in measured}
@@ -391,11 +392,13 @@ def _measure_step(
     captured: dict[int, tuple] = {}
     marks: dict[str, int] = {}
     meter_box: list[_Meter] = []
+    recorder = CostRecorder()
 
     def capture(i):
         def hook(module, args, kwargs):
             if i not in captured:
-                captured[i] = _fresh(args, kwargs)
+                with recorder.paused():  # the copies kept here are not the step's work
+                    captured[i] = _fresh(args, kwargs)
             if i == 0 and meter_box and "before" not in marks:
                 marks["before"] = meter_box[0].current_bytes - _tensor_bytes(captured)  # not the copies kept here
                 for t in _outputs_with_grad((args, kwargs)):  # the blocks' backward is over
@@ -420,7 +423,6 @@ def _measure_step(
     handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
     opt = _make_optimizer(optimizer, model) if optimizer else None
-    recorder = CostRecorder()
     try:
         for p in model.parameters() if opt else ():  # the optimizer's state, as after a first step (fake)
             if p.requires_grad:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -26,30 +27,37 @@ aten = torch.ops.aten
 # run. The planner prices work instead: every aten op of a step is recorded once (under
 # FakeTensorMode, so nothing runs) with its floating-point operations (torch's flop formulas)
 # and the bytes it reads and writes, and an op costs
-#     t(op) = max(flops / F[dtype] + t_mm, bytes / BW(bytes), elements / M[op]) + t_op
-# on a device profile: F the matmul rate per dtype and t_mm what a matmul costs beyond its
-# flops (both only for ops with flops: small matmuls on a CPU run below F); BW the memory
-# bandwidth, per size of op where calibrated (caches make small ops faster); M the element rate
-# of ops whose arithmetic bounds them (exp, softmax, GELU, sqrt on a CPU: 5-10x slower than
-# their bytes); S[op] the rate at which an attention kernel gets through its scores beyond its
-# matmul flops (the b*h*sq*sk scores of a CPU's flash kernel each take an exp and a rescale,
-# and its per-head tiles run below F: 4x4 heads of 64x32 ran at 57 GFLOP/s here against 100 for
-# a large matmul), so that an attention op costs flops / F + scores / S[op]; on a CPU an output
-# of 32 MiB or more also pays for its fresh pages (malloc maps
-# such blocks anew: a fresh 32 MiB fill took 13.8 ms here, a reused one 0.7 ms); t_op what an
-# op pays in a training step beside its work (dispatch, autograd,
-# module calls, the optimizer's loop), the constant that dominates small ops on a CPU. Views
-# and metadata ops (view, t, transpose, detach) move no bytes and cost t_op; prim ops
-# (prim.device) never reach a kernel and cost nothing. `memfit calibrate` fits F and t_mm to
-# matmuls of several sizes and BW to copies of several sizes (least squares on time = work /
-# rate + constant), times M per op on 4M elements, fits S to attention ops of a few shapes, and
-# t_op on the training step of a tiny model (its work negligible); every time is the fastest of
-# a few repeats (another process on the machine only ever adds time). The extra time of a
-# decision is what it adds to a step: the block's forward and backward recorded under the
-# decision, priced, less the same under keep:
+#     t(op) = max(flops / F[dtype] + t_mm + scores / S[op], bytes / BW(bytes), elements / M[op])
+#             + fresh + t_op
+# on a device profile:
+#   F, t_mm  the matmul rate per dtype and what a matmul costs beyond its flops (only for ops
+#            with flops: small matmuls on a CPU run below F);
+#   S[op]    attention ops only: the rate at which the kernel gets through its b*h*sq*sk scores
+#            beyond its matmul flops (on a CPU each score takes an exp and a rescale, and the
+#            per-head tiles run below F: 4x4 heads of 64x32 ran at 57 GFLOP/s here against 100
+#            for a large matmul);
+#   BW       the memory bandwidth, per size of op where calibrated;
+#   M[op]    the element rate of ops whose arithmetic bounds them (exp, softmax, GELU, sqrt on a
+#            CPU: 5-10x slower than their bytes);
+#   fresh    on a CPU, an output of 32 MiB or more pays for its fresh pages (malloc maps such
+#            blocks anew: a fresh 32 MiB fill took 13.8 ms here, a reused one 0.7 ms);
+#   t_op     what an op pays in a training step beside its work (dispatch, autograd, module
+#            calls, the optimizer's loop), the constant that dominates small ops on a CPU.
+# Views and metadata ops (view, t, transpose, detach) move no bytes and cost t_op; prim ops
+# (prim.device) never reach a kernel and profiler ops only mark ranges: they cost nothing.
+# `memfit calibrate` fits F and t_mm to matmuls of several sizes and BW to elementwise ops of
+# several sizes (least squares on time = work / rate + constant; both on data out of cache: see
+# [Note: Calibrating on cold data]), times M per op on 4M elements, fits S to attention ops of a
+# few shapes, and t_op and checkpoint's own cost on the training step of a tiny model (its work
+# negligible); every time is the fastest of a few repeats (another process on the machine only
+# ever adds time). The extra time of a decision is what it adds to a step: the block's forward
+# and backward recorded under the decision and priced, less the same under keep, plus what
+# checkpointing costs beside the ops it adds (DeviceProfile.checkpoint_time: its frame,
+# saved-tensor hooks and RNG replay, in Python):
 #     keep       0
-#     full       the block's forward again (recomputed in backward), and checkpoint's own ops
-#                (a detach per saved tensor, the recompute's bookkeeping)
+#     full       the block's forward again (recomputed in backward, up to the last op whose
+#                output backward needs), checkpoint's own ops (a detach per saved tensor) and
+#                checkpoint_time
 #     selective  the same for the ops its rule does not keep
 #     offload    full + 2 x the block input's bytes / BW_offload (written in forward, read back)
 # and the predicted step time is sum t(op) over one measured step (forward, backward, optimizer
@@ -82,6 +90,11 @@ class DeviceProfile:
             ("aten._scaled_dot_product_flash_attention_for_cpu"): what a CPU's attention kernel
             spends on the softmax of its b*h*sq*sk scores and on its small per-head tiles;
             measured by `memfit calibrate`. Empty: flops bound attention as any matmul.
+        checkpoint_block, checkpoint_op: what a checkpointed block costs beside the ops it adds
+            (its recompute and checkpoint's own ops, priced as any op): the Python of its frame,
+            saved-tensor hooks and RNG replay, per block and per added op; measured by `memfit
+            calibrate` on a tiny model's blocks. 0 in the named profiles: their op_overhead
+            stands for all the host's work, which an accelerator's queue hides.
         fresh_threshold, fresh_bandwidth: an output of ``fresh_threshold`` bytes or more is
             written to pages the operating system maps on first touch (glibc's malloc maps
             blocks of 32 MiB and more afresh each time), at ``fresh_bandwidth`` bytes per
@@ -98,6 +111,8 @@ class DeviceProfile:
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
     math_rates: dict[str, float] = dataclasses.field(default_factory=dict)
     score_rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    checkpoint_block: float = 0.0  # seconds a checkpointed block adds beside its added ops' work (see checkpoint_time)
+    checkpoint_op: float = 0.0  # and per op it adds, beyond op_overhead
     fresh_threshold: float = 0.0  # outputs of at least this many bytes land in fresh pages (0: none do)
     fresh_bandwidth: float = 0.0  # bytes per second of touching fresh pages the first time
 
@@ -121,6 +136,11 @@ class DeviceProfile:
             fresh = cost.largest_output / self.fresh_bandwidth
         return max(compute, cost.bytes / self.bandwidth(cost.bytes)) + fresh + self.op_overhead
 
+    def checkpoint_time(self, added_ops: int) -> float:
+        """Seconds a checkpointed block adds to a step beside the priced work of the ``added_ops``
+        ops it adds (see ``checkpoint_block``)."""
+        return self.checkpoint_block + added_ops * self.checkpoint_op
+
     def bandwidth(self, nbytes: float) -> float:
         """Bytes per second of an op moving ``nbytes`` (see ``bandwidth_curve``)."""
         curve = self.bandwidth_curve
@@ -140,7 +160,9 @@ class DeviceProfile:
 
 # Published dense peak rates (no sparsity) from the vendors' data sheets; fp32 without TF32
 # (PyTorch's default for matmuls). Offload over PCIe, one direction: Gen5 x16 64 GB/s, Gen4
-# x16 32 GB/s.
+# x16 32 GB/s. Only what a data sheet states is set: no bandwidth curve, math, score or fresh-
+# page rates (an attention op costs its flops at the peak, as any matmul: the roofline), and no
+# checkpoint_time beyond op_overhead per op (the host's Python runs ahead of the device's queue).
 PROFILES = {
     "h100": DeviceProfile(
         "h100",
@@ -251,13 +273,24 @@ class CostRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[object, OpCost]] = []
+        self.recording = True  # False inside paused(): the planner's own copies are not the model's work
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace != "prim":  # prim.device and the like: answered without a kernel
+        # prim.device and the like are answered without a kernel; profiler.* only mark ranges
+        if self.recording and func.namespace not in ("prim", "profiler"):
             self.ops.append((func, op_cost(func, args, kwargs, out)))
         return out
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops run inside are not recorded (the planner's copies of a block's inputs)."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
 
     @property
     def costs(self) -> list[OpCost]:
@@ -301,17 +334,18 @@ def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
 # data from memory: on this 2-core EPYC (32 MiB L3) the mul, div, add and lerp_ ops of a Llama
 # step streamed 36-54 GB/s, where the same op repeated on one 128 KiB tensor streams 118 GB/s
 # from the cache; small matmuls on operands from memory ran 86-96 GFLOP/s against 101-104 on
-# operands in cache. So calibration times each op over a pool of distinct operands of 256 MiB
-# in all (at most 4096 of them), visited in turn, so that each call meets its data out of cache.
-_POOL = 256 * 2**20
+# operands in cache. So calibration times each op over a pool of distinct operands (64 MiB in
+# all, twice this CPU's last-level cache; at most 1024 of them), visited in turn, so that each
+# call meets its data out of cache (a CPU with a larger cache keeps part of it warm).
+_POOL = 64 * 2**20
 
 
-def _cold(make, op, timed) -> float:
+def _cold(make, op, timed, pool_bytes: int = _POOL) -> float:
     """Seconds per call of ``op`` over a pool of operand tuples from ``make()``, each visited
     once per pass (see [Note: Calibrating on cold data])."""
     first = make()
     nbytes = sum(t.nbytes for t in first)
-    pool = [first] + [make() for _ in range(min(4096, max(2, _POOL // nbytes)) - 1)]
+    pool = [first] + [make() for _ in range(min(1024, max(2, pool_bytes // nbytes)) - 1)]
 
     def sweep():
         for args in pool:
@@ -337,11 +371,13 @@ def _cache_path(device_type: str) -> Path:
 
 def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time: bool = False) -> DeviceProfile:
     """Measure this machine's rates (a few seconds) and cache them for ``device``'s type: the
-    matmul rate and latency per dtype and the memory bandwidth, each fitted over several sizes,
-    the cost per op of a tiny model's training step, and the offload path (disk for
-    a CPU, host memory for an accelerator). ``cpu_time``: time with the process's CPU time
-    (``time.process_time``), not the wall clock: on a loaded CPU with one thread the work is
-    counted without the time other processes hold the cores."""
+    matmul rate and latency per dtype and the memory bandwidth, each fitted over several sizes
+    on data out of cache, the element rates of arithmetic-bound ops, the attention kernels'
+    score rates, the cost per op of a tiny model's training step and what checkpointing its
+    blocks adds, and the offload path (disk for a CPU, host memory for an accelerator).
+    ``cpu_time``: time with the process's CPU time (``time.process_time``), not the wall clock:
+    on a loaded CPU with one thread the work is counted without the time other processes hold
+    the cores."""
     device = torch.device(device)
     sync = getattr(torch.get_device_module(device.type), "synchronize", None) if device.type != "cpu" else None
     clock = time.process_time if cpu_time else time.perf_counter
@@ -363,7 +399,8 @@ def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time
             a = torch.full((n, n), 0.5, device=device, dtype=dtype)  # values do not change a matmul's speed
             return a, torch.full_like(a, 0.25), torch.zeros_like(a)
 
-        seconds = [_cold(lambda n=n: square(n), lambda a, b, o: torch.mm(a, b, out=o), timed) for n in sizes]
+        mm = lambda a, b, o: torch.mm(a, b, out=o)  # noqa: E731
+        seconds = [_cold(lambda n=n: square(n), mm, timed) for n in sizes]
         rate, c = _fit([2.0 * n**3 for n in sizes], seconds)
         flops[str(dtype).removeprefix("torch.")] = rate
         latency = c if dtype is torch.float32 else latency
@@ -375,17 +412,20 @@ def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time
     memory_bandwidth, op_cost_constant = _fit(moved, seconds)
     curve = tuple((m, m / max(t - op_cost_constant, t / 2)) for m, t in zip(moved, seconds))
     big = pair(numels[-1])[0]
+    overheads = _op_overhead(device, timed)
     profile = DeviceProfile(
         f"calibrated-{device.type}",
         flops,
         memory_bandwidth,
         _offload_bandwidth(device, big, timed),
-        _op_overhead(device, timed),
+        overheads["op_overhead"],
         f"measured by memfit calibrate on {os.uname().nodename} at {time.strftime('%Y-%m-%d %H:%M')}",
         matmul_latency=latency,
         bandwidth_curve=curve,
         math_rates=_math_rates(device, timed),
         score_rates=_score_rates(device, timed, flops["float32"]),
+        checkpoint_block=overheads["checkpoint_block"],
+        checkpoint_op=overheads["checkpoint_op"],
         **(_fresh_pages(timed) if device.type == "cpu" else {}),
     )
     if save:
@@ -456,13 +496,17 @@ def _fresh_pages(timed) -> dict[str, float]:
     return {"fresh_threshold": float(_FRESH), "fresh_bandwidth": 4 * n / extra} if extra > 0 else {}
 
 
-def _op_overhead(device: torch.device, timed) -> float:
-    """Seconds per aten op of a training step of a tiny model (4 blocks of Linear, LayerNorm
-    and GELU on 8 features, AdamW): dispatch, autograd, module calls and the optimizer's loop,
-    what every op of a real step pays beside its work."""
+def _tiny_step(device: torch.device, timed, depth: int, checkpointed: bool) -> tuple[float, int]:
+    """Seconds and aten ops of a training step of a tiny model: 4 blocks of ``depth`` x (Linear,
+    LayerNorm, GELU) on 8 features, AdamW, each block checkpointed or not (its work negligible)."""
+    from memfit._checkpoint import checkpoint_module
+
     torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()) for _ in range(4)]
+    layers = lambda: [torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()]  # noqa: E731
+    blocks = [torch.nn.Sequential(*[m for _ in range(depth) for m in layers()]) for _ in range(4)]
     model = torch.nn.Sequential(*blocks).to(device)
+    for b in blocks if checkpointed else ():
+        checkpoint_module(b)
     opt = torch.optim.AdamW(model.parameters())
     x = torch.ones(2, 8, device=device)
 
@@ -472,10 +516,26 @@ def _op_overhead(device: torch.device, timed) -> float:
         opt.zero_grad(set_to_none=True)
 
     step()  # the optimizer's state exists from here on, as in a planned step
-    recorder = CostRecorder()
-    with recorder:
+    with CostRecorder() as recorder:
         step()
-    return timed(step) / len(recorder.ops)
+    return timed(step, 7), len(recorder.ops)
+
+
+def _op_overhead(device: torch.device, timed) -> dict[str, float]:
+    """``op_overhead``: seconds per aten op of the tiny model's plain step (dispatch, autograd,
+    module calls and the optimizer's loop: what every op of a real step pays beside its work);
+    ``checkpoint_block`` and ``checkpoint_op``: what checkpointing its blocks adds beyond the
+    added ops at ``op_overhead``, per block and per added op, fitted on blocks of 1 and of 4
+    layers (see [Note: The planner's time model])."""
+    plain, n = _tiny_step(device, timed, 1, False)
+    t_op = plain / n
+    extra = []  # (added ops per block, seconds per block beyond them at t_op)
+    for depth in (1, 4):
+        (p, n_p), (c, n_c) = _tiny_step(device, timed, depth, False), _tiny_step(device, timed, depth, True)
+        extra.append(((n_c - n_p) / 4, (c - p - (n_c - n_p) * t_op) / 4))
+    (a1, e1), (a4, e4) = extra
+    per_op = max(0.0, (e4 - e1) / (a4 - a1))
+    return {"op_overhead": t_op, "checkpoint_block": max(0.0, e1 - a1 * per_op), "checkpoint_op": per_op}
 
 
 def _offload_bandwidth(device: torch.device, big: torch.Tensor, timed) -> float:
