@@ -331,11 +331,11 @@ def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
 # [Note: Calibrating on cold data]
 # In a training step an op reads what other ops wrote well before (the step's tensors, tens of
 # MiB and more, do not stay in the caches), and the step's elementwise ops ran at the rate of
-# data from memory: on this 2-core EPYC (32 MiB L3) the mul, div, add and lerp_ ops of a Llama
-# step streamed 36-54 GB/s, where the same op repeated on one 128 KiB tensor streams 118 GB/s
+# data from memory: on a 2-core AMD EPYC (32 MiB L3) the mul, div, add and lerp_ ops of a Llama
+# step streamed 36-54 GB/s, where a copy repeated on one 128 KiB tensor streams 118 GB/s
 # from the cache; small matmuls on operands from memory ran 86-96 GFLOP/s against 101-104 on
 # operands in cache. So calibration times each op over a pool of distinct operands (64 MiB in
-# all, twice this CPU's last-level cache; at most 1024 of them), visited in turn, so that each
+# all, twice that CPU's last-level cache; at most 1024 of them), visited in turn, so that each
 # call meets its data out of cache (a CPU with a larger cache keeps part of it warm).
 _POOL = 64 * 2**20
 
