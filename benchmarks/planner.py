@@ -8,7 +8,11 @@ measured peak to keep-all's; each plan trains a copy for 2 steps and MemoryMeter
 last. Step time: one thread, process CPU time (so that other processes on a shared machine
 count less), median of 5 steps after 1 warm-up, keep-all and all-full, against the forecast
 priced on `memfit calibrate`'s profile measured in the same run the same way (cpu_time=True),
-just before each model; the load average is reported. Sharded: keep-all and all-full
+just before each model; the load average is reported. Measured with glibc's malloc told not to
+give freed heap memory back to the system (mallopt M_TRIM_THRESHOLD) and to map blocks of
+32 MiB and more afresh (M_MMAP_THRESHOLD, its largest value, fixed): with its defaults the
+same step faults in 0 to 125 MiB of pages again each step (see [Note: Page faults and the
+measured step]), which is also measured and reported first. Sharded: keep-all and all-full
 on W = 2 and 4 gloo ranks (memfit.FullyShardedDataParallel, each layer a unit), the largest
 per-rank peak of the second step.
 
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import ctypes
 import os
 import resource
 import statistics
@@ -45,49 +50,102 @@ def batch_of(preset: Preset, seed: int = 0) -> dict:
     return (mlm_batch if preset.arch == "bert" else lm_batch)(preset.shape, seed=seed)
 
 
-def step_time(model, batch, plan, steps: int = 5) -> float:
-    """Median process CPU seconds of a step (one thread: see the module's docstring)."""
+# [Note: Page faults and the measured step]
+# glibc's malloc gives the free memory at the top of its heap back to the system once more than
+# its trim threshold is free, and maps blocks above its mmap threshold (which it moves, up to
+# 32 MiB, as such blocks are freed) afresh each time; PyTorch's CPU allocator has no cache, so
+# the next step touches those pages again and the kernel faults and zeroes each one (system
+# time: process CPU time counts it). How much a step faults depends on the order of frees and
+# varies from run to run for the same step (Llama 32k all-full: 94 then 62 MiB; BERT-MLM
+# all-full: 0 then 20 MiB), and each faulted MiB cost 0.5 to 1.9 ms of system time depending on
+# the load. No count of a step's operations predicts it, so the step time is compared where the
+# allocator reuses its memory (trimming off, the mmap threshold fixed at its 32 MiB maximum:
+# blocks that large still fault, and the time model prices them: see DeviceProfile.fresh_*),
+# and the default allocator's step time and faults are reported beside it.
+_LIBC = ctypes.CDLL(None)
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def reuse_heap() -> None:
+    """glibc: keep freed heap memory (no trimming), map only blocks of 32 MiB or more afresh."""
+    if not (_LIBC.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1) and _LIBC.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20)):
+        raise RuntimeError("mallopt failed: not glibc?")
+
+
+def step_time(model, batch, plan, steps: int = 5) -> tuple[float, float, float]:
+    """Median process CPU seconds of a step (one thread: see the module's docstring), median
+    minor page faults per step in MiB, and the fastest step's seconds."""
     m = plan.apply(copy.deepcopy(model))
     m.train()
     opt = torch.optim.AdamW(m.parameters())
-    times = []
+    times, faults = [], []
     for i in range(steps + 1):
-        t0 = time.process_time()
+        f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time()
         m(**batch).loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         if i:
             times.append(time.process_time() - t0)
-    return statistics.median(times)
+            faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) * resource.getpagesize() / MIB)
+    return statistics.median(times), statistics.median(faults), min(times)
 
 
-def priced_against_measured(name: str, model, batch, profile, paths) -> str:
-    """Calibrate (CPU time, one thread) and measure keep-all and all-full steps, back to back."""
+def one_thread(fn, *args):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        device = calibrate("cpu", save=False, cpu_time=True)
-        plans = {k: memfit.Plan.fixed(dict.fromkeys(paths, k), profile) for k in ("keep", "full")}
-        load = os.getloadavg()[0]
-        measured = {k: step_time(model, batch, p) for k, p in plans.items()}
-        # The same profile's blocks and step, priced on this run's calibration.
-        repriced = memfit.plan(model, batch, budget="1TB", device_profile=device)
-        predicted = {k: memfit.Plan.fixed(dict.fromkeys(paths, k), repriced.profile).predicted_step_time for k in plans}
+        return fn(*args)
     finally:
         torch.set_num_threads(threads)
-    parts = [
-        f"{k} all predicted {predicted[k] * 1e3:.1f} ms, measured {measured[k] * 1e3:.1f} ms "
-        f"({predicted[k] / measured[k] - 1:+.0%})"
-        for k in ("keep", "full")
+
+
+def step_times(cases: dict, log) -> list[str]:
+    """Per model: keep-all and all-full measured with glibc's defaults (all models first, before
+    mallopt changes them for the process), then with the heap reused against the forecast
+    priced on a calibration made just before, in the same regime."""
+    default = {}
+    for name, (model, batch, paths, profile) in cases.items():
+        for k in ("keep", "full"):
+            plan = memfit.Plan.fixed(dict.fromkeys(paths, k), profile)
+            default[name, k] = one_thread(step_time, model, batch, plan)
+    reuse_heap()
+    rows = []
+    for name, (model, batch, paths, profile) in cases.items():
+        device = one_thread(lambda: calibrate("cpu", save=False, cpu_time=True))
+        load = os.getloadavg()[0]
+        repriced = memfit.plan(model, batch, budget="1TB", device_profile=device).profile
+        rates = f"{device.flops['float32'] / 1e9:.0f} / {device.op_overhead * 1e6:.1f}"
+        for k in ("keep", "full"):
+            plan = memfit.Plan.fixed(dict.fromkeys(paths, k), profile)
+            measured, faults, fastest = one_thread(step_time, model, batch, plan)
+            predicted = memfit.Plan.fixed(dict.fromkeys(paths, k), repriced).predicted_step_time
+            d_time, d_faults, _ = default[name, k]
+            rows.append(
+                f"| {name} | {k} all | {predicted * 1e3:.1f} | {measured * 1e3:.1f} | "
+                f"{predicted / measured - 1:+.1%} | {fastest * 1e3:.1f} | {predicted / fastest - 1:+.1%} | "
+                f"{faults:.0f} | {d_time * 1e3:.1f} | {d_faults:.0f} | {rates} | {load:.1f} |"
+            )
+        log(f"{name}: step times")
+    return [
+        "## Step time: predicted against measured",
+        "",
+        "One thread, process CPU time, median of 5 steps (and the fastest of them: calibration takes the fastest of "
+        "its repeats, so under load the median runs above what it prices); predicted on `memfit calibrate`'s rates "
+        "measured in this run just before each model (CPU time, one thread). Measured with glibc's heap reused "
+        "(trimming off, "
+        "mmap threshold fixed at 32 MiB); beside it, the same step with glibc's defaults measured earlier in "
+        "this run, and the pages each step faulted in (see [Note: Page faults and the measured step] in "
+        "benchmarks/planner.py).",
+        "",
+        "| model | strategy | predicted ms | measured ms | error | fastest ms | error | faulted MiB | "
+        "default malloc: measured ms | faulted MiB | calibrated GFLOP/s / us per op | load |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
     ]
-    return (
-        f"Step time (one thread, CPU time; calibrated in this run: {device.flops['float32'] / 1e9:.0f} GFLOP/s "
-        f"fp32, {device.memory_bandwidth / 1e9:.0f} GB/s from memory, {device.op_overhead * 1e6:.1f} us per op; "
-        f"load average {load:.1f}): {'; '.join(parts)}."
-    )
 
 
-def single(name: str, preset: Preset, device, log) -> list[str]:
+def single(name: str, preset: Preset, device, log, cases: dict) -> list[str]:
     model, batch = preset.build(), batch_of(preset)
     t0 = time.perf_counter()
     with memfit.MemoryMeter() as meter:
@@ -106,7 +164,7 @@ def single(name: str, preset: Preset, device, log) -> list[str]:
         p = memfit.plan(model, batch, budget=budget, profile=profile, device_profile=device)
         rows.append((f"plan @{int(f * 100)}%", p, p.measure(model, batch), budget))
     log(f"{name}: planned in {seconds:.1f}s, measured peaks")
-    timing = priced_against_measured(name, model, batch, profile, paths)
+    cases[name] = (model, batch, paths, profile)
     lines = [
         f"### {name}",
         "",
@@ -125,8 +183,7 @@ def single(name: str, preset: Preset, device, log) -> list[str]:
             f"| {label} | {counts} | {b} | {p.predicted_peak / MIB:.2f} | {measured / MIB:.2f} | "
             f"{p.predicted_peak / measured - 1:+.1%} | {fits} |"
         )
-    lines += ["", timing, ""]
-    return lines
+    return [*lines, ""]
 
 
 def _sharded_worker(rank: int, world: int, names: list[str]) -> dict:
@@ -254,8 +311,10 @@ def main() -> None:
         "## One process",
         "",
     ]
+    cases: dict = {}
     for name, preset in MODELS.items():
-        lines += single(name, preset, device, log)
+        lines += single(name, preset, device, log, cases)
+    at = len(lines)  # the step times go here, measured last: mallopt changes the rest of the process
     if not args.skip_sharded:
         lines += sharded(log)
     lines += real_sizes(log)
@@ -265,6 +324,7 @@ def main() -> None:
         f"process: {rss:.0f} MiB (every plan above included).",
         "",
     ]
+    lines[at:at] = step_times(cases, log)
     emit(lines, args.out)
 
 

@@ -15,9 +15,10 @@ from torch import nn
 
 from memfit._checkpoint import _offload
 from memfit._checkpoint._function import _Frame, _Holder
+from memfit._plan._calibrate import calibrate
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, terms
-from memfit._plan._time import PROFILES, CostRecorder, OpCost, calibrate, device_profile
+from memfit._plan._time import PROFILES, CostRecorder, OpCost, device_profile
 from memfit._plan._validate import measured_sharded_peak
 from memfit._shard import _checkpoint_files
 from memfit._shard._collectives import STATS, CommStats

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 from collections.abc import Callable
@@ -54,7 +53,7 @@ class BlockProfile:
     output_bytes: int
     kept: dict[str, int] = field(default_factory=dict)  # per decision, input included unless offloaded
     peak: dict[str, int] = field(default_factory=dict)  # B_i per decision
-    forward_time: float = 0.0  # forward and backward with activations kept
+    forward_time: float = 0.0  # its forward with activations kept (priced)
     extra_time: dict[str, float] = field(default_factory=dict)  # added to a step per decision
 
 
@@ -159,13 +158,6 @@ def _signature(block: nn.Module, args, kwargs) -> tuple:
     return (type(block), repr(block), tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
 
 
-def _saved_by(rule) -> Callable:
-    from memfit._checkpoint._selective import _READY, _always_recompute
-
-    keep = _READY.get(rule, rule) if isinstance(rule, str) else rule
-    return lambda op: callable(keep) and not _always_recompute(op) and keep(op)
-
-
 def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) -> BlockProfile:
     """Bytes of ``block`` under each decision (on fake tensors) and their priced extra time."""
     trainable = sum(p.untyped_storage().nbytes() for p in block.parameters() if p.requires_grad)
@@ -177,19 +169,26 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
     out_bytes = _tensor_bytes(((a, k), out)) - in_bytes
     prof = BlockProfile(path, _state_bytes(block), trainable, in_bytes, out_bytes)
     measured = [d for d in DECISIONS if d == "keep" or d in decisions or (d == "full" and "offload" in decisions)]
-    recorder = CostRecorder()
+    work: dict[str, list[OpCost]] = {}  # per decision: the ops of the block's forward and backward
     for decision in measured:
         if decision == "offload":
             continue
         memfit.Decision.parse(decision, save=rule).apply(block)
         a, k = _fresh(args, kwargs)
+        recorder = CostRecorder()
         with _Meter(model=block) as meter:
-            with recorder if decision == "keep" else contextlib.nullcontext():
+            with recorder:
                 out = block(*a, **k)
+            forward = len(recorder.ops)
             alive = meter.current_bytes
             outs = _outputs_with_grad(out)
             if outs:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+                grads = [torch.ones_like(t) for t in outs]
+                with recorder:
+                    torch.autograd.backward(outs, grads)
+        work[decision] = recorder.costs
+        if decision == "keep":
+            prof.forward_time = device.ops_time(recorder.costs[:forward])
         internal = max(0, alive - prof.param_bytes - prof.input_bytes - prof.output_bytes)
         prof.kept[decision] = internal + prof.input_bytes
         # In the chain the block's output is gone by its backward (the next block released it).
@@ -200,16 +199,12 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
     if "offload" in measured:  # full checkpointing with the input elsewhere until backward
         prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
         prof.peak["offload"] = prof.peak["full"]
-    # See [Note: The planner's time model].
-    saved = _saved_by(rule)
-    forward = device.ops_time(recorder.costs)
-    prof.forward_time = forward
-    prices = {
-        "keep": 0.0,
-        "full": forward,
-        "selective": device.ops_time([c for op, c in recorder.ops if not saved(op)]),
-        "offload": forward + 2 * prof.input_bytes / device.offload_bandwidth,
-    }
+    # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
+    keep, n_keep = device.ops_time(work["keep"]), len(work["keep"])
+    prices = {d: max(0.0, device.ops_time(c) - keep + device.checkpoint_time(len(c) - n_keep)) for d, c in work.items()}
+    prices["keep"] = 0.0
+    if "offload" in measured:
+        prices["offload"] = prices["full"] + 2 * prof.input_bytes / device.offload_bandwidth
     prof.extra_time = {d: prices[d] for d in measured}
     return prof
 
@@ -397,11 +392,13 @@ def _measure_step(
     captured: dict[int, tuple] = {}
     marks: dict[str, int] = {}
     meter_box: list[_Meter] = []
+    recorder = CostRecorder()
 
     def capture(i):
         def hook(module, args, kwargs):
             if i not in captured:
-                captured[i] = _fresh(args, kwargs)
+                with recorder.paused():  # the copies kept here are not the step's work
+                    captured[i] = _fresh(args, kwargs)
             if i == 0 and meter_box and "before" not in marks:
                 marks["before"] = meter_box[0].current_bytes - _tensor_bytes(captured)  # not the copies kept here
                 for t in _outputs_with_grad((args, kwargs)):  # the blocks' backward is over
@@ -426,7 +423,6 @@ def _measure_step(
     handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
     opt = _make_optimizer(optimizer, model) if optimizer else None
-    recorder = CostRecorder()
     try:
         for p in model.parameters() if opt else ():  # the optimizer's state, as after a first step (fake)
             if p.requires_grad:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
 import math
-import os
-import statistics
-import tempfile
-import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -26,23 +22,38 @@ aten = torch.ops.aten
 # run. The planner prices work instead: every aten op of a step is recorded once (under
 # FakeTensorMode, so nothing runs) with its floating-point operations (torch's flop formulas)
 # and the bytes it reads and writes, and an op costs
-#     t(op) = max(flops / F[dtype] + t_mm, bytes / BW(bytes), elements / M[op]) + t_op
-# on a device profile: F the matmul rate per dtype and t_mm what a matmul costs beyond its
-# flops (both only for ops with flops: small matmuls on a CPU run below F); BW the memory
-# bandwidth, per size of op where calibrated (caches make small ops faster); M the element rate
-# of ops whose arithmetic bounds them (exp, softmax, GELU, sqrt on a CPU: 5-10x slower than
-# their bytes); on a CPU an output of 32 MiB or more also pays for its fresh pages (malloc maps
-# such blocks anew: a fresh 32 MiB fill took 13.8 ms here, a reused one 0.7 ms); t_op what an
-# op pays in a training step beside its work (dispatch, autograd,
-# module calls, the optimizer's loop), the constant that dominates small ops on a CPU. Views
-# and metadata ops (view, t, transpose, detach) move no bytes and cost t_op; prim ops
-# (prim.device) never reach a kernel and cost nothing. `memfit calibrate` fits F and t_mm to
-# matmuls of several sizes and BW to copies of several sizes (least squares on time = work /
-# rate + constant), times M per op on 4M elements, and t_op on the training step of a tiny
-# model (its work negligible). The extra time of a decision is what it adds to a step:
+#     t(op) = max(flops / F[dtype] + t_mm + scores / S[op], bytes / BW(bytes), elements / M[op])
+#             + fresh + t_op
+# on a device profile:
+#   F, t_mm  the matmul rate per dtype and what a matmul costs beyond its flops (only for ops
+#            with flops: small matmuls on a CPU run below F);
+#   S[op]    attention ops only: the rate at which the kernel gets through its b*h*sq*sk scores
+#            beyond its matmul flops (on a CPU each score takes an exp and a rescale, and the
+#            per-head tiles run below F: 4x4 heads of 64x32 ran at 57 GFLOP/s here against 100
+#            for a large matmul);
+#   BW       the memory bandwidth, per size of op where calibrated;
+#   M[op]    the element rate of ops whose arithmetic bounds them (exp, softmax, GELU, sqrt on a
+#            CPU: 5-10x slower than their bytes);
+#   fresh    on a CPU, an output of 32 MiB or more pays for its fresh pages (malloc maps such
+#            blocks anew: a fresh 32 MiB fill took 13.8 ms here, a reused one 0.7 ms);
+#   t_op     what an op pays in a training step beside its work (dispatch, autograd, module
+#            calls, the optimizer's loop), the constant that dominates small ops on a CPU.
+# Views and metadata ops (view, t, transpose, detach) move no bytes and cost t_op; prim ops
+# (prim.device) never reach a kernel and profiler ops only mark ranges: they cost nothing.
+# `memfit calibrate` fits F and t_mm to matmuls of several sizes and BW to elementwise ops of
+# several sizes (least squares on time = work / rate + constant; both on data out of cache: see
+# [Note: Calibrating on cold data]), times M per op on 4M elements, fits S to attention ops of a
+# few shapes, and t_op and checkpoint's own cost on the training step of a tiny model (its work
+# negligible); every time is the fastest of a few repeats (another process on the machine only
+# ever adds time). The extra time of a decision is what it adds to a step: the block's forward
+# and backward recorded under the decision and priced, less the same under keep, plus what
+# checkpointing costs beside the ops it adds (DeviceProfile.checkpoint_time: its frame,
+# saved-tensor hooks and RNG replay, in Python):
 #     keep       0
-#     full       sum of t(op) over the block's forward (recomputed in backward)
-#     selective  the same over the ops its rule does not keep
+#     full       the block's forward again (recomputed in backward, up to the last op whose
+#                output backward needs), checkpoint's own ops (a detach per saved tensor) and
+#                checkpoint_time
+#     selective  the same for the ops its rule does not keep
 #     offload    full + 2 x the block input's bytes / BW_offload (written in forward, read back)
 # and the predicted step time is sum t(op) over one measured step (forward, backward, optimizer
 # step) plus the extra times. The same model, batch and profile give the same numbers: the
@@ -70,6 +81,15 @@ class DeviceProfile:
         math_rates: output elements per second of ops whose arithmetic, not their bytes,
             bounds them on this device (exp, softmax, GELU, ... on a CPU), by op name
             ("aten.exp"); measured by `memfit calibrate`. Empty: bytes bound them.
+        score_rates: attention scores per second beyond the op's matmul flops, by op name
+            ("aten._scaled_dot_product_flash_attention_for_cpu"): what a CPU's attention kernel
+            spends on the softmax of its b*h*sq*sk scores and on its small per-head tiles;
+            measured by `memfit calibrate`. Empty: flops bound attention as any matmul.
+        checkpoint_block, checkpoint_op: what a checkpointed block costs beside the ops it adds
+            (its recompute and checkpoint's own ops, priced as any op): the Python of its frame,
+            saved-tensor hooks and RNG replay, per block and per added op; measured by `memfit
+            calibrate` on a tiny model's blocks. 0 in the named profiles: their op_overhead
+            stands for all the host's work, which an accelerator's queue hides.
         fresh_threshold, fresh_bandwidth: an output of ``fresh_threshold`` bytes or more is
             written to pages the operating system maps on first touch (glibc's malloc maps
             blocks of 32 MiB and more afresh each time), at ``fresh_bandwidth`` bytes per
@@ -85,6 +105,9 @@ class DeviceProfile:
     matmul_latency: float = 0.0
     bandwidth_curve: tuple[tuple[float, float], ...] = ()
     math_rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    score_rates: dict[str, float] = dataclasses.field(default_factory=dict)
+    checkpoint_block: float = 0.0  # seconds a checkpointed block adds beside its added ops' work (see checkpoint_time)
+    checkpoint_op: float = 0.0  # and per op it adds, beyond op_overhead
     fresh_threshold: float = 0.0  # outputs of at least this many bytes land in fresh pages (0: none do)
     fresh_bandwidth: float = 0.0  # bytes per second of touching fresh pages the first time
 
@@ -99,12 +122,19 @@ class DeviceProfile:
 
     def op_time(self, cost: OpCost) -> float:
         compute = cost.flops / self.rate(cost.dtype) + self.matmul_latency if cost.flops else 0.0
+        if cost.scores and cost.op in self.score_rates:
+            compute += cost.scores / self.score_rates[cost.op]
         if cost.op in self.math_rates:
             compute = max(compute, cost.elements / self.math_rates[cost.op])
         fresh = 0.0
         if self.fresh_bandwidth and self.fresh_threshold and cost.largest_output >= self.fresh_threshold:
             fresh = cost.largest_output / self.fresh_bandwidth
         return max(compute, cost.bytes / self.bandwidth(cost.bytes)) + fresh + self.op_overhead
+
+    def checkpoint_time(self, added_ops: int) -> float:
+        """Seconds a checkpointed block adds to a step beside the priced work of the ``added_ops``
+        ops it adds (see ``checkpoint_block``)."""
+        return self.checkpoint_block + added_ops * self.checkpoint_op
 
     def bandwidth(self, nbytes: float) -> float:
         """Bytes per second of an op moving ``nbytes`` (see ``bandwidth_curve``)."""
@@ -125,7 +155,9 @@ class DeviceProfile:
 
 # Published dense peak rates (no sparsity) from the vendors' data sheets; fp32 without TF32
 # (PyTorch's default for matmuls). Offload over PCIe, one direction: Gen5 x16 64 GB/s, Gen4
-# x16 32 GB/s.
+# x16 32 GB/s. Only what a data sheet states is set: no bandwidth curve, math, score or fresh-
+# page rates (an attention op costs its flops at the peak, as any matmul: the roofline), and no
+# checkpoint_time beyond op_overhead per op (the host's Python runs ahead of the device's queue).
 PROFILES = {
     "h100": DeviceProfile(
         "h100",
@@ -169,6 +201,7 @@ class OpCost:
     dtype: torch.dtype
     elements: int = 0  # of its outputs
     largest_output: int = 0  # bytes of its largest output
+    scores: int = 0  # attention ops: elements of the b*h*sq*sk score matrix they compute through
 
 
 def _sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -202,6 +235,14 @@ def _nbytes(items) -> tuple[int, torch.dtype | None]:
 _NO_DATA = {"aten._unsafe_view", "aten.alias", "aten.lift_fresh", "aten.size", "aten.stride", "aten.sym_size"}
 
 
+def _scores(name: str, args) -> int:
+    """Elements of the score matrix an attention op computes through (b*h*sq*sk; 0 for others)."""
+    if "scaled_dot_product" not in name:
+        return 0
+    q, k = args[1:3] if name.endswith("_backward") else args[0:2]  # a backward gets grad_out first
+    return math.prod(q.shape[:-1]) * k.shape[-2]
+
+
 def op_cost(func, args, kwargs, out) -> OpCost:
     packet = func._overloadpacket
     if func.is_view or str(packet) in _NO_DATA:
@@ -217,7 +258,8 @@ def op_cost(func, args, kwargs, out) -> OpCost:
     tensors = [t for t in outs if isinstance(t, torch.Tensor)]
     elements = sum(t.numel() for t in tensors)
     largest = max((t.numel() * t.element_size() for t in tensors), default=0)
-    return OpCost(str(packet), flops, read + written, dtype or out_dtype or torch.float32, elements, largest)
+    dtype = dtype or out_dtype or torch.float32
+    return OpCost(str(packet), flops, read + written, dtype, elements, largest, _scores(str(packet), args))
 
 
 class CostRecorder(TorchDispatchMode):
@@ -226,185 +268,28 @@ class CostRecorder(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple[object, OpCost]] = []
+        self.recording = True  # False inside paused(): the planner's own copies are not the model's work
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if func.namespace != "prim":  # prim.device and the like: answered without a kernel
+        # prim.device and the like are answered without a kernel; profiler.* only mark ranges
+        if self.recording and func.namespace not in ("prim", "profiler"):
             self.ops.append((func, op_cost(func, args, kwargs, out)))
         return out
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops run inside are not recorded (the planner's copies of a block's inputs)."""
+        self.recording = False
+        try:
+            yield
+        finally:
+            self.recording = True
 
     @property
     def costs(self) -> list[OpCost]:
         return [c for _, c in self.ops]
-
-
-# -- calibration ---------------------------------------------------------------------------
-
-
-def _median_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = clock()
-        fn()
-        times.append(clock() - t0)
-    return statistics.median(times)
-
-
-def _fit(work: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least squares of seconds = work / rate + constant: (rate, constant >= 0)."""
-    n, mx, my = len(work), statistics.fmean(work), statistics.fmean(seconds)
-    slope = sum((x - mx) * (y - my) for x, y in zip(work, seconds)) / sum((x - mx) ** 2 for x in work)
-    slope = max(slope, 1e-30)
-    return 1 / slope, max(0.0, my - slope * mx) if n > 1 else 0.0
-
-
-def _cache_path(device_type: str) -> Path:
-    root = os.environ.get("MEMFIT_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memfit"
-    )
-    return Path(root) / f"device-{device_type}.json"
-
-
-def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time: bool = False) -> DeviceProfile:
-    """Measure this machine's rates (a few seconds) and cache them for ``device``'s type: the
-    matmul rate and latency per dtype and the memory bandwidth, each fitted over several sizes,
-    the cost per op of a tiny model's training step, and the offload path (disk for
-    a CPU, host memory for an accelerator). ``cpu_time``: time with the process's CPU time
-    (``time.process_time``), not the wall clock: on a loaded CPU with one thread the work is
-    counted without the time other processes hold the cores."""
-    device = torch.device(device)
-    sync = getattr(torch.get_device_module(device.type), "synchronize", None) if device.type != "cpu" else None
-    clock = time.process_time if cpu_time else time.perf_counter
-
-    def timed(fn, repeats=5):
-        def run():
-            fn()
-            if sync:
-                sync()
-
-        return _median_seconds(run, repeats, clock)
-
-    flops, latency = {}, 0.0
-    sizes = (64, 128, 256, 512) if device.type == "cpu" else (1024, 2048, 4096, 8192)
-    for dtype in (torch.float32, torch.bfloat16):
-        mats = [torch.randn(n, n, device=device, dtype=dtype) for n in sizes]
-        work = [2.0 * n**3 for n in sizes]
-        rate, c = _fit(work, [timed(lambda a=a: a @ a) for a in mats])
-        flops[str(dtype).removeprefix("torch.")] = rate
-        latency = c if dtype is torch.float32 else latency
-    # Written first: pages never touched read as one shared zero page, far faster than memory.
-    copies = [torch.ones(2**k // 4, device=device) for k in (16, 18, 20, 22, 24, 26)]  # 64 KiB .. 64 MiB
-    outs = [torch.zeros_like(t) for t in copies]
-    seconds = [timed(lambda t=t, o=o: o.copy_(t)) for t, o in zip(copies, outs)]
-    moved = [2.0 * t.nbytes for t in copies]  # read and written
-    memory_bandwidth, op_cost_constant = _fit(moved, seconds)
-    curve = tuple((m, m / max(t - op_cost_constant, t / 2)) for m, t in zip(moved, seconds))
-    profile = DeviceProfile(
-        f"calibrated-{device.type}",
-        flops,
-        memory_bandwidth,
-        _offload_bandwidth(device, copies[-1], timed),
-        _op_overhead(device, timed),
-        f"measured by memfit calibrate on {os.uname().nodename} at {time.strftime('%Y-%m-%d %H:%M')}",
-        matmul_latency=latency,
-        bandwidth_curve=curve,
-        math_rates=_math_rates(device, timed),
-        **(_fresh_pages(timed) if device.type == "cpu" else {}),
-    )
-    if save:
-        path = _cache_path(device.type)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
-    return profile
-
-
-def _math_rates(device: torch.device, timed) -> dict[str, float]:
-    """Output elements per second of the ops a CPU computes slower than it streams their bytes
-    (exp and its relatives), on 4M elements; only where slower than a copy of the same bytes."""
-    aten, f = torch.ops.aten, torch.nn.functional
-    x = torch.randn(1024, 4096, device=device)  # 16 MiB: from memory, as the large ones (logits) are
-    # Each backward gets what it gets in a step (its forward's output): speed depends on values.
-    y, ly, g = torch.softmax(x, -1), torch.log_softmax(x, -1), torch.randn_like(x)
-    ops = {
-        "aten.exp": lambda: torch.exp(x),
-        "aten.tanh": lambda: torch.tanh(x),
-        "aten.tanh_backward": lambda: aten.tanh_backward(g, torch.tanh(x)),
-        "aten.sigmoid": lambda: torch.sigmoid(x),
-        "aten._softmax": lambda: torch.softmax(x, -1),
-        "aten._softmax_backward_data": lambda: aten._softmax_backward_data(g, y, -1, x.dtype),
-        "aten._log_softmax": lambda: torch.log_softmax(x, -1),
-        "aten._log_softmax_backward_data": lambda: aten._log_softmax_backward_data(g, ly, -1, x.dtype),
-        "aten.gelu": lambda: f.gelu(x),
-        "aten.gelu_backward": lambda: aten.gelu_backward(g, x),
-        "aten.silu": lambda: f.silu(x),
-        "aten.silu_backward": lambda: aten.silu_backward(g, x),
-        "aten.pow": lambda: torch.pow(x, 3.0),
-        "aten.rsqrt": lambda: torch.rsqrt(x.abs()),
-        "aten.sqrt": lambda: torch.sqrt(x.abs()),
-    }
-    out = torch.empty_like(x)
-    copy = timed(lambda: out.copy_(x))
-    rates = {name: x.numel() / seconds for name, op in ops.items() if (seconds := timed(op, 3)) > copy}
-    return rates
-
-
-_FRESH = 32 * 2**20  # glibc's largest mmap threshold (64-bit): blocks this large are mapped afresh
-
-
-def _fresh_pages(timed) -> dict[str, float]:
-    """The first-touch rate of a freshly allocated 64 MiB block (above ``_FRESH``): writing it
-    new each time, less writing it in place."""
-    n = 2 * _FRESH // 4
-    reused = torch.empty(n)
-    extra = timed(lambda: torch.empty(n).fill_(1.0), 3) - timed(lambda: reused.fill_(1.0), 3)
-    return {"fresh_threshold": float(_FRESH), "fresh_bandwidth": 4 * n / extra} if extra > 0 else {}
-
-
-def _op_overhead(device: torch.device, timed) -> float:
-    """Seconds per aten op of a training step of a tiny model (4 blocks of Linear, LayerNorm
-    and GELU on 8 features, AdamW): dispatch, autograd, module calls and the optimizer's loop,
-    what every op of a real step pays beside its work."""
-    torch.manual_seed(0)
-    blocks = [torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()) for _ in range(4)]
-    model = torch.nn.Sequential(*blocks).to(device)
-    opt = torch.optim.AdamW(model.parameters())
-    x = torch.ones(2, 8, device=device)
-
-    def step():
-        model(x).sum().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # the optimizer's state exists from here on, as in a planned step
-    recorder = CostRecorder()
-    with recorder:
-        step()
-    return timed(step) / len(recorder.ops)
-
-
-def _offload_bandwidth(device: torch.device, big: torch.Tensor, timed) -> float:
-    if device.type == "cpu":
-        return _disk_bandwidth(big)
-    host = torch.empty(big.shape, pin_memory=True)
-    return big.nbytes / timed(lambda: host.copy_(big))
-
-
-def _disk_bandwidth(t: torch.Tensor) -> float:
-    data = t.numpy().tobytes()
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "probe")
-
-        def write_read():
-            with open(path, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            with open(path, "rb") as f:
-                f.read()
-
-        return 2 * len(data) / _median_seconds(write_read, repeats=3)
 
 
 def default_profile(device: str | torch.device = "cpu") -> DeviceProfile:
@@ -440,6 +325,8 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
     if spec is None:
         return default_profile(device_type)
     if spec == "calibrated":
+        from memfit._plan._calibrate import _cache_path, calibrate
+
         cached = _cache_path(torch.device(device_type).type)
         if cached.exists():
             return DeviceProfile(**json.loads(cached.read_text()))
@@ -452,4 +339,4 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
     return PROFILES[spec]
 
 
-__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "calibrate", "default_profile", "device_profile"]
+__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "default_profile", "device_profile"]

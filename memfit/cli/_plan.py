@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 import memfit
-from memfit._plan._time import PROFILES, calibrate, default_profile
+from memfit._plan._calibrate import calibrate
+from memfit._plan._time import PROFILES, default_profile
 from memfit.cli._data import batch_at
 from memfit.cli._output import write_json
 from memfit.models import PRESETS, Preset

@@ -68,7 +68,44 @@ def test_a_calibration_round_trips_through_its_cache(tmp_path, monkeypatch):
     from memfit.testing import calibrate
 
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
-    measured = calibrate("cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # two threads on a loaded 2-core machine wait on each other: 10x slower
+    try:
+        measured = calibrate("cpu", cpu_time=True)
+    finally:
+        torch.set_num_threads(threads)
     assert measured.bandwidth_curve and measured.flops["float32"] > 0 and measured.op_overhead > 0
+    assert min(measured.checkpoint_block, measured.checkpoint_op) >= 0
+    assert set(measured.score_rates) <= {  # the CPU's attention kernels, where slower than their flops
+        "aten._scaled_dot_product_flash_attention_for_cpu",
+        "aten._scaled_dot_product_flash_attention_for_cpu_backward",
+    }
     assert device_profile("calibrated") == measured  # tuples and dicts back from JSON
     assert json.loads((tmp_path / "device-cpu.json").read_text())["name"] == "calibrated-cpu"
+
+
+def test_attention_ops_price_their_scores():
+    from memfit.testing import CostRecorder
+
+    q = torch.randn(2, 3, 16, 8, requires_grad=True)
+    k = torch.randn(2, 3, 24, 8)
+    with CostRecorder() as rec:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, k)
+        out.sum().backward()
+    attention = [c for c in rec.costs if c.scores]
+    assert attention and all(c.scores == 2 * 3 * 16 * 24 for c in attention)  # b*h*sq*sk, backward too
+    assert all(c.flops for c in attention) and not any(c.scores for c in rec.costs if "scaled_dot" not in c.op)
+    rates = {c.op: 1e6 for c in attention}
+    p = memfit.DeviceProfile("s", {"float32": 1e9}, 1e12, 1e8, 1e-6, score_rates=rates)
+    for c in attention:  # flops at the matmul rate, then each score at 1M/s: bytes are far below
+        assert p.op_time(c) == pytest.approx(c.flops / 1e9 + c.scores / 1e6 + 1e-6)
+        assert FLAT.op_time(c) == pytest.approx(max(c.flops / 1e9, c.bytes / 1e9) + 1e-6)  # no rate: flops
+
+
+def test_checkpoint_time_per_block_and_added_op():
+    p = memfit.DeviceProfile("c", {"float32": 1e9}, 1e9, 1e8, 1e-6, checkpoint_block=1e-4, checkpoint_op=2e-6)
+    assert p.checkpoint_time(0) == pytest.approx(1e-4) and p.checkpoint_time(50) == pytest.approx(2e-4)
+    assert FLAT.checkpoint_time(50) == 0.0
+    for name in ("h100", "h200", "a100", "cpu"):  # published rates only: see PROFILES
+        named = PROFILES[name]
+        assert named.checkpoint_time(50) == 0.0 and not named.score_rates and not named.math_rates

@@ -1,0 +1,301 @@
+"""`memfit calibrate`: this machine's rates for the time model, measured once and cached (see
+[Note: The planner's time model] and [Note: Calibrating on cold data])."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memfit._plan._time import CostRecorder, DeviceProfile, op_cost
+
+
+class _AttentionCalls(TorchDispatchMode):
+    """The attention ops run inside it, with their arguments (to time them again)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        cost = op_cost(func, args, kwargs, out)
+        if cost.scores:
+            self.calls.append((func, args, kwargs, cost))
+        return out
+
+
+def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
+    """The fastest of ``repeats`` timed calls after one warm-up: another process on the machine
+    (or its cache misses and page faults) only ever adds time to a run."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return min(times)
+
+
+# [Note: Calibrating on cold data]
+# In a training step an op reads what other ops wrote well before (the step's tensors, tens of
+# MiB and more, do not stay in the caches), and the step's elementwise ops ran at the rate of
+# data from memory: on a 2-core AMD EPYC (32 MiB L3) the mul, div, add and lerp_ ops of a Llama
+# step streamed 36-54 GB/s, where a copy repeated on one 128 KiB tensor streams 118 GB/s
+# from the cache; small matmuls on operands from memory ran 86-96 GFLOP/s against 101-104 on
+# operands in cache. So calibration times each op over a pool of distinct operands (64 MiB in
+# all, twice that CPU's last-level cache; at most 1024 of them), visited in turn, so that each
+# call meets its data out of cache (a CPU with a larger cache keeps part of it warm).
+_POOL = 64 * 2**20
+
+
+def _cold(make, op, timed, pool_bytes: int = _POOL) -> float:
+    """Seconds per call of ``op`` over a pool of operand tuples from ``make()``, each visited
+    once per pass (see [Note: Calibrating on cold data])."""
+    first = make()
+    nbytes = sum(t.nbytes for t in first)
+    pool = [first] + [make() for _ in range(min(1024, max(2, pool_bytes // nbytes)) - 1)]
+
+    def sweep():
+        for args in pool:
+            op(*args)
+
+    return timed(sweep, 3) / len(pool)
+
+
+def _fit(work: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least squares of seconds = work / rate + constant: (rate, constant >= 0)."""
+    n, mx, my = len(work), statistics.fmean(work), statistics.fmean(seconds)
+    slope = sum((x - mx) * (y - my) for x, y in zip(work, seconds)) / sum((x - mx) ** 2 for x in work)
+    slope = max(slope, 1e-30)
+    return 1 / slope, max(0.0, my - slope * mx) if n > 1 else 0.0
+
+
+def _cache_path(device_type: str) -> Path:
+    root = os.environ.get("MEMFIT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memfit"
+    )
+    return Path(root) / f"device-{device_type}.json"
+
+
+def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time: bool = False) -> DeviceProfile:
+    """Measure this machine's rates (a few seconds) and cache them for ``device``'s type: the
+    matmul rate and latency per dtype and the memory bandwidth, each fitted over several sizes
+    on data out of cache, the element rates of arithmetic-bound ops, the attention kernels'
+    score rates, the cost per op of a tiny model's training step and what checkpointing its
+    blocks adds, and the offload path (disk for a CPU, host memory for an accelerator).
+    ``cpu_time``: time with the process's CPU time (``time.process_time``), not the wall clock:
+    on a loaded CPU with one thread the work is counted without the time other processes hold
+    the cores."""
+    device = torch.device(device)
+    sync = getattr(torch.get_device_module(device.type), "synchronize", None) if device.type != "cpu" else None
+    clock = time.process_time if cpu_time else time.perf_counter
+
+    def timed(fn, repeats=5):
+        def run():
+            fn()
+            if sync:
+                sync()
+
+        return _best_seconds(run, repeats, clock)
+
+    # See [Note: Calibrating on cold data].
+    flops, latency = {}, 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        rate, c = _matmul_rate(device, dtype, timed)
+        flops[str(dtype).removeprefix("torch.")] = rate
+        latency = c if dtype is torch.float32 else latency
+    # Written first: pages never touched read as one shared zero page, far faster than memory.
+    numels = [2**k // 4 for k in (16, 18, 20, 22, 24, 26)]  # 64 KiB .. 64 MiB
+    pair = lambda n: (torch.ones(n, device=device), torch.zeros(n, device=device))  # noqa: E731
+    seconds = [_cold(lambda n=n: pair(n), lambda a, o: torch.mul(a, 2.0, out=o), timed) for n in numels]
+    moved = [8.0 * n for n in numels]  # read and written
+    memory_bandwidth, op_cost_constant = _fit(moved, seconds)
+    curve = tuple((m, m / max(t - op_cost_constant, t / 2)) for m, t in zip(moved, seconds))
+    big = pair(numels[-1])[0]
+    overheads = _op_overhead(device, timed)
+    profile = DeviceProfile(
+        f"calibrated-{device.type}",
+        flops,
+        memory_bandwidth,
+        _offload_bandwidth(device, big, timed),
+        overheads["op_overhead"],
+        f"measured by memfit calibrate on {os.uname().nodename} at {time.strftime('%Y-%m-%d %H:%M')}",
+        matmul_latency=latency,
+        bandwidth_curve=curve,
+        math_rates=_math_rates(device, timed),
+        score_rates=_score_rates(device, timed, flops["float32"]),
+        checkpoint_block=overheads["checkpoint_block"],
+        checkpoint_op=overheads["checkpoint_op"],
+        **(_fresh_pages(timed) if device.type == "cpu" else {}),
+    )
+    if save:
+        path = _cache_path(device.type)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
+    return profile
+
+
+def _matmul_rate(device: torch.device, dtype: torch.dtype, timed) -> tuple[float, float]:
+    """The matmul rate and latency fitted over the three products of a Linear layer's training
+    step (forward x @ W.t(), backward g @ W and g.t() @ x) at the shapes of a transformer's
+    layers of width n: in -> out of n -> 4n, 4n -> n and n -> 32n (an LM head: vocabularies
+    are 8-64x the width), on 2n tokens, for two widths (64 and 256 on a CPU, 16x on an
+    accelerator). Square matmuls run faster than these: the products with a small inner or
+    outer dimension and the transposed operands of backward ran 82-94 GFLOP/s here where
+    squares of 512 ran 98."""
+    widths = (64, 256) if device.type == "cpu" else (1024, 4096)
+    products = {
+        "forward": lambda x, w, g, y, gx, gw: torch.mm(x, w.t(), out=y),
+        "grad_input": lambda x, w, g, y, gx, gw: torch.mm(g, w, out=gx),
+        "grad_weight": lambda x, w, g, y, gx, gw: torch.mm(g.t(), x, out=gw),
+    }
+    work, seconds = [], []
+    for n in widths:
+        for fan_in, fan_out in ((n, 4 * n), (4 * n, n), (n, 32 * n)):
+
+            def make(t=2 * n, i=fan_in, o=fan_out):  # values do not change a matmul's speed
+                full = lambda *shape: torch.full(shape, 0.5, device=device, dtype=dtype)  # noqa: E731
+                return full(t, i), full(o, i), full(t, o), full(t, o), full(t, i), full(o, i)
+
+            for product in products.values():
+                work.append(2.0 * 2 * n * fan_in * fan_out)
+                seconds.append(_cold(make, product, timed))
+    return _fit(work, seconds)
+
+
+def _math_rates(device: torch.device, timed) -> dict[str, float]:
+    """Output elements per second of the ops a CPU computes slower than it streams their bytes
+    (exp and its relatives), on 4M elements; only where slower than a copy of the same bytes."""
+    aten, f = torch.ops.aten, torch.nn.functional
+    x = torch.randn(1024, 4096, device=device)  # 16 MiB: from memory, as the large ones (logits) are
+    # Each backward gets what it gets in a step (its forward's output): speed depends on values.
+    # Only the op itself is timed: its inputs are made before (a tanh inside tanh_backward's
+    # timing priced it at a tenth of its rate).
+    y, ly, g, t, a = torch.softmax(x, -1), torch.log_softmax(x, -1), torch.randn_like(x), torch.tanh(x), x.abs()
+    ops = {
+        "aten.exp": lambda: torch.exp(x),
+        "aten.tanh": lambda: torch.tanh(x),
+        "aten.tanh_backward": lambda: aten.tanh_backward(g, t),
+        "aten.sigmoid": lambda: torch.sigmoid(x),
+        "aten._softmax": lambda: torch.softmax(x, -1),
+        "aten._softmax_backward_data": lambda: aten._softmax_backward_data(g, y, -1, x.dtype),
+        "aten._log_softmax": lambda: torch.log_softmax(x, -1),
+        "aten._log_softmax_backward_data": lambda: aten._log_softmax_backward_data(g, ly, -1, x.dtype),
+        "aten.gelu": lambda: f.gelu(x),
+        "aten.gelu_backward": lambda: aten.gelu_backward(g, x),
+        "aten.silu": lambda: f.silu(x),
+        "aten.silu_backward": lambda: aten.silu_backward(g, x),
+        "aten.pow": lambda: torch.pow(x, 3.0),
+        "aten.rsqrt": lambda: torch.rsqrt(a),
+        "aten.sqrt": lambda: torch.sqrt(a),
+    }
+    out = torch.empty_like(x)
+    copy = timed(lambda: out.copy_(x))
+    rates = {name: x.numel() / seconds for name, op in ops.items() if (seconds := timed(op, 3)) > copy}
+    return rates
+
+
+def _score_rates(device: torch.device, timed, rate: float) -> dict[str, float]:
+    """Scores per second of the attention ops beyond their matmul flops at ``rate``: the fp32
+    forward and backward that F.scaled_dot_product_attention reaches on ``device`` (its kernel
+    is the device's choice), timed on heads of a few sizes (64x32 to 256x64), the mean over
+    them of (time - flops / rate) / scores; none where the flops alone account for the time."""
+    per_op: dict[str, list[float]] = {}
+    for b, h, s, d in ((4, 4, 64, 32), (2, 4, 128, 64), (1, 4, 256, 64)):
+        q = torch.randn(b, h, s, d, device=device, requires_grad=True)
+        g = torch.randn(b, h, s, d, device=device)
+        with _AttentionCalls() as calls:  # the ops the public function dispatches to, and their backward
+            torch.nn.functional.scaled_dot_product_attention(q, q, q).backward(g)
+        for func, args, kwargs, cost in calls.calls:
+            seconds = timed(lambda func=func, args=args, kwargs=kwargs: func(*args, **kwargs), 3)
+            per_op.setdefault(cost.op, []).append((seconds - cost.flops / rate) / cost.scores)
+    return {op: 1 / statistics.fmean(c) for op, c in per_op.items() if statistics.fmean(c) > 0}
+
+
+_FRESH = 32 * 2**20  # glibc's largest mmap threshold (64-bit): blocks this large are mapped afresh
+
+
+def _fresh_pages(timed) -> dict[str, float]:
+    """The first-touch rate of a freshly allocated 64 MiB block (above ``_FRESH``): writing it
+    new each time, less writing it in place."""
+    n = 2 * _FRESH // 4
+    reused = torch.empty(n)
+    extra = timed(lambda: torch.empty(n).fill_(1.0), 3) - timed(lambda: reused.fill_(1.0), 3)
+    return {"fresh_threshold": float(_FRESH), "fresh_bandwidth": 4 * n / extra} if extra > 0 else {}
+
+
+def _tiny_step(device: torch.device, timed, depth: int, checkpointed: bool) -> tuple[float, int]:
+    """Seconds and aten ops of a training step of a tiny model: 4 blocks of ``depth`` x (Linear,
+    LayerNorm, GELU) on 8 features, AdamW, each block checkpointed or not (its work negligible)."""
+    from memfit._checkpoint import checkpoint_module
+
+    torch.manual_seed(0)
+    layers = lambda: [torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.GELU()]  # noqa: E731
+    blocks = [torch.nn.Sequential(*[m for _ in range(depth) for m in layers()]) for _ in range(4)]
+    model = torch.nn.Sequential(*blocks).to(device)
+    for b in blocks if checkpointed else ():
+        checkpoint_module(b)
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.ones(2, 8, device=device)
+
+    def step():
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's state exists from here on, as in a planned step
+    with CostRecorder() as recorder:
+        step()
+    return timed(step, 7), len(recorder.ops)
+
+
+def _op_overhead(device: torch.device, timed) -> dict[str, float]:
+    """``op_overhead``: seconds per aten op of the tiny model's plain step (dispatch, autograd,
+    module calls and the optimizer's loop: what every op of a real step pays beside its work);
+    ``checkpoint_block`` and ``checkpoint_op``: what checkpointing its blocks adds beyond the
+    added ops at ``op_overhead``, per block and per added op, fitted on blocks of 1 and of 4
+    layers (see [Note: The planner's time model])."""
+    plain, n = _tiny_step(device, timed, 1, False)
+    t_op = plain / n
+    extra = []  # (added ops per block, seconds per block beyond them at t_op)
+    for depth in (1, 4):
+        (p, n_p), (c, n_c) = _tiny_step(device, timed, depth, False), _tiny_step(device, timed, depth, True)
+        extra.append(((n_c - n_p) / 4, (c - p - (n_c - n_p) * t_op) / 4))
+    (a1, e1), (a4, e4) = extra
+    per_op = max(0.0, (e4 - e1) / (a4 - a1))
+    return {"op_overhead": t_op, "checkpoint_block": max(0.0, e1 - a1 * per_op), "checkpoint_op": per_op}
+
+
+def _offload_bandwidth(device: torch.device, big: torch.Tensor, timed) -> float:
+    if device.type == "cpu":
+        return _disk_bandwidth(big)
+    host = torch.empty(big.shape, pin_memory=True)
+    return big.nbytes / timed(lambda: host.copy_(big))
+
+
+def _disk_bandwidth(t: torch.Tensor) -> float:
+    data = t.numpy().tobytes()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "probe")
+
+        def write_read():
+            with open(path, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            with open(path, "rb") as f:
+                f.read()
+
+        return 2 * len(data) / _best_seconds(write_read, repeats=3)
+
+
+__all__ = ["calibrate"]
