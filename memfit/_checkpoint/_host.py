@@ -353,7 +353,14 @@ class Recast:
     def unpack(self) -> torch.Tensor:
         self.version.check()
         if self.param._version != self.param_version:
-            raise _modified(self.param, self.param._version, self.param_version)
+            p = self.param
+            raise RuntimeError(
+                f"memfit offload: a parameter {str(p.dtype).removeprefix('torch.')}{list(p.shape)} was modified in "
+                f"place between forward and backward (version {self.param_version} -> {p._version}), and this "
+                f"block's backward needs its {str(self.dtype).removeprefix('torch.')} cast (autocast's): offload "
+                "makes casts of parameters again from the parameter in backward instead of keeping them, so it "
+                "would see the new values. Modify parameters after backward, or run this block without offload."
+            )
         with torch.no_grad():
             cast = self.param.detach().to(self.dtype)
         return cast.as_strided(self.size, self.stride, self.offset)
@@ -363,6 +370,8 @@ def cast_of_parameter(t: torch.Tensor) -> torch.Tensor | None:
     """The parameter ``t`` is a same-layout cast of (or a view of one), else None: the cast's
     node is a ``_to_copy`` whose only input is the parameter's gradient accumulator."""
     base = t if t._base is None else t._base
+    if base.dtype != t.dtype:  # a view as another dtype (view_as_real, .view(dtype)): moved as it is
+        return None
     node = base.grad_fn
     if node is None or node.name() != "ToCopyBackward0" or len(node.next_functions) != 1:
         return None

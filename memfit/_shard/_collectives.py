@@ -115,11 +115,14 @@ class _AddAfter:
         self.work, self.out, self.mine, self.add = work, out, mine, add
 
     def wait(self) -> bool:
+        if self.mine is None:  # waited already
+            return True
         self.work.wait()
         if self.add:
             self.out.add_(self.mine)
         else:
             self.out.copy_(self.mine)
+        self.mine = None
         return True
 
 

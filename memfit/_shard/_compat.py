@@ -53,8 +53,10 @@ def strategy_of(sharding_strategy, reshard_after_forward: bool | int | None) -> 
             "SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or _HYBRID_SHARD_ZERO2 (torch.distributed.fsdp.ShardingStrategy "
             "or its name)"
         )
-    partial = type(reshard_after_forward) is int and wanted is True  # resharding to k ranks: a kind of resharding
-    if reshard_after_forward is not None and reshard_after_forward != wanted and not partial:
+    # keeping 1/k after forward (k > 1) is a kind of resharding; k = 1 keeps everything (SHARD_GRAD_OP)
+    partial = type(reshard_after_forward) is int and reshard_after_forward > 1 and wanted is True
+    same = type(reshard_after_forward) is bool and reshard_after_forward == wanted  # 1 is not True here
+    if reshard_after_forward is not None and not same and not partial:
         raise ValueError(
             f"memfit.FullyShardedDataParallel: sharding_strategy={name} means reshard_after_forward={wanted}, "
             f"but reshard_after_forward={reshard_after_forward} was passed too; pass one of them."

@@ -24,9 +24,19 @@ _SYNC_METHODS = ("item", "tolist", "__bool__")
 _WIRE = {"_allgather_base_": (0, 1), "_reduce_scatter_base_": (1, 1), "allreduce_": (0, 2)}
 
 
+# c10d ops: where their process group is among the arguments.
+_GROUP_ARG = {"_allgather_base_": 2, "_reduce_scatter_base_": 2, "allreduce_": 1, "alltoall_base_": 2}
+
+
+def _group_of(name: str, args) -> tuple[int, int]:
+    """(rank, size) in the process group the c10d op ``name`` runs on."""
+    group = dist.ProcessGroup.unbox(args[_GROUP_ARG[name]])
+    return group.rank(), group.size()
+
+
 def _all_to_all_bytes(args) -> float:
     inp, splits = args[1], args[4]  # (output, input, group, output_split_sizes, input_split_sizes, ...)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank, world = _group_of("alltoall_base_", args)
     own = splits[rank] * inp[0].numel() if splits else inp.numel() / world
     return (inp.numel() - own) * inp.element_size()
 
@@ -113,7 +123,7 @@ class OpCounter(TorchDispatchMode):
         self.ops[name] += 1
         if name in _WIRE:
             arg, times = _WIRE[name]
-            world = dist.get_world_size()
+            world = _group_of(name, args)[1]
             for t in args[arg] if isinstance(args[arg], list) else [args[arg]]:
                 self.wire_bytes += times * t.numel() * t.element_size() * (world - 1) / world
         elif name == "alltoall_base_":

@@ -99,6 +99,8 @@ def case_sharding_strategy(rank, world):
         memfit.FullyShardedDataParallel(make_model("lm"), sharding_strategy="FULL_SHARD", reshard_after_forward=False)
     with pytest.raises(ValueError, match="pass one of them"):
         memfit.FullyShardedDataParallel(make_model("lm"), sharding_strategy="SHARD_GRAD_OP", reshard_after_forward=1)
+    with pytest.raises(ValueError, match="pass one of them"):  # 1 keeps everything: not FULL_SHARD
+        memfit.FullyShardedDataParallel(make_model("lm"), sharding_strategy="FULL_SHARD", reshard_after_forward=1)
     if world % 2 == 0:  # FULL_SHARD, keeping 1/2 of the parameters after forward (FSDP2's int)
         kw = {"sharding_strategy": "FULL_SHARD", "reshard_after_forward": 2}
         partial = memfit.FullyShardedDataParallel(make_model("lm"), **kw)

@@ -164,7 +164,10 @@ def case_bytes_per_link(rank, world, _root):
     loss_of("mlp", model, x, y).backward()
     stats = memfit.testing.collective_stats()
     stats.reset()
-    loss_of("mlp", model, x, y).backward()
+    with memfit.testing.OpCounter() as ops:
+        loss_of("mlp", model, x, y).backward()
+    # OpCounter prices each collective the dispatcher sees in its own group, as the stats do.
+    assert ops.wire_bytes == pytest.approx(stats.bytes)
     shard_pg, replicate_pg = mesh.get_group("shard"), mesh.get_group("replicate")
     across, within = stats.of(replicate_pg), stats.of(shard_pg)
     # Each unit's reduce slot on this rank: its rows of every parameter, a flag per parameter, 2 check sums.
