@@ -67,7 +67,13 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", help="write the plan here")
 
     c = sub.add_parser("calibrate", help="measure this machine's rates for the planner's time model; cached")
-    c.add_argument("--device", default="cpu")
+    c.add_argument("--device", default="cpu", help="the device to measure: cpu (default), cuda, cuda:1, ...")
+    c.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="one thread, timed in process CPU time: steady rates on a shared, loaded machine (the planner "
+        "benchmark's setting); by default all threads and the wall clock",
+    )
 
     t = sub.add_parser(
         "train",

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import memfit
-from memfit._plan._calibrate import calibrate
+from memfit._plan._calibrate import _cache_path, calibrate
 from memfit._plan._time import PROFILES, default_profile
 from memfit.cli._data import batch_at
 from memfit.cli._output import write_json
@@ -100,10 +100,21 @@ def _device_profile(name: str | None) -> tuple[memfit.DeviceProfile, str]:
 @dataclass
 class CalibrateConfig:
     device: str = "cpu"
+    cpu_time: bool = False  # one thread, timed in process CPU time (steady on a shared machine)
 
 
 def calibrate_command(cfg: CalibrateConfig) -> memfit.DeviceProfile:
     """Measure this machine's rates for the planner's time model and cache them."""
-    profile = calibrate(cfg.device)
+    threads = torch.get_num_threads()
+    if cfg.cpu_time:
+        torch.set_num_threads(1)
+    try:
+        profile = calibrate(cfg.device, cpu_time=cfg.cpu_time)
+    finally:
+        torch.set_num_threads(threads)
     print(json.dumps(asdict(profile), indent=1))
+    print(
+        f"cached in {_cache_path(torch.device(cfg.device).type)}: plan with it by "
+        "`memfit plan ... --device-profile calibrated`"
+    )
     return profile

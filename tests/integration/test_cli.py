@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from memfit.cli import main
 
@@ -89,8 +90,12 @@ def test_bench_world_size_refuses_one_process_flags(capsys):
 
 def test_calibrate_caches_the_rates_the_planner_uses_when_asked(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
-    assert main(["calibrate"]) == 0
-    assert (tmp_path / "device-cpu.json").exists() and "memory_bandwidth" in capsys.readouterr().out
+    threads = torch.get_num_threads()
+    assert main(["calibrate", "--cpu-time"]) == 0  # one thread, CPU time; then the threads as they were
+    assert torch.get_num_threads() == threads
+    out = capsys.readouterr().out
+    assert (tmp_path / "device-cpu.json").exists() and "memory_bandwidth" in out
+    assert f"cached in {tmp_path / 'device-cpu.json'}" in out and "--device-profile calibrated" in out
     from memfit.testing import device_profile
 
     cached = device_profile("calibrated")
