@@ -9,6 +9,7 @@ error naming the unit and its rank. Bytes are counted per rank as a ring moves t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -58,13 +59,17 @@ class CommStats(LinkStats):
 
 
 STATS = CommStats()
-_RANKS: dict = {}
+# A group's global ranks, cached weakly: a group held here would outlive destroy_process_group
+# (see [Note: Ending a process group] in memfit/cli/_launch.py).
+_RANKS: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...]] = weakref.WeakKeyDictionary()
 
 
 def _ranks(group) -> tuple[int, ...]:
-    if group not in _RANKS:
-        _RANKS[group] = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    return _RANKS[group]
+    group = group or dist.group.WORLD
+    ranks = _RANKS.get(group)
+    if ranks is None:
+        ranks = _RANKS[group] = tuple(dist.get_process_group_ranks(group))
+    return ranks
 
 
 def _ring_bytes(full: torch.Tensor, world: int) -> float:
