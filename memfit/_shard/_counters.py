@@ -17,8 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 # Tensor methods that copy a value to the host (each one a device sync on an accelerator).
 _SYNC_METHODS = ("item", "tolist", "__bool__")
-# c10d ops that move data, and which argument holds the full buffer of the ring.
-_WIRE = {"_allgather_base_": 0, "_reduce_scatter_base_": 1}
+# c10d ops that move data, and which argument holds the full buffer of the ring. memfit's
+# reduce-scatter on the CPU is an all-reduce of its input (as gloo's own is underneath; See
+# [Note: Reduce-scatter on gloo]), counted here as the reduce-scatter it does.
+_WIRE = {"_allgather_base_": 0, "_reduce_scatter_base_": 1, "allreduce_": 0}
 
 
 class HostSyncCounter:
@@ -102,9 +104,10 @@ class OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         self.ops[name] += 1
         if name in _WIRE:
-            t = args[_WIRE[name]]
+            held = args[_WIRE[name]]  # all-reduce: a list of tensors
             world = dist.get_world_size()
-            self.wire_bytes += t.numel() * t.element_size() * (world - 1) / world
+            for t in held if isinstance(held, (list, tuple)) else [held]:
+                self.wire_bytes += t.numel() * t.element_size() * (world - 1) / world
         if not func.is_view and not name.startswith(_NOT_KERNELS) and not self._inside_custom:
             self.kernels[name] += 1
         if func.namespace in ("aten", "c10d", "prims"):

@@ -60,8 +60,9 @@ def launches(model, x) -> int:
 
 # Launches per unit and step (fp32, reshard after forward; the root keeps its parameters):
 PER_GATHER = 3  # copy-in into the send buffer, the all-gather, the split-copy out
-# Gradient copy-in (flags included), the reduce-scatter, gloo's copy of its result into the
-# output at wait (NCCL reduces in place; FSDP2 on gloo shows the same copy), the division by W.
+# Gradient copy-in (flags included), the reduce-scatter (on the CPU an all-reduce in place, See
+# [Note: Reduce-scatter on gloo]), the copy of this rank's slot into the output at wait (NCCL
+# reduces into it; FSDP2 on gloo shows gloo's same copy), the division by W.
 PER_REDUCE = 4
 PER_UNIT = 2 * PER_GATHER + PER_REDUCE  # gathered for forward and again for backward, reduced once
 # The root: one gather (it keeps its parameters for backward), one reduce; the step's one read
@@ -158,12 +159,31 @@ def case_stream_order_holds(rank, world):
     assert trace.violations() == []
 
 
+def case_cpu_reduce_is_an_all_reduce_of_the_send_buffer(rank, world):
+    """On the CPU each unit's gradients are all-reduced in their own send buffer, not by gloo's
+    reduce-scatter (its clone was freed by gloo's thread at a time of its choosing, which moved
+    the step's peak: See [Note: Reduce-scatter on gloo]); counted as the reduce-scatter it does."""
+    _, model = sharded(4, 3)
+    x = torch.randn(4, 8)
+    step(model, x)
+    model.zero_grad()
+    stats = memfit.testing.collective_stats()
+    stats.reset()
+    with OpCounter() as ops:
+        step(model, x)
+    reduced = len([u for u in memfit.testing.sharded_units(model) if u.params])
+    assert (ops.ops["allreduce_"], ops.ops["_reduce_scatter_base_"]) == (reduced, 0), dict(ops.ops)
+    assert stats.reduce_scatters == reduced
+    assert ops.wire_bytes == stats.all_gather_bytes + stats.reduce_scatter_bytes
+
+
 CASES = [
     case_at_most_one_host_sync_per_step,
     case_launches_per_unit_independent_of_params_and_world,
     case_unused_parameter_still_keeps_no_grad,
     case_wire_bytes_one_dtype_per_unit,
     case_stream_order_holds,
+    case_cpu_reduce_is_an_all_reduce_of_the_send_buffer,
 ]
 GROUP = Subtests(CASES)
 
