@@ -156,7 +156,8 @@ def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queu
             queue.put(out)
         del out
     except BaseException:
-        dist.destroy_process_group()  # the traceback holds the models: a failed rank leaves as it can
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the traceback holds the models: a failed rank leaves as it can
         raise
     if end_process_group():  # torch holds a group memfit could not free (torch FSDP2 does)
         leave_now()
@@ -176,9 +177,11 @@ def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queu
 # freed, while the interpreter can still take their GIL requests; destroy_process_group() only
 # drops torch's own references to it, so anything else holding the group (a module-level
 # cache, a model whose hooks form a reference cycle not yet collected, a DDP reducer) keeps the
-# threads running into the teardown. `end_process_group` collects such cycles first, destroys
-# the groups, and names those that survive; memfit caches groups only weakly, and a sharded
-# model is freed like any other. Where a group survives all the same (torch FSDP2's
+# threads running into the teardown. A sharded model that had run a forward was such a holder,
+# for ever: its parameters' post-accumulate-grad hook held the root's state, a cycle through
+# C++ that the collector cannot free (the hook now holds it weakly). `end_process_group`
+# collects cycles first, destroys the groups, and names those that survive; memfit caches
+# groups only weakly, and a sharded model is freed like any other. Where a group survives all the same (torch FSDP2's
 # fully_shard keeps the default group alive, by a reference Python's collector does not see),
 # a spawned rank leaves with `leave_now`: exit handlers run, output is flushed, and only the
 # interpreter's teardown, where the abort happens, is skipped.
@@ -192,7 +195,7 @@ def end_process_group() -> list[str]:
     if not dist.is_initialized():
         return []
     gc.collect()  # models with hooks are reference cycles, and hold their groups
-    c10d = dist.distributed_c10d
+    c10d = dist.distributed_c10d  # torch's registry of this process's groups (no public listing)
     groups = list(getattr(getattr(c10d, "_world", None), "pg_map", None) or [dist.group.WORLD])
     refs = [(weakref.ref(g), _describe(g)) for g in groups]
     del groups
