@@ -181,10 +181,10 @@ def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queu
 # for ever: its parameters' post-accumulate-grad hook held the root's state, a cycle through
 # C++ that the collector cannot free (the hook now holds it weakly). `end_process_group`
 # collects cycles first, destroys the groups, and names those that survive; memfit caches
-# groups only weakly, and a sharded model is freed like any other. Where a group survives all the same (torch FSDP2's
-# fully_shard keeps the default group alive, by a reference Python's collector does not see),
-# a spawned rank leaves with `leave_now`: exit handlers run, output is flushed, and only the
-# interpreter's teardown, where the abort happens, is skipped.
+# groups only weakly, and a sharded model is freed like any other. Where a group survives all
+# the same (torch FSDP2's fully_shard keeps the default group alive, by a reference Python's
+# collector does not see), a spawned rank leaves with `leave_now`: exit handlers run, output is
+# flushed, and only the interpreter's teardown, where the abort happens, is skipped.
 
 
 def end_process_group() -> list[str]:
