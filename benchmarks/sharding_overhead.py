@@ -13,7 +13,8 @@ for both, in one steady-state forward+backward (after 2 steps):
 - launches per unit: aten ops other than views and allocations that reach the dispatcher
   (a TorchDispatchMode), minus the plain model's, divided by the number of units;
 - wire bytes per step: the ring bytes of the all-gather and reduce-scatter ops the dispatcher
-  sees (c10d ``_allgather_base_`` / ``_reduce_scatter_base_``: output resp. input x (W-1)/W).
+  sees (c10d ``_allgather_base_`` / ``_reduce_scatter_base_``: output resp. input x (W-1)/W;
+  memfit's reduce-scatter on the CPU is an ``allreduce_`` of its input, counted the same way).
 
 Time: rank 0's median over interleaved repeats of one forward+backward+SGD step between
 barriers; host time per unit = (sharded step - plain step) / units.
