@@ -12,10 +12,12 @@ for both, in one steady-state forward+backward (after 2 steps):
   (each stops the host until the device drains on an accelerator);
 - launches per unit: aten ops other than views and allocations that reach the dispatcher
   (a TorchDispatchMode), minus the plain model's, divided by the number of units;
-- wire bytes per step: the ring bytes of the collectives the dispatcher sees (c10d
-  ``_allgather_base_`` / ``_reduce_scatter_base_``: output resp. input x (W-1)/W; ``allreduce_``:
-  2 x (W-1)/W, which memfit's reduce-scatter is on gloo; gloo's own ``_reduce_scatter_base_``
-  is also an all-reduce inside, of a clone of its input, but counts as a reduce-scatter here).
+- wire bytes per step: the bytes the collectives the dispatcher sees send from this rank (c10d
+  ``_allgather_base_`` / ``_reduce_scatter_base_``: output resp. input x (W-1)/W, as a ring;
+  ``allreduce_``: 2 x (W-1)/W; ``alltoall_base_``: what it sends to other ranks). memfit's
+  reduce-scatter on 2 gloo ranks is an all-to-all of (W-1)/W of the input; gloo's own
+  ``_reduce_scatter_base_``, which FSDP2 calls, is an all-reduce of a clone of its input
+  underneath (2 (W-1)/W) but counts as a reduce-scatter here.
 
 Time: rank 0's median over interleaved repeats of one forward+backward+SGD step between
 barriers; host time per unit = (sharded step - plain step) / units.

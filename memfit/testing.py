@@ -228,10 +228,10 @@ __all__ += ["fake_allocator", "placed_optimizer_state"]
 # The command line's building blocks, for benchmarks that time steps the way `memfit bench` does.
 from memfit.cli._bench_dist import run_distributed  # noqa: E402
 from memfit.cli._data import batch_at  # noqa: E402
-from memfit.cli._launch import choose_device, init_process_group, spawn  # noqa: E402
+from memfit.cli._launch import choose_device, end_process_group, init_process_group, leave_now, spawn  # noqa: E402
 from memfit.cli._measure import Result as StepResult  # noqa: E402
 from memfit.cli._measure import run as run_steps  # noqa: E402
 from memfit.cli._plan import DTYPES  # noqa: E402
 
 __all__ += ["DTYPES", "StepResult", "batch_at", "choose_device", "init_process_group", "run_distributed"]
-__all__ += ["run_steps", "spawn"]
+__all__ += ["end_process_group", "leave_now", "run_steps", "spawn"]

@@ -10,6 +10,7 @@ error naming the unit and its rank. Bytes are counted per rank as a ring moves t
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -59,13 +60,17 @@ class CommStats(LinkStats):
 
 
 STATS = CommStats()
-_RANKS: dict = {}
+# A group's global ranks, cached weakly: a group held here would outlive destroy_process_group
+# (see [Note: Ending a process group] in memfit/cli/_launch.py).
+_RANKS: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...]] = weakref.WeakKeyDictionary()
 
 
 def _ranks(group) -> tuple[int, ...]:
-    if group not in _RANKS:
-        _RANKS[group] = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
-    return _RANKS[group]
+    group = group or dist.group.WORLD
+    ranks = _RANKS.get(group)
+    if ranks is None:
+        ranks = _RANKS[group] = tuple(dist.get_process_group_ranks(group))
+    return ranks
 
 
 def _ring_bytes(full: torch.Tensor, world: int) -> float:
@@ -92,6 +97,7 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group) -> dist.Work | _
     straight into ``out``, and adds its own slice on ``wait``; on more ranks it all-reduces
     ``inp`` in place and copies its slice out (an all-to-all would need a receive buffer as
     large as the input). The counters count the reduce-scatter asked for (what NCCL moves).
+    See [Note: Reduce-scatter on gloo].
     """
     world = dist.get_world_size(group)
     STATS._add("reduce_scatter", group, _ring_bytes(inp, world))
@@ -133,6 +139,18 @@ def _is_gloo(group) -> bool:
     except RuntimeError:  # no backend for CPU tensors in this group
         return False
     return isinstance(backend, dist.ProcessGroupGloo)
+
+
+# [Note: Reduce-scatter on gloo]
+# gloo's reduce-scatter clones its input on the calling thread, all-reduces the clone on a worker
+# thread and, at wait(), copies this rank's slot of it into the output. The clone is freed when
+# that worker drops its own reference, at a time of its choosing (see [Note: Ending a process
+# group] in memfit/cli/_launch.py), so a step's peak held one unit's reduce buffer more or less
+# from run to run (llama_8k W=2: 16.57 or 16.71 MiB measured). memfit does without the clone
+# (reduce_scatter above): on 2 ranks each sends the other its slice straight into the output
+# (half the all-reduce's bytes) and adds its own at wait(); on more it all-reduces its own send
+# buffer in place and copies its slot at wait(). The unit frees the send buffer as soon as the
+# reduce is done. The same sums, bitwise; the bytes counted are the reduce-scatter's.
 
 
 def all_reduce(tensor: torch.Tensor, group) -> dist.Work:

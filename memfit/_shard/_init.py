@@ -4,6 +4,7 @@ ownership, wrap policies, and the root's initialisation at its first forward.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -343,6 +344,7 @@ def _init_root(unit: Unit) -> None:
                     f"also owned by unit '{sharded_as(p).owner.name}'; shard a module that contains both uses."
                 )
     state = _runtime.RootState(root, units)
+    finish_hook = _finish_hook(state)
     paths = {id(m): path for path, m in root.module.named_modules()}
     for u in units:
         u.root_state = state
@@ -352,7 +354,23 @@ def _init_root(unit: Unit) -> None:
             # A gradient reaching any sharded parameter guarantees the end-of-backward callback,
             # even when no unit output could be hooked.
             if sp.requires_grad:
-                sp.full.register_post_accumulate_grad_hook(lambda _p, st=state: st.ensure_finish_queued())
+                sp.full.register_post_accumulate_grad_hook(finish_hook)
+
+
+def _finish_hook(state: _runtime.RootState) -> Callable[[torch.Tensor], None]:
+    """A sharded parameter's post-accumulate-grad hook, holding the root's state weakly. The
+    garbage collector does not see what such a hook holds (torch keeps it in C++), so a strong
+    reference (state -> units -> the parameter -> the hook) was a cycle it never freed: every
+    sharded model that ran a forward lived, with its process group, until the process ended
+    (see [Note: Ending a process group] in memfit/cli/_launch.py)."""
+    ref = weakref.ref(state)
+
+    def finish(_param: torch.Tensor) -> None:
+        st = ref()
+        if st is not None:
+            st.ensure_finish_queued()
+
+    return finish
 
 
 # -- optimizer built before sharding ---------------------------------------------------------

@@ -3,6 +3,8 @@ one process group, or hybrid sharding (HSDP) over a 2-D (replicate x shard) devi
 
 from __future__ import annotations
 
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +46,29 @@ class Layout:
         return self.replicas * dist.get_world_size(self.shard)
 
 
-_GROUPS: dict[tuple[int, ...], dist.ProcessGroup] = {}
+class _Made:
+    """The groups ``_group_over`` made under the current default group, by their ranks, held
+    weakly: torch holds each until destroy_process_group, and one held here past it keeps its
+    gloo threads running into the interpreter's teardown (see [Note: Ending a process group] in
+    memfit/cli/_launch.py). A new default group starts afresh (the old groups are destroyed)."""
+
+    def __init__(self) -> None:
+        self.world: weakref.ref | None = None  # the default group these were made under
+        self.groups: dict[tuple[int, ...], weakref.ref | Callable[[], object]] = {}
+
+    def get(self, key: tuple[int, ...], make: Callable[[], object]) -> object:
+        if self.world is None or self.world() is not dist.group.WORLD:
+            self.world, self.groups = weakref.ref(dist.group.WORLD), {}
+        ref = self.groups.get(key)
+        group = ref() if ref is not None else None
+        if group is None:
+            group = make()
+            # new_group's answer to a rank outside the group is a marker, not a group
+            self.groups[key] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else lambda g=group: g
+        return group
+
+
+_GROUPS = _Made()
 
 
 def _group_over(ranks: list[int], local: bool = False) -> dist.ProcessGroup:
@@ -53,9 +77,7 @@ def _group_over(ranks: list[int], local: bool = False) -> dist.ProcessGroup:
     key = tuple(sorted(ranks))
     if key == tuple(range(dist.get_world_size())):
         return dist.group.WORLD
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(list(key), use_local_synchronization=local)
-    return _GROUPS[key]
+    return _GROUPS.get(key, lambda: dist.new_group(list(key), use_local_synchronization=local))
 
 
 # [Note: Partial reshard after forward]

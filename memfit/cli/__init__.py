@@ -16,6 +16,7 @@ from collections.abc import Callable
 import memfit
 from memfit.cli._bench import STRATEGIES, BenchConfig, bench
 from memfit.cli._config_file import with_config_file
+from memfit.cli._launch import end_process_group, leave_now
 from memfit.cli._plan import CalibrateConfig, PlanConfig, calibrate_command, plan_command
 from memfit.cli._train import TrainConfig, train
 from memfit.models import PRESETS
@@ -172,12 +173,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; the exit status."""
+    """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; the exit status.
+
+    Run as the program (no ``argv``: the ``memfit`` command, ``python -m memfit``, under
+    torchrun too), it ends the process group the command joined before it returns (See
+    [Note: Ending a process group] in memfit/cli/_launch.py)."""
+    status = 0
     try:
         args = _parse(argv)
         config_class, command = COMMANDS[args.command]
         command(_config(config_class, args))
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+        status = 2
+    if argv is None and end_process_group():
+        leave_now(status)
+    return status

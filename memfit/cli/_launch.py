@@ -8,13 +8,17 @@ collective of `memfit train` may wait.
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import socket
 import sys
 import warnings
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -150,15 +154,69 @@ def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queu
         out = fn(rank, world_size, *args)
         if rank == 0:
             queue.put(out)
-    finally:
-        dist.destroy_process_group()
-    # The work is done and delivered: leave without the interpreter's teardown. In about 1 run in
-    # 4 under pytest a finished rank aborted there ("terminate called without an active
-    # exception", no Python frame left), which failed a run whose results were complete; the
-    # cause (a C++ thread still joinable at exit) is not found yet.
+        del out
+    except BaseException:
+        if dist.is_initialized():
+            dist.destroy_process_group()  # the traceback holds the models: a failed rank leaves as it can
+        raise
+    if end_process_group():  # torch holds a group memfit could not free (torch FSDP2 does)
+        leave_now()
+
+
+# [Note: Ending a process group]
+# gloo runs each collective on a worker thread of its ProcessGroup. The worker wakes whoever
+# waits for the collective, then drops its own reference to the finished work, and with it the
+# work's tensors, at a time of its choosing. A tensor whose Python object died in between is
+# freed by that worker, which takes the GIL to free the Python object too. If the interpreter
+# is already finalizing, CPython ends a thread that asks for the GIL with pthread_exit, whose
+# forced unwinding through a C++ destructor (noexcept) calls std::terminate: "terminate called
+# without an active exception", with no Python frame (gdb: ~AsyncWork -> TensorImpl::
+# decref_pyobject -> gil_scoped_acquire -> take_gil -> PyThread_exit_thread; torch issues
+# #190489, #38228). It takes a worker that lags behind the main thread, so it came and went
+# with the machine's load. The worker threads are joined when the ProcessGroup object is
+# freed, while the interpreter can still take their GIL requests; destroy_process_group() only
+# drops torch's own references to it, so anything else holding the group (a module-level
+# cache, a model whose hooks form a reference cycle not yet collected, a DDP reducer) keeps the
+# threads running into the teardown. A sharded model that had run a forward was such a holder,
+# for ever: its parameters' post-accumulate-grad hook held the root's state, a cycle through
+# C++ that the collector cannot free (the hook now holds it weakly). `end_process_group`
+# collects cycles first, destroys the groups, and names those that survive; memfit caches
+# groups only weakly, and a sharded model is freed like any other. Where a group survives all
+# the same (torch FSDP2's fully_shard keeps the default group alive, by a reference Python's
+# collector does not see), a spawned rank leaves with `leave_now`: exit handlers run, output is
+# flushed, and only the interpreter's teardown, where the abort happens, is skipped.
+
+
+def end_process_group() -> list[str]:
+    """Destroy every process group now (the default group and those made from it), after
+    collecting reference cycles, so that gloo's worker threads end while the interpreter is
+    alive; returns a description of each group that something still holds (their threads
+    live on), empty when all were freed. See [Note: Ending a process group]."""
+    if not dist.is_initialized():
+        return []
+    gc.collect()  # models with hooks are reference cycles, and hold their groups
+    c10d = dist.distributed_c10d  # torch's registry of this process's groups (no public listing)
+    groups = list(getattr(getattr(c10d, "_world", None), "pg_map", None) or [dist.group.WORLD])
+    refs = [(weakref.ref(g), _describe(g)) for g in groups]
+    del groups
+    dist.destroy_process_group()
+    gc.collect()
+    return [what for ref, what in refs if ref() is not None]
+
+
+def leave_now(status: int = 0) -> NoReturn:
+    """End this process as a normal exit would (exit handlers, flushed output) but without the
+    interpreter's teardown: for a process whose process group something still holds, so that
+    gloo's threads outlive the interpreter (see [Note: Ending a process group])."""
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(status)
+
+
+def _describe(group: dist.ProcessGroup) -> str:
+    ranks = dist.get_process_group_ranks(group)
+    return "the default process group" if group is dist.group.WORLD else f"the process group of ranks {ranks}"
 
 
 def warn_world_size(world_size: int) -> None:

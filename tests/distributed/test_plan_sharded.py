@@ -19,7 +19,6 @@ MODELS = {
 # Measured (benchmarks/results/planner.md): every forecast at or above the measured peak, within
 # 3% of it, over these models at W = 2 and 4.
 TOLERANCE = 0.03
-NOISE = 0.01  # run-to-run variation of a measured sharded peak, see _check
 
 
 def _check(name, rank, world):
@@ -31,9 +30,8 @@ def _check(name, rank, world):
         plan = memfit.Plan.fixed(dict.fromkeys(probe.decisions, kind), probe.profile, probe.sharding)
         measured = measured_sharded_peak(plan, model, batch, preset.layer_class())
         # A forecast at or above the measured peak: a plan that fits its forecast fits its budget.
-        # The measured peak of a spawned rank varies by up to ~1% from run to run (16.57 to 16.71 MiB
-        # for llama_8k full at W=2; cause not found), so "at or above" is checked within 1%.
-        assert measured <= (1 + NOISE) * plan.predicted_peak <= (1 + NOISE) * (1 + TOLERANCE) * measured, (
+        # The measured peak is the same in every run (See [Note: Reduce-scatter on gloo]).
+        assert measured <= plan.predicted_peak <= (1 + TOLERANCE) * measured, (
             f"{name} {kind} W={world}: {plan.compare(measured)}"
         )
     # A plan solved for a budget between the two fits it when trained sharded.
@@ -41,7 +39,7 @@ def _check(name, rank, world):
     budget = int(full + 0.5 * (probe.predicted_peak - full))
     plan = memfit.plan(model, batch, budget=budget, world_size=world, profile=probe.profile)
     measured = measured_sharded_peak(plan, model, batch, preset.layer_class())
-    assert measured <= (1 + NOISE) * budget, plan.compare(measured)
+    assert measured <= budget, plan.compare(measured)
 
 
 def case_llama_8k(rank, world):
