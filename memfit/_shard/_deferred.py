@@ -86,6 +86,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
             sp.deferred = False
         else:
             fill(t, buf)
+        if buf.device.type == "cpu":  # now: gloo's worker thread drops its reference when it likes
+            buf.untyped_storage().resize_(0)
     return model
 
 
