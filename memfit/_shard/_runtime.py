@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -34,6 +35,11 @@ from memfit._shard._unit import GradSync, TrainingState, Unit
 # unit for the next step and reads the step's checks in one transfer, the step's only host
 # sync (see [Note: Divergence detection]).
 # Without grad (evaluation) units gather before and free right after their forward.
+
+
+# Root states between a forward with grad and the end of its backward: held here, so that the
+# graph itself need only hold them weakly (a finished graph kept by the user must not hold the model).
+_IN_FLIGHT: set = set()
 
 
 class RootState:
@@ -78,6 +84,9 @@ class RootState:
         if grad:  # before the gather finishes: a partial reshard keeps its piece of a forward gather
             unit.training_state = TrainingState.FORWARD
         if unit is self.root:
+            _IN_FLIGHT.discard(self)  # a forward without backward before this one
+            if grad:
+                _IN_FLIGHT.add(self)
             self.checks.settle()  # what a forward without backward left (nothing in a training loop)
         if unit is self.root and not self.order_done and self.forward_order:
             self.order_done = True  # the first step's order is known once the root runs again
@@ -117,9 +126,16 @@ class RootState:
                     u.reshard()
                 self.checks.settle()
             return
+        ref, uref = weakref.ref(self), weakref.ref(unit)
+
+        def hook(_grad, ref=ref, uref=uref):
+            st, u = ref(), uref()
+            if st is not None and u is not None:
+                st.pre_backward(u)
+
         for t in _tensors_in(output):
             if t.requires_grad:
-                t.register_hook(lambda _grad, u=unit: self.pre_backward(u))
+                t.register_hook(hook)
         if unit.reshard_after_forward and unit is not self.root:
             unit.reshard(after_forward=True)
 
@@ -181,6 +197,7 @@ class RootState:
             if unit.grad_sync is GradSync.SYNC_AT_END:
                 unit.grad_sync = GradSync.SYNC
         self.callback_queued = False
+        _IN_FLIGHT.discard(self)
         wait_host_copies()  # offloaded gradients are in host memory before the optimizer reads them
         self.checks.settle()  # the step's one host sync
 
@@ -190,12 +207,14 @@ class _PostBackward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, unit: Unit, *tensors: torch.Tensor):  # type: ignore[override]
-        ctx.unit = unit
+        ctx.unit = weakref.ref(unit)
         return tensors
 
     @staticmethod
     def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
-        unit: Unit = ctx.unit
+        unit: Unit | None = ctx.unit()
+        if unit is None:
+            return (None, *grads)
         unit.pending_backward -= 1
         if unit.pending_backward == 0 and unit.grad_sync is not GradSync.SYNC_AT_END:
             unit.root_state.post_backward(unit)

@@ -194,6 +194,9 @@ def end_process_group() -> list[str]:
     live on), empty when all were freed. See [Note: Ending a process group]."""
     if not dist.is_initialized():
         return []
+    from memfit._shard import _runtime
+
+    _runtime._IN_FLIGHT.clear()  # steps never finished: a forward whose backward never ran
     gc.collect()  # models with hooks are reference cycles, and hold their groups
     c10d = dist.distributed_c10d  # torch's registry of this process's groups (no public listing)
     groups = list(getattr(getattr(c10d, "_world", None), "pg_map", None) or [dist.group.WORLD])

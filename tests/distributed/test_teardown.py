@@ -51,11 +51,22 @@ def _models() -> None:
     _train(DDP(memfit.checkpoint_module(_blocks())))
 
 
+def _last_loss() -> torch.Tensor:
+    """A sharded model trained and dropped, its last loss kept (as a training loop's ``loss``
+    variable is at the end of a script): the finished graph must not hold the model."""
+    model = memfit.FullyShardedDataParallel(_blocks(), auto_wrap_policy={nn.Sequential})
+    loss = model(torch.randn(4, 8)).square().mean()
+    loss.backward()
+    return loss
+
+
 def ends_its_groups(rank: int, world: int, out: str) -> int:
     atexit.register(_write, os.path.join(out, f"atexit{rank}.json"), True)
     _models()
+    loss = _last_loss()
     # memfit.testing.spawn ends the groups itself after this returns; here the test can see it
     _write(os.path.join(out, f"left{rank}.json"), end_process_group())
+    del loss
     return rank
 
 
