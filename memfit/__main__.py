@@ -2,6 +2,6 @@
 
 import sys
 
-from memfit.cli import main
+from memfit.cli import program
 
-sys.exit(main())
+sys.exit(program())

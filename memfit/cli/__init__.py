@@ -172,12 +172,19 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return with_config_file(parser, parser.parse_args(argv), argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; the exit status.
-
-    Run as the program (no ``argv``: the ``memfit`` command, ``python -m memfit``, under
-    torchrun too), it ends the process group the command joined before it returns (See
+def program() -> int:
+    """The ``memfit`` program (the console command, ``python -m memfit``, under torchrun too):
+    :func:`main` on ``sys.argv[1:]``, then it ends the process group the command joined (See
     [Note: Ending a process group] in memfit/cli/_launch.py)."""
+    status = main()
+    if end_process_group():
+        leave_now(status)
+    return status
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; the exit status. The
+    caller's process groups are left as they are (the program ends them: :func:`program`)."""
     status = 0
     try:
         args = _parse(argv)
@@ -186,6 +193,4 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         status = 2
-    if argv is None and end_process_group():
-        leave_now(status)
     return status

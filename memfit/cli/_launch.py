@@ -14,6 +14,7 @@ import gc
 import os
 import socket
 import sys
+import threading
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -208,9 +209,13 @@ def end_process_group() -> list[str]:
 
 
 def leave_now(status: int = 0) -> NoReturn:
-    """End this process as a normal exit would (exit handlers, flushed output) but without the
-    interpreter's teardown: for a process whose process group something still holds, so that
-    gloo's threads outlive the interpreter (see [Note: Ending a process group])."""
+    """End this process as a normal exit would (non-daemon threads joined, exit handlers,
+    flushed standard streams) but without the interpreter's teardown: for a process whose
+    process group something still holds, so that gloo's threads outlive the interpreter (see
+    [Note: Ending a process group]). Files left open are not flushed: close them first."""
+    shutdown = getattr(threading, "_shutdown", None)  # what a normal exit runs before the handlers
+    if shutdown is not None:
+        shutdown()
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()

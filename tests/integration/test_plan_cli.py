@@ -3,6 +3,9 @@ prices the step (the named one by default, never a cached calibration), what to 
 process and for a sharded layout, and hybrid-sharded layouts."""
 
 import json
+import sys
+
+import torch.distributed as dist
 
 import memfit
 from memfit.cli import main
@@ -82,3 +85,16 @@ def test_hybrid_layout_forecasts_as_sharding_over_the_shard_group(capsys):
     assert peak(hsdp) == peak(eight)  # per-rank bytes depend on the shard group only
     assert main(["plan", *TINY, "--budget", "1GB", "--world-size", "16", "--shard-size", "3"]) == 2
     assert "--shard-size 3 must divide --world-size 16" in capsys.readouterr().err
+
+
+def test_main_called_from_a_program_leaves_its_process_group(tmp_path, monkeypatch, capsys):
+    # memfit.cli.main() is also called from users' own scripts: only the memfit program
+    # (memfit.cli.program: the console command, python -m memfit) ends the process group.
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(sys, "argv", ["memfit", "plan", *TINY, "--budget", "1GB"])
+        assert main() == 0
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+    capsys.readouterr()
