@@ -366,6 +366,15 @@ class Recast:
         return cast.as_strided(self.size, self.stride, self.offset)
 
 
+def recast(t: torch.Tensor) -> Recast | None:
+    """``t``'s handle if it is a cast of a parameter (counted), else None."""
+    param = cast_of_parameter(t)
+    if param is None:
+        return None
+    STATS.recast += 1
+    return Recast(t, param)
+
+
 def cast_of_parameter(t: torch.Tensor) -> torch.Tensor | None:
     """The parameter ``t`` is a same-layout cast of (or a view of one), else None: the cast's
     node is a ``_to_copy`` whose only input is the parameter's gradient accumulator."""
@@ -641,10 +650,8 @@ class HostHooks(torch.autograd.graph.saved_tensors_hooks):
         if not offloadable(t, self.min_bytes) or self._module_state(t):
             STATS.kept += 1
             return Kept(t)
-        param = cast_of_parameter(t)
-        if param is not None:
-            STATS.recast += 1
-            return Recast(t, param)
+        if (handle := recast(t)) is not None:
+            return handle
         off = _offloader(t.device)
         group = self.groups.get(t.device)
         if group is None:

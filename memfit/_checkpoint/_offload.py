@@ -17,17 +17,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from memfit._checkpoint._host import (
-    MIN_BYTES,
-    STASH,
-    STATS,
-    HostHooks,
-    Kept,
-    Recast,
-    SavedVersion,
-    cast_of_parameter,
-    parameter_or_view,
-)
+from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, Kept, SavedVersion, parameter_or_view, recast
 
 # [Note: Offload of saved tensors]
 # Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
@@ -190,10 +180,8 @@ class _DiskStore:
     def pack(self, min_bytes: int, t: torch.Tensor):
         if _keep(t) or t.numel() == 0 or t.numel() * t.element_size() < min_bytes:
             return Kept(t)
-        param = cast_of_parameter(t)
-        if param is not None:  # made again in backward (see [Note: Host offload])
-            STATS.recast += 1
-            return Recast(t, param)
+        if (handle := recast(t)) is not None:  # made again in backward (see [Note: Host offload])
+            return handle
         path = os.path.join(self._directory(), f"{next(self.names)}.bin")
         try:
             _write(path, t)

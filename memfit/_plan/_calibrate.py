@@ -79,7 +79,7 @@ def _fit(work: list[float], seconds: list[float]) -> tuple[float, float]:
     return 1 / slope, max(0.0, my - slope * mx) if n > 1 else 0.0
 
 
-def _cache_path(device_type: str) -> Path:
+def cache_path(device_type: str) -> Path:
     root = os.environ.get("MEMFIT_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "memfit"
     )
@@ -138,7 +138,7 @@ def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time
         **(_fresh_pages(timed) if device.type == "cpu" else {}),
     )
     if save:
-        path = _cache_path(device.type)
+        path = cache_path(device.type)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
     return profile

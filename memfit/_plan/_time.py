@@ -325,9 +325,9 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
     if spec is None:
         return default_profile(device_type)
     if spec == "calibrated":
-        from memfit._plan._calibrate import _cache_path, calibrate
+        from memfit._plan._calibrate import cache_path, calibrate
 
-        cached = _cache_path(torch.device(device_type).type)
+        cached = cache_path(torch.device(device_type).type)
         if cached.exists():
             return DeviceProfile(**json.loads(cached.read_text()))
         return calibrate(device_type)

@@ -132,13 +132,28 @@ class _AddAfter:
         return True
 
 
+_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+
+
 def _is_gloo(group) -> bool:
-    """Whether ``group`` sends CPU tensors through gloo."""
-    try:
-        backend = (group or dist.group.WORLD)._get_backend(torch.device("cpu"))
-    except RuntimeError:  # no backend for CPU tensors in this group
-        return False
-    return isinstance(backend, dist.ProcessGroupGloo)
+    """Whether ``group`` sends CPU tensors through gloo (asked once per group)."""
+    group = group or dist.group.WORLD
+    gloo = _GLOO.get(group)
+    if gloo is None:
+        try:
+            backend = group._get_backend(torch.device("cpu"))
+        except RuntimeError:  # no backend for CPU tensors in this group
+            backend = None
+        gloo = _GLOO[group] = isinstance(backend, dist.ProcessGroupGloo)
+    return gloo
+
+
+def free_now(*buffers: torch.Tensor) -> None:
+    """Free buffers whose collective has completed, now (the CPU, no streams): gloo's worker
+    thread drops its own references to them at a time of its choosing, which made a step's
+    peak memory vary from run to run by up to a unit's buffers."""
+    for t in buffers:
+        t.untyped_storage().resize_(0)
 
 
 # [Note: Reduce-scatter on gloo]

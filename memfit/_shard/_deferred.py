@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from memfit._shard._collectives import free_now
 from memfit._shard._device import device_of_units, fill, moved
 from memfit._shard._unit import units_of
 
@@ -86,8 +87,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
             sp.deferred = False
         else:
             fill(t, buf)
-        if buf.device.type == "cpu":  # now: gloo's worker thread drops its reference when it likes
-            buf.untyped_storage().resize_(0)
+        if buf.device.type == "cpu":
+            free_now(buf)
     return model
 
 

@@ -181,7 +181,7 @@ class Unit:
             self._hold(f"{self.name}:gather-out", out, streams.record("compute"))
         else:
             streams.note("free", f"{self.name}:gather-out", "gather")
-            _free_now(out, *([] if _send is self._piece else [_send]))
+            comm.free_now(out)  # the send buffer is a slot of it, or the kept piece
         for p in self.params:
             p.register(p.full)
         self._checks().gathered(self, ids[:, 0])
@@ -294,14 +294,6 @@ class Unit:
         return PendingReduce(self, layout, work, (send, grads, copied), out)
 
 
-def _free_now(*buffers: torch.Tensor) -> None:
-    """Free collective buffers whose collective has completed (no streams: the CPU), now: gloo's
-    worker thread drops its own references to them at a time of its choosing, which made the
-    step's peak memory vary from run to run by up to a unit's buffers."""
-    for t in buffers:
-        t.untyped_storage().resize_(0)
-
-
 class GatherLayout:
     """Where each parameter's chunk sits in the unit's all-gather slot, in one wire dtype.
 
@@ -408,7 +400,7 @@ class PendingReduce:
             streams.record("reduce")
         _send, grads, copied = self.inputs
         if not streams.holds:
-            _free_now(_send)
+            comm.free_now(_send)
         if grads:
             streams.wait("compute", copied)  # the full gradients were read: compute may reuse them
             streams.note("free", f"{unit.name}:full-grads", "compute")

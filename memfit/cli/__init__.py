@@ -185,12 +185,11 @@ def program() -> int:
 def main(argv: list[str] | None = None) -> int:
     """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; the exit status. The
     caller's process groups are left as they are (the program ends them: :func:`program`)."""
-    status = 0
     try:
         args = _parse(argv)
         config_class, command = COMMANDS[args.command]
         command(_config(config_class, args))
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
-        status = 2
-    return status
+        return 2
+    return 0

@@ -180,7 +180,9 @@ def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queu
 # cache, a model whose hooks form a reference cycle not yet collected, a DDP reducer) keeps the
 # threads running into the teardown. A sharded model that had run a forward was such a holder,
 # for ever: its parameters' post-accumulate-grad hook held the root's state, a cycle through
-# C++ that the collector cannot free (the hook now holds it weakly). `end_process_group`
+# C++ that the collector cannot free (the hook now holds it weakly; a step in flight holds it from
+# its forward to the end of its backward in memfit/_shard/_runtime.py's _IN_FLIGHT, so the graph's
+# own hooks hold it weakly too and a kept loss does not keep the model). `end_process_group`
 # collects cycles first, destroys the groups, and names those that survive; memfit caches
 # groups only weakly, and a sharded model is freed like any other. Where a group survives all
 # the same (torch FSDP2's fully_shard keeps the default group alive, by a reference Python's

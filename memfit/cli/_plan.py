@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 import memfit
-from memfit._plan._calibrate import _cache_path, calibrate
+from memfit._plan._calibrate import cache_path, calibrate
 from memfit._plan._time import PROFILES, default_profile
 from memfit.cli._data import batch_at
 from memfit.cli._output import write_json
@@ -114,7 +114,7 @@ def calibrate_command(cfg: CalibrateConfig) -> memfit.DeviceProfile:
         torch.set_num_threads(threads)
     print(json.dumps(asdict(profile), indent=1))
     print(
-        f"cached in {_cache_path(torch.device(cfg.device).type)}: plan with it by "
+        f"cached in {cache_path(torch.device(cfg.device).type)}: plan with it by "
         "`memfit plan ... --device-profile calibrated`"
     )
     return profile
