@@ -1,10 +1,12 @@
-# Two commands from a fresh clone: `make demo` and `make test`. Both set up .venv themselves.
+# Two commands from a fresh clone: `make demo` and `make test`. Both set up .venv themselves;
+# so does `make docs` (the documentation site, built offline in strict mode into site/).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memfit-installed
+DOCS_STAMP := $(VENV)/.memfit-docs-installed
 
-.PHONY: demo test lint format clean
+.PHONY: demo test docs lint format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -12,12 +14,22 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[dev,bench]"
 	touch $(STAMP)
 
+$(DOCS_STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade "pip>=23.1"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[docs]"
+	touch $(DOCS_STAMP)
+
 demo: $(STAMP)
 	mkdir -p out
 	$(VENV)/bin/memfit bench --compare --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Strict: a broken link, anchor or API reference fails the build. Nothing is fetched.
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -28,4 +40,4 @@ format: $(STAMP)
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build site *.egg-info .pytest_cache

@@ -303,7 +303,7 @@ def test_bad_offload_options():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU: real streams, pinned memory, async copies")
 @pytest.mark.parametrize("save", [None, "all"])
 def test_on_cuda_same_gradients_and_bytes_as_the_cpu_harness(save):
-    """Not run on the CPU-only machine this suite was written on (see the README)."""
+    """Not run on the CPU-only machine this suite was written on (see docs/devices.md)."""
     stats = memfit.testing.offload_stats()
     counts = []
     for device, harness in (("cpu", memfit.testing.host_offload_on_cpu), ("cuda", contextlib.nullcontext)):
