@@ -61,6 +61,7 @@ class TrainConfig:
     save_every: int = 0
     keep_last: int = 0  # keep the newest N checkpoints (0: all)
     resume: str = "no"  # "no", "yes" (a checkpoint must exist) or "auto" (if one exists)
+    overwrite: bool = False  # a fresh run into a --checkpoint-dir holding another run's checkpoints deletes them
     export: str | None = None  # write the safetensors export (from_pretrained loads it) here at the end
     log_every: int = 1
     metrics: str | None = None  # a JSONL file, one line per logged step and evaluation
@@ -74,8 +75,13 @@ class TrainConfig:
             raise ValueError(f"memfit train: unknown checkpointing {self.checkpointing!r}; choose from {CHECKPOINTING}")
         if self.resume not in ("no", "yes", "auto"):
             raise ValueError("memfit train: --resume takes no, yes or auto")
-        if (self.resume != "no" or self.save_every) and not self.checkpoint_dir:
-            raise ValueError("memfit train: --resume and --save-every need --checkpoint-dir")
+        if (self.resume != "no" or self.save_every or self.overwrite) and not self.checkpoint_dir:
+            raise ValueError("memfit train: --resume, --save-every and --overwrite need --checkpoint-dir")
+        if self.overwrite and self.resume != "no":
+            raise ValueError(
+                "memfit train: --overwrite starts afresh, deleting the checkpoints; --resume continues from them: "
+                "pass one of the two"
+            )
         if min(self.steps, self.accumulate, self.log_every, self.eval_batches) < 1 or self.warmup < 0:
             raise ValueError("memfit train: --steps, --accumulate, --log-every, --eval-batches >= 1, --warmup >= 0")
         if min(self.save_every, self.keep_last, self.eval_every, self.hybrid_shards) < 0:
