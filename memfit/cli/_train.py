@@ -249,7 +249,7 @@ def _evaluate(run: _Run, step: int) -> dict:
 
 def _save(run: _Run, step: int) -> None:
     path = _checkpoints.path_at(run.cfg.checkpoint_dir, step)
-    memfit.save_checkpoint(path, run.model, run.opt, step=step)
+    memfit.save_checkpoint(path, run.model, run.opt, extra={"step": step})
     if run.rank == 0:
         _checkpoints.prune(run.cfg.checkpoint_dir, run.cfg.keep_last)
     run.log.say(f"saved checkpoint step {step} ({path})")
