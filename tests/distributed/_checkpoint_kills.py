@@ -271,7 +271,8 @@ def main(root: str) -> None:
     report["writer-fails-with-enospc"] = _fork(root, failing_fsync, where)
     disk = os.path.join(root, "tmpfs")
     os.makedirs(disk)
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk], capture_output=True, text=True)
+    command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk]
+    mount = subprocess.run(command, check=False, capture_output=True, text=True)
     if mount.returncode != 0:
         reason = f"mount -t tmpfs refused: {mount.stderr.strip() or mount.returncode} (needs root)"
         report["skipped"].update({"full-tmpfs": reason, "read-only": reason})
