@@ -78,7 +78,7 @@ def temporary(path: str) -> str:
     return tmp
 
 
-def _remove(path: str, marker: str) -> None:
+def remove_dir(path: str, marker: str) -> None:
     """Delete directory ``path``, its completion marker first (a half-deleted one is never whole)."""
     try:
         os.remove(os.path.join(path, marker))
@@ -98,7 +98,7 @@ def replace(tmp: str, path: str, marker: str) -> None:
     elif exchange(tmp, path):
         step("replace:exchanged")
         sync_dir(parent)
-        _remove(tmp, marker)
+        remove_dir(tmp, marker)
     else:
         old = f"{path}.old-{uuid.uuid4().hex[:8]}"
         os.rename(path, old)
@@ -106,7 +106,7 @@ def replace(tmp: str, path: str, marker: str) -> None:
         os.rename(tmp, path)
         step("replace:renamed")
         sync_dir(parent)
-        _remove(old, marker)
+        remove_dir(old, marker)
     sync_dir(parent)
 
 
@@ -127,7 +127,7 @@ def recover(path: str, whole: Callable[[str], bool], marker: str) -> None:
         return
     for n in names:
         if n.startswith((f"{base}.tmp-", f"{base}.old-")) and os.path.isdir(os.path.join(parent, n)):
-            _remove(os.path.join(parent, n), marker)
+            remove_dir(os.path.join(parent, n), marker)
 
 
 def is_no_space(e: BaseException) -> bool:
