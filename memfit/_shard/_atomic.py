@@ -158,7 +158,7 @@ def no_space(where: str, path: str, needed: int | None, kept: str) -> OSError:
     return OSError(
         errno.ENOSPC,
         f"{where}: no space left on the device for {path!r}:{need} {_size(free)} are free. The partial files are "
-        f"removed; {kept}. Free space (or a quota) there, or write elsewhere",
+        f"removed; {kept}. Free some space there (or raise the quota), or write elsewhere",
     )
 
 

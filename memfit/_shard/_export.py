@@ -192,7 +192,7 @@ def _nbytes(shape: tuple[int, ...], dtype: torch.dtype, like: torch.Tensor) -> i
 def _export_error(e: BaseException, path: str, needed: int) -> OSError:
     kept = "an earlier export there is untouched" if _listed(path) else "no export was there"
     if _atomic.is_no_space(e):
-        return _atomic.no_space("memfit.export_safetensors", os.path.join(path, _INDEX), needed, kept)
+        return _atomic.no_space("memfit.export_safetensors", path, needed, kept)
     code = getattr(e, "errno", None) or errno.EIO
     return OSError(code, f"memfit.export_safetensors: cannot write to {path!r}: {e}; {kept}")
 
