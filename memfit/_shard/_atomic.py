@@ -79,7 +79,11 @@ def temporary(path: str) -> str:
 
 
 def remove_dir(path: str, marker: str) -> None:
-    """Delete directory ``path``, its completion marker first (a half-deleted one is never whole)."""
+    """Delete directory ``path``, its completion marker first (a half-deleted one is never whole).
+    A symbolic link (``path`` was one before the exchange) is removed, never what it points to."""
+    if os.path.islink(path):
+        os.remove(path)
+        return
     try:
         os.remove(os.path.join(path, marker))
     except FileNotFoundError:

@@ -93,3 +93,15 @@ def test_save_checkpoint_takes_extra_explicitly():
         memfit.save_checkpoint("ck", None, None, step=3)  # extra={"step": 3}
     with pytest.raises(TypeError, match="extra= takes a dict"):
         memfit.save_checkpoint("ck", None, None, extra=[("step", 3)])
+
+
+def test_replacing_a_symlinked_checkpoint_keeps_its_target(tmp_path):
+    from memfit._shard import _atomic
+
+    target = fake(str(tmp_path), "elsewhere", "a", step=1)
+    os.symlink(target, tmp_path / "ckpt")
+    new = fake(str(tmp_path), "ckpt.tmp-0a1b2c3d", "a", step=2)
+    _atomic.replace(new, str(tmp_path / "ckpt"), "memfit.json")
+    assert not os.path.islink(tmp_path / "ckpt") and _checkpoints.extra_of(str(tmp_path / "ckpt"))["step"] == 2
+    assert _checkpoints.extra_of(target)["step"] == 1  # the link went, not what it pointed to
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "elsewhere"]
