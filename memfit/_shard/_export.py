@@ -109,7 +109,9 @@ def export_safetensors(model: nn.Module, path: str, *, dtype: torch.dtype | None
             _write_hf_configs(model, path, dtype)
             _atomic.step("export:configs-written")
             metadata = {"total_size": total, **({"tied": tied} if tied else {})}
-            _replace_file(os.path.join(path, _INDEX), json.dumps({"metadata": metadata, "weight_map": weight_map}))
+            _atomic.sync_dir(path)  # the new files' names are durable before the index names them
+            index_text = json.dumps({"metadata": metadata, "weight_map": weight_map}, indent=2)
+            _replace_file(os.path.join(path, _INDEX), index_text)
             _atomic.step("export:index-written")
             _atomic.sync_dir(path)
             _remove_unlisted(path)
