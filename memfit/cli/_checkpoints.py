@@ -11,12 +11,24 @@ directory holding another run's checkpoints, and pruning keeps the newest of the
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import uuid
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
+import torch
+import torch.distributed as dist
+
+import memfit
 from memfit._shard import _atomic
 from memfit._shard._checkpoint_files import whole_copy
+
+if TYPE_CHECKING:
+    from memfit.cli._log import RunLog
+    from memfit.cli._train import TrainConfig
 
 _STEP = re.compile(r"step-(\d+)(\.old-[0-9a-f]+)?")
 _JSON = "memfit.json"
@@ -91,3 +103,80 @@ def prune(root: str, keep_last: int, run: str) -> None:
             mine.append((extra.get("saved_at", 0.0), step, path))
     for _, _, path in sorted(mine)[:-keep_last]:
         _atomic.remove_dir(whole_copy(path), _JSON)
+
+
+# Fields that do not change what a run computes: left out of the config's hash (a resumed
+# run may log, save or evaluate differently and is the same run).
+_NOT_TRAJECTORY = {
+    "resume", "overwrite", "checkpoint_dir", "save_every", "keep_last", "export", "log_every", "metrics",
+    "tensorboard", "json", "device", "eval_every", "eval_batches",
+}  # fmt: skip
+
+
+def identity(cfg: TrainConfig, run_id: str) -> dict:
+    """What a checkpoint records about the run that saved it."""
+    config = {k: v for k, v in asdict(cfg).items() if k not in _NOT_TRAJECTORY}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    spec = cfg.spec()
+    model = {"name": spec.name, "arch": spec.arch, "layers": cfg.layers, "hidden": cfg.hidden}
+    return {"id": run_id, "config_sha256": digest, "model": model, "config": config}
+
+
+def claim(cfg: TrainConfig) -> None:
+    """Refuse a fresh run into a --checkpoint-dir that holds another run's checkpoints (every
+    rank, before the process group forms), unless --resume or --overwrite says what to do."""
+    if cfg.resume != "no" or cfg.overwrite or not cfg.checkpoint_dir:
+        return
+    if complete(cfg.checkpoint_dir):
+        raise ValueError(
+            f"memfit train: --checkpoint-dir {cfg.checkpoint_dir!r} holds another run's checkpoints "
+            f"({describe(cfg.checkpoint_dir)}); pass --resume (or --resume auto) to continue "
+            "that run, or --overwrite to delete them and start afresh (or use another directory)"
+        )
+
+
+def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, log: RunLog) -> tuple[int, dict]:
+    """Load the checkpoint that --resume asks for into ``model`` and ``opt``: the newest that
+    loads and verifies, naming those skipped and why. The step to start at, and the run."""
+    step, run = 0, None  # run: what the loaded checkpoint recorded (None: it recorded none)
+    if dist.get_rank() == 0 and cfg.overwrite:
+        remove_all(cfg.checkpoint_dir)
+    if cfg.resume != "no":
+        step, run = _load_newest(cfg, model, opt, log)
+    box = [run["id"] if run else uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(box, src=0)  # one id for every rank (and after --overwrite deleted)
+    run_identity = identity(cfg, box[0])
+    if run is None:
+        return step, run_identity
+    changed = sorted(k for k, v in run_identity["config"].items() if run.get("config", {}).get(k, v) != v)
+    if changed:
+        was = run["config"]
+        diff = ", ".join(f"{k} {was[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
+        log.say(f"the config differs from the run's: {diff}")
+    return step, run_identity
+
+
+def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict | None]:
+    found = complete(cfg.checkpoint_dir)
+    if not found:
+        if cfg.resume == "yes":
+            raise ValueError(
+                f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
+                "--resume (or with --resume auto) to start from scratch"
+            )
+        return 0, None
+    skipped = []
+    for _, path in reversed(found):
+        try:
+            extra = memfit.load_checkpoint(path, model, opt)  # refuses before it changes anything
+        except (RuntimeError, FileNotFoundError) as e:  # another model's checkpoint, a damaged one: say which
+            skipped.append(f"{path!r}: {e}")
+            continue
+        for why in skipped:
+            log.say(f"skipped checkpoint {why}")
+        step = extra["step"]
+        log.say(f"resumed from step {step} ({path})")
+        run = extra.get("run")
+        return step, run if isinstance(run, dict) else None
+    bad = "; ".join(skipped)
+    raise ValueError(f"memfit train: cannot resume from any checkpoint in {cfg.checkpoint_dir!r}: {bad}")

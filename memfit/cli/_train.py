@@ -14,12 +14,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import json
 import math
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
@@ -98,83 +96,6 @@ class TrainConfig:
             return self.lr * (step + 1) / self.warmup
         progress = (step - self.warmup) / max(1, self.steps - self.warmup)
         return self.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-# Fields that do not change what a run computes: left out of the config's hash (a resumed
-# run may log, save or evaluate differently and is the same run).
-_NOT_TRAJECTORY = {
-    "resume", "overwrite", "checkpoint_dir", "save_every", "keep_last", "export", "log_every", "metrics",
-    "tensorboard", "json", "device", "eval_every", "eval_batches",
-}  # fmt: skip
-
-
-def _identity(cfg: TrainConfig, run_id: str) -> dict:
-    """What a checkpoint records about the run that saved it."""
-    config = {k: v for k, v in asdict(cfg).items() if k not in _NOT_TRAJECTORY}
-    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
-    spec = cfg.spec()
-    model = {"name": spec.name, "arch": spec.arch, "layers": cfg.layers, "hidden": cfg.hidden}
-    return {"id": run_id, "config_sha256": digest, "model": model, "config": config}
-
-
-def _claim(cfg: TrainConfig) -> None:
-    """Refuse a fresh run into a --checkpoint-dir that holds another run's checkpoints (every
-    rank, before the process group forms), unless --resume or --overwrite says what to do."""
-    if cfg.resume != "no" or cfg.overwrite or not cfg.checkpoint_dir:
-        return
-    if _checkpoints.complete(cfg.checkpoint_dir):
-        raise ValueError(
-            f"memfit train: --checkpoint-dir {cfg.checkpoint_dir!r} holds another run's checkpoints "
-            f"({_checkpoints.describe(cfg.checkpoint_dir)}); pass --resume (or --resume auto) to continue "
-            "that run, or --overwrite to delete them and start afresh (or use another directory)"
-        )
-
-
-def _resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, log: RunLog) -> tuple[int, dict]:
-    """Load the checkpoint that --resume asks for into ``model`` and ``opt``: the newest that
-    loads and verifies, naming those skipped and why. The step to start at, and the run."""
-    run = None
-    if dist.get_rank() == 0 and cfg.overwrite:
-        _checkpoints.remove_all(cfg.checkpoint_dir)
-    if cfg.resume != "no":
-        step, run = _load_newest(cfg, model, opt, log)
-    box = [run["id"] if run else uuid.uuid4().hex[:12]]
-    dist.broadcast_object_list(box, src=0)  # one id for every rank (and after --overwrite deleted)
-    identity = _identity(cfg, box[0])
-    if run is None:
-        return 0, identity
-    changed = sorted(k for k, v in identity["config"].items() if run.get("config", {}).get(k, v) != v)
-    if changed:
-        was = run["config"]
-        diff = ", ".join(f"{k} {was[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
-        log.say(f"the config differs from the run's: {diff}")
-    return step, identity
-
-
-def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict | None]:
-    found = _checkpoints.complete(cfg.checkpoint_dir)
-    if not found:
-        if cfg.resume == "yes":
-            raise ValueError(
-                f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
-                "--resume (or with --resume auto) to start from scratch"
-            )
-        return 0, None
-    skipped = []
-    for _, path in reversed(found):
-        try:
-            extra = memfit.load_checkpoint(path, model, opt)  # refuses before it changes anything
-        except (RuntimeError, FileNotFoundError) as e:  # another model's checkpoint, a damaged one: say which
-            skipped.append(f"{path!r}: {e}")
-            continue
-        for why in skipped:
-            log.say(f"skipped checkpoint {why}")
-        step = extra["step"]
-        log.say(f"resumed from step {step} ({path})")
-        run = extra.get("run")
-        return step, run if isinstance(run, dict) else None
-    bad = "; ".join(skipped)
-    raise ValueError(f"memfit train: cannot resume from any checkpoint in {cfg.checkpoint_dir!r}: {bad}")
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -324,10 +245,10 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -
     """
     # A collective (or the mesh set-up of a restarted group) that outlives the timeout fails,
     # so that torchrun can restart the job instead of waiting for ever.
-    _claim(cfg)
+    _checkpoints.claim(cfg)
     placement = init_process_group(timeout=pg_timeout(), device=cfg.device, where="memfit train")
     run = _build(cfg, placement.device)
-    start, run.identity = _resume(cfg, run.model, run.opt, run.log)
+    start, run.identity = _checkpoints.resume(cfg, run.model, run.opt, run.log)
     if start >= cfg.steps:
         run.log.say(f"the run is finished: the checkpoint is at step {start} of --steps {cfg.steps}; nothing to train")
     can_eval = cfg.eval_every and len(run.tokens.val) > run.seq + 1

@@ -9,7 +9,7 @@ import pytest
 
 import memfit
 from memfit.cli import _checkpoints
-from memfit.cli._train import TrainConfig, _claim
+from memfit.cli._train import TrainConfig
 
 
 def fake(root, name, run=None, saved_at=0.0, step=None):
@@ -62,18 +62,18 @@ def test_prune_keeps_the_newest_of_this_run_and_never_another_runs(tmp_path):
 
 def test_a_fresh_run_refuses_another_runs_directory(tmp_path):
     root = str(tmp_path / "ck")
-    _claim(TrainConfig(checkpoint_dir=root))  # an empty (missing) directory is fine
+    _checkpoints.claim(TrainConfig(checkpoint_dir=root))  # an empty (missing) directory is fine
     os.makedirs(tmp_path / "ck" / "step-00000002.tmp-0a1b2c3d")  # a partial save is not a checkpoint
-    _claim(TrainConfig(checkpoint_dir=root))
+    _checkpoints.claim(TrainConfig(checkpoint_dir=root))
     fake(root, "step-00000004", "a")
     fake(root, "step-00000006", "a")
     with pytest.raises(ValueError) as e:
-        _claim(TrainConfig(checkpoint_dir=root))
+        _checkpoints.claim(TrainConfig(checkpoint_dir=root))
     msg = str(e.value)
     assert repr(root) in msg and "run a: steps [4, 6]" in msg, msg
     assert "--resume" in msg and "--overwrite" in msg, msg
-    _claim(TrainConfig(checkpoint_dir=root, resume="auto"))
-    _claim(TrainConfig(checkpoint_dir=root, overwrite=True))
+    _checkpoints.claim(TrainConfig(checkpoint_dir=root, resume="auto"))
+    _checkpoints.claim(TrainConfig(checkpoint_dir=root, overwrite=True))
     _checkpoints.remove_all(root)  # what --overwrite does (rank 0, after the group forms)
     assert os.listdir(root) == []
 
