@@ -12,23 +12,25 @@ import uuid
 from collections.abc import Callable
 
 # [Note: Atomic directory replacement]
-# A checkpoint or an export is written into `<path>.tmp-<id>` beside `path`; only when every
-# file in it is written and synced does it take `path`'s place, in one step:
+# A checkpoint is written into `<path>.tmp-<id>` beside `path`; only when every file in it is
+# written and synced does it take `path`'s place, in one step:
 # - If `path` exists, renameat2(RENAME_EXCHANGE) swaps the two directory entries atomically
 #   (Linux >= 3.15; ext4, xfs, btrfs, tmpfs, f2fs and others), so `path` is the old directory up
 #   to that instant and the new one after it: there is no moment without a whole one. The old
-#   one, now at the temporary name, loses its completion marker (memfit.json, the export's
-#   index) first and is then deleted: a half-deleted one never looks whole.
+#   one, now at the temporary name, loses its completion marker (memfit.json) first and is then
+#   deleted: a half-deleted one never looks whole.
 #   We chose the exchange over versioned directories behind a symlink because `path` stays
 #   a plain directory: users copy it, hand it to other tools and load it by name, and
 #   checkpoints written before this change are replaced the same way.
 # - Where the filesystem refuses the exchange (EINVAL/ENOTSUP: NFS, some FUSE mounts, other
 #   kernels), `path` is renamed to `<path>.old-<id>` and the new one renamed in. A kill between
-#   the two renames leaves no `path` but a whole `.old-<id>`: `recover` (run before every save
-#   and export to `path`, and by `memfit train` before it lists checkpoints) renames it back.
+#   the two renames leaves no `path` but a whole `.old-<id>`: load_checkpoint(path) and
+#   `memfit train` read it there (`whole_copy`), and `recover`, run before every save to
+#   `path`, renames it back.
 # - A fresh `path` is one rename.
 # `recover` never deletes the only whole copy: `.tmp-*` and `.old-*` leftovers are deleted
-# only once `path` itself is whole.
+# only once `path` itself is whole. (An export shares its directory with other files and
+# switches its index instead: See [Note: Exported weights].)
 # Tests kill the process (os._exit) at each named step below (`_HOOK`):
 # tests/distributed/test_checkpoint_guarantees.py.
 
