@@ -48,7 +48,7 @@ def main() -> None:
                 path = os.path.join(root, f"ck-{r}-{checksums}")
                 with checkpoint_checksums(checksums):
                     t0 = time.perf_counter()
-                    memfit.save_checkpoint(path, model, opt, step=1)
+                    memfit.save_checkpoint(path, model, opt, extra={"step": 1})
                     t1 = time.perf_counter()
                     memfit.load_checkpoint(path, model, opt)
                     t2 = time.perf_counter()

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import json
+import math
 import mmap
 import os
 import pickle
 import shutil
-import uuid
 import zlib
 from typing import Any
 
@@ -20,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from memfit._shard import _atomic
 from memfit._shard._device import device_of_units, moved
 from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule
@@ -33,9 +35,9 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 # and nobody gathers the model. DCP records the full shape of each tensor, so
 # `load_checkpoint` at another world size reads back exactly the rows each new rank owns.
 # Replicated tensors (buffers, step counters, tensors in `extra`) are written once.
-# Saving is atomic: all ranks write into `<path>.tmp-<id>`; after a barrier rank 0 writes the
-# JSON part (optimizer hyperparameters, `extra`), syncs, and swaps the directory in with two
-# renames, so a crash at any point leaves the previous checkpoint intact.
+# Saving is atomic: all ranks write into `<path>.tmp-<id>`; then rank 0 writes the JSON part
+# (optimizer hyperparameters, `extra`), syncs, and swaps the directory in, so a kill at any
+# point leaves the previous checkpoint whole (See [Note: Atomic directory replacement]).
 # Every stored chunk (each tensor, or each rank's part of a sharded one) has a CRC-32 of its
 # bytes in memfit.json, computed after DCP wrote the files (each rank reads back a share of
 # them) and checked before anything is loaded (each rank checks a share), so that a bit flip
@@ -125,28 +127,44 @@ def _jsonable(v) -> bool:
         return False
 
 
-def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, **extra) -> None:
+def save_checkpoint(
+    path: str,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write a sharded checkpoint of ``model`` (and ``optimizer``) to directory ``path``,
-    atomically; every rank must call it. ``extra`` holds what else resuming needs: JSON
-    values (step, data position) and tensors (saved once, from rank 0). Each rank writes its
-    own chunks; :func:`load_checkpoint` reads them back at any world size. A crash while
-    saving leaves the checkpoint already at ``path`` intact."""
+    atomically; every rank must call it. ``extra`` holds what else resuming needs, by name:
+    JSON values (step, data position) and tensors (saved once, from rank 0);
+    :func:`load_checkpoint` returns it. Each rank writes its own chunks; :func:`load_checkpoint`
+    reads them back at any world size. A kill at any moment of the save, or a full disk, leaves
+    the checkpoint already at ``path`` whole and loadable (See [Note: Atomic directory
+    replacement])."""
     # See [Note: Sharded checkpoints]
+    extra = {} if extra is None else extra
+    if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
+        raise TypeError(f"memfit.save_checkpoint: extra= takes a dict with str keys, not {type(extra).__name__}")
     shards, group = _shard_params(model)
     rank = dist.get_rank(group)
     path = os.path.abspath(path)
+    plain = {k: v for k, v in extra.items() if not torch.is_tensor(v)}
+    bad = [k for k, v in plain.items() if not _jsonable(v)]
+    if bad:
+        raise TypeError(f"memfit.save_checkpoint: extra values {bad} are neither tensors nor JSON-serialisable")
     # Rank 0 picks the temporary directory and checks that it can be created, before anything
     # else happens; every rank learns the outcome (no rank is left waiting in a collective).
     box: list[Any] = [None]
     if rank == 0:
-        tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
         try:
-            os.makedirs(tmp)
-            box[0] = tmp
+            if os.path.lexists(path) and not os.path.isdir(path):
+                raise OSError(errno.ENOTDIR, "it exists and is not a directory")
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            _atomic.recover(path, _whole, _JSON)
+            box[0] = _atomic.temporary(path)
+            _atomic.step("save:tmp-created")
         except OSError as e:
-            box[0] = OSError(
-                e.errno, f"memfit.save_checkpoint: cannot write to {os.path.dirname(path)!r}: {e.strerror}"
-            )
+            box[0] = _write_error(e, path, None)
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     if isinstance(box[0], Exception):
         raise box[0]
@@ -157,45 +175,70 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if optimizer is not None:
         opt_state, groups = _optim_state(optimizer, model, meshes, shards)
         state.update(opt_state)
-    plain = {k: v for k, v in extra.items() if not torch.is_tensor(v)}
-    bad = [k for k, v in plain.items() if not _jsonable(v)]
-    if bad:
-        raise TypeError(f"memfit.save_checkpoint: extra values {bad} are neither tensors nor JSON-serialisable")
     state.update({f"extra/{k}": v for k, v in extra.items() if torch.is_tensor(v)})
     # Tensors of `extra` saved from an accelerator load onto the compute device, the others
     # (an RNG state) into host memory.
     on_device = sorted(k for k, v in extra.items() if torch.is_tensor(v) and v.device.type != "cpu")
-    meta = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
-    checksums = _checksums(tmp, meta, group) if _CHECKSUMS else None
-    dist.barrier(group=group)
+    try:
+        meta = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+        _atomic.step("save:written")
+        checksums = _checksums(tmp, meta, group) if _CHECKSUMS else None
+        _atomic.step("save:checksummed")
+    except BaseException as e:  # CheckpointException is a BaseException; every rank gets it
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(e, (KeyboardInterrupt, SystemExit)) and _atomic.is_no_space(e):
+            raise _write_error(e, path, _nbytes(state)) from None
+        raise
+    box = [None]
     if rank == 0:
-        with open(os.path.join(tmp, _JSON), "w") as f:
-            info = {"version": _VERSION, "optimizer_groups": groups, "extra": plain, "on_device": on_device}
-            json.dump({**info, "checksums": checksums} if checksums is not None else info, f)
-            f.flush()
-            os.fsync(f.fileno())
-        old = None
-        if os.path.exists(path):
-            old = f"{path}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(path, old)
-        os.rename(tmp, path)
-        if old:
-            shutil.rmtree(old, ignore_errors=True)
-        _remove_partial(path)
-        fd = os.open(os.path.dirname(path), os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    dist.barrier(group=group)
+            info = {"version": _VERSION, "optimizer_groups": groups, "extra": plain, "on_device": on_device}
+            with open(os.path.join(tmp, _JSON), "w") as f:
+                json.dump({**info, "checksums": checksums} if checksums is not None else info, f)
+                f.flush()
+                os.fsync(f.fileno())
+            _atomic.step("save:info-written")
+            _atomic.replace(tmp, path, _JSON)
+            _atomic.recover(path, _whole, _JSON)  # what earlier saves killed midway left
+            _atomic.step("save:done")
+        except OSError as e:
+            shutil.rmtree(tmp, ignore_errors=True)  # unfinished, or the previous one after an exchange
+            box[0] = _write_error(e, path, _nbytes(state))
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    if isinstance(box[0], Exception):
+        raise box[0]
 
 
-def _remove_partial(path: str) -> None:
-    """Delete what saves to ``path`` that never finished (a killed rank) left behind."""
+def _whole(path: str) -> bool:
+    """Whether ``path`` holds a checkpoint whose save finished (memfit.json is written last)."""
+    return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, _JSON))
+
+
+def whole_copy(path: str) -> str:
+    """``path``, or where its checkpoint is while ``path`` is missing: a save killed between the
+    two renames of a filesystem without RENAME_EXCHANGE left it at ``<path>.old-<id>`` (the
+    next save moves it back). See [Note: Atomic directory replacement]."""
     parent, base = os.path.split(path)
-    for name in os.listdir(parent):
-        if name.startswith((f"{base}.tmp-", f"{base}.old-")):
-            shutil.rmtree(os.path.join(parent, name), ignore_errors=True)
+    if os.path.lexists(path) or not os.path.isdir(parent):
+        return path
+    olds = sorted(n for n in os.listdir(parent) if n.startswith(f"{base}.old-"))
+    return next((os.path.join(parent, n) for n in reversed(olds) if _whole(os.path.join(parent, n))), path)
+
+
+def _nbytes(state: dict[str, Any]) -> int:
+    """The bytes of the tensors a save writes, over all ranks."""
+    return sum(math.prod(v.shape) * v.element_size() for v in state.values() if torch.is_tensor(v))
+
+
+def _write_error(e: BaseException, path: str, needed: int | None) -> OSError:
+    """The error a save that could not write raises: a full disk says so, with what it needed."""
+    kept = f"the checkpoint at {path!r} is untouched" if _whole(path) else f"nothing was at {path!r}"
+    if _atomic.is_no_space(e):
+        return _atomic.no_space("memfit.save_checkpoint", path, needed, kept)
+    code = getattr(e, "errno", None) or errno.EIO
+    reason = getattr(e, "strerror", None) or str(e)
+    return OSError(code, f"memfit.save_checkpoint: cannot write to {path!r}: {reason}; {kept}")
 
 
 def _chunks(meta) -> list[tuple[str, str, int, int]]:
@@ -384,7 +427,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     unreadable files ("corrupt or not a memfit checkpoint"), and metadata that would unpickle
     anything but checkpoint metadata."""
     shards, group = _shard_params(model)
-    path = os.path.abspath(path)
+    path = whole_copy(os.path.abspath(path))
     meta = _read_metadata(path)
     _check_files(path, meta)
     info = _read_info(path)

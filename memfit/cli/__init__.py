@@ -130,6 +130,11 @@ def _train_flags(t: argparse.ArgumentParser, models: str) -> None:
         choices=["no", "yes", "auto"],
         help="continue from the newest checkpoint in --checkpoint-dir (auto: only if there is one)",
     )
+    t.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="start afresh in a --checkpoint-dir that holds another run's checkpoints, deleting them",
+    )
     t.add_argument("--export", help="write a safetensors export (from_pretrained loads it) here at the end")
     t.add_argument("--log-every", type=int, default=1, help="print and record metrics every N steps")
     t.add_argument("--metrics", help="append metrics here as JSON lines, as the run goes")

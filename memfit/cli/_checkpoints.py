@@ -1,17 +1,37 @@
-"""Where `memfit train` keeps its checkpoints: one directory per save, ``<dir>/step-00000010``.
+"""Where `memfit train` keeps its checkpoints: one directory per save, ``<dir>/step-00000010``,
+each recording the run it belongs to.
 
-Each is written atomically by memfit.save_checkpoint (into ``step-N.tmp-<id>``, renamed when
-complete), so a directory named ``step-N`` holding memfit.json is a whole checkpoint and
-anything else (a save a killed rank left half-written) is never picked to resume from.
+Each is written atomically by memfit.save_checkpoint (See [Note: Atomic directory replacement]
+in memfit/_shard/_atomic.py), so a directory named ``step-N`` holding memfit.json is a whole
+checkpoint and anything else (a save a killed rank left half-written) is never picked to resume
+from. A checkpoint's memfit.json records, under ``extra``, its step, its run (``run``: an id,
+the config's SHA-256 and the model) and when it was saved (``saved_at``): a fresh run refuses a
+directory holding another run's checkpoints, and pruning keeps the newest of the current run.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
-import shutil
+import uuid
+from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-_STEP = re.compile(r"step-(\d+)")
+import torch
+import torch.distributed as dist
+
+import memfit
+from memfit._shard import _atomic
+from memfit._shard._checkpoint_files import whole_copy
+
+if TYPE_CHECKING:
+    from memfit.cli._log import RunLog
+    from memfit.cli._train import TrainConfig
+
+_STEP = re.compile(r"step-(\d+)(\.old-[0-9a-f]+)?")
+_JSON = "memfit.json"
 
 
 def path_at(root: str, step: int) -> str:
@@ -20,20 +40,143 @@ def path_at(root: str, step: int) -> str:
 
 def complete(root: str) -> list[tuple[int, str]]:
     """(step, path) of every whole checkpoint under ``root``, oldest first. A checkpoint saved
-    straight into ``root`` by memfit 0.1 counts, at the step its memfit.json records."""
-    found = []
+    straight into ``root`` by memfit 0.1 counts, at the step its memfit.json records. A save
+    killed between its two renames (filesystems without RENAME_EXCHANGE) counts at its own
+    path: memfit.load_checkpoint finds the whole copy."""
+    found = set()
     if os.path.isdir(root):
         for name in os.listdir(root):
             m = _STEP.fullmatch(name)
-            if m and os.path.isfile(os.path.join(root, name, "memfit.json")):
-                found.append((int(m.group(1)), os.path.join(root, name)))
-    if not found and os.path.isfile(os.path.join(root, "memfit.json")):
-        found.append((-1, root))  # its step is read when loading
+            if m and os.path.isfile(os.path.join(root, name, _JSON)):
+                found.add((int(m.group(1)), path_at(root, int(m.group(1))) if m.group(2) else os.path.join(root, name)))
+    if not found and os.path.isfile(os.path.join(root, _JSON)):
+        found.add((-1, root))  # its step is read when loading
     return sorted(found)
 
 
-def prune(root: str, keep_last: int) -> None:
-    """Delete all but the newest ``keep_last`` whole checkpoints (0: keep all)."""
-    if keep_last > 0:
-        for _, path in complete(root)[:-keep_last]:
-            shutil.rmtree(path, ignore_errors=True)
+def extra_of(path: str) -> dict:
+    """The ``extra`` values the checkpoint at ``path`` recorded ({} when unreadable)."""
+    try:
+        with open(os.path.join(whole_copy(path), _JSON)) as f:
+            extra = json.load(f).get("extra", {})
+        return extra if isinstance(extra, dict) else {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def run_of(path: str) -> str | None:
+    """The id of the run that saved the checkpoint at ``path`` (None: saved before runs were recorded)."""
+    run = extra_of(path).get("run")
+    return run.get("id") if isinstance(run, dict) else None
+
+
+def describe(root: str) -> str:
+    """The checkpoints under ``root``, by run, for an error message."""
+    by_run: dict[str, list[int]] = {}
+    for step, path in complete(root):
+        by_run.setdefault(run_of(path) or "unrecorded", []).append(step)
+    return "; ".join(f"run {run}: steps {steps}" for run, steps in by_run.items())
+
+
+def remove_all(root: str) -> None:
+    """Delete every checkpoint under ``root`` and what killed saves left (--overwrite)."""
+    if not os.path.isdir(root):
+        return
+    for name in os.listdir(root):
+        if re.fullmatch(r"step-\d+(\.(old|tmp)-[0-9a-f]+)?", name):
+            _atomic.remove_dir(os.path.join(root, name), _JSON)
+    if os.path.isfile(os.path.join(root, _JSON)):  # memfit 0.1: a checkpoint straight in root
+        for name in os.listdir(root):
+            if name in (_JSON, ".metadata") or name.endswith(".distcp"):
+                os.remove(os.path.join(root, name))
+
+
+def prune(root: str, keep_last: int, run: str) -> None:
+    """Delete all but the newest ``keep_last`` (by the time they were saved) whole checkpoints of
+    run ``run`` (0: keep all); other runs' checkpoints are never deleted."""
+    if keep_last <= 0:
+        return
+    mine = []
+    for step, path in complete(root):
+        extra = extra_of(path)
+        if isinstance(extra.get("run"), dict) and extra["run"].get("id") == run:
+            mine.append((extra.get("saved_at", 0.0), step, path))
+    for _, _, path in sorted(mine)[:-keep_last]:
+        _atomic.remove_dir(whole_copy(path), _JSON)
+
+
+# Fields that do not change what a run computes: left out of the config's hash (a resumed
+# run may log, save or evaluate differently and is the same run).
+_NOT_TRAJECTORY = {
+    "resume", "overwrite", "checkpoint_dir", "save_every", "keep_last", "export", "log_every", "metrics",
+    "tensorboard", "json", "device", "eval_every", "eval_batches",
+}  # fmt: skip
+
+
+def identity(cfg: TrainConfig, run_id: str) -> dict:
+    """What a checkpoint records about the run that saved it."""
+    config = {k: v for k, v in asdict(cfg).items() if k not in _NOT_TRAJECTORY}
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+    spec = cfg.spec()
+    model = {"name": spec.name, "arch": spec.arch, "layers": cfg.layers, "hidden": cfg.hidden}
+    return {"id": run_id, "config_sha256": digest, "model": model, "config": config}
+
+
+def claim(cfg: TrainConfig) -> None:
+    """Refuse a fresh run into a --checkpoint-dir that holds another run's checkpoints (every
+    rank, before the process group forms), unless --resume or --overwrite says what to do."""
+    if cfg.resume != "no" or cfg.overwrite or not cfg.checkpoint_dir:
+        return
+    if complete(cfg.checkpoint_dir):
+        raise ValueError(
+            f"memfit train: --checkpoint-dir {cfg.checkpoint_dir!r} holds another run's checkpoints "
+            f"({describe(cfg.checkpoint_dir)}); pass --resume (or --resume auto) to continue "
+            "that run, or --overwrite to delete them and start afresh (or use another directory)"
+        )
+
+
+def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, log: RunLog) -> tuple[int, dict]:
+    """Load the checkpoint that --resume asks for into ``model`` and ``opt``: the newest that
+    loads and verifies, naming those skipped and why. The step to start at, and the run."""
+    step, run = 0, None  # run: what the loaded checkpoint recorded (None: it recorded none)
+    if dist.get_rank() == 0 and cfg.overwrite:
+        remove_all(cfg.checkpoint_dir)
+    if cfg.resume != "no":
+        step, run = _load_newest(cfg, model, opt, log)
+    box = [run["id"] if run else uuid.uuid4().hex[:12]]
+    dist.broadcast_object_list(box, src=0)  # one id for every rank (and after --overwrite deleted)
+    run_identity = identity(cfg, box[0])
+    if run is None:
+        return step, run_identity
+    changed = sorted(k for k, v in run_identity["config"].items() if run.get("config", {}).get(k, v) != v)
+    if changed:
+        was = run["config"]
+        diff = ", ".join(f"{k} {was[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
+        log.say(f"the config differs from the run's: {diff}")
+    return step, run_identity
+
+
+def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict | None]:
+    found = complete(cfg.checkpoint_dir)
+    if not found:
+        if cfg.resume == "yes":
+            raise ValueError(
+                f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
+                "--resume (or with --resume auto) to start from scratch"
+            )
+        return 0, None
+    skipped = []
+    for _, path in reversed(found):
+        try:
+            extra = memfit.load_checkpoint(path, model, opt)  # refuses before it changes anything
+        except (RuntimeError, FileNotFoundError) as e:  # another model's checkpoint, a damaged one: say which
+            skipped.append(f"{path!r}: {e}")
+            continue
+        for why in skipped:
+            log.say(f"skipped checkpoint {why}")
+        step = extra["step"]
+        log.say(f"resumed from step {step} ({path})")
+        run = extra.get("run")
+        return step, run if isinstance(run, dict) else None
+    bad = "; ".join(skipped)
+    raise ValueError(f"memfit train: cannot resume from any checkpoint in {cfg.checkpoint_dir!r}: {bad}")

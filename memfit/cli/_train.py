@@ -61,6 +61,7 @@ class TrainConfig:
     save_every: int = 0
     keep_last: int = 0  # keep the newest N checkpoints (0: all)
     resume: str = "no"  # "no", "yes" (a checkpoint must exist) or "auto" (if one exists)
+    overwrite: bool = False  # a fresh run into a --checkpoint-dir holding another run's checkpoints deletes them
     export: str | None = None  # write the safetensors export (from_pretrained loads it) here at the end
     log_every: int = 1
     metrics: str | None = None  # a JSONL file, one line per logged step and evaluation
@@ -74,8 +75,13 @@ class TrainConfig:
             raise ValueError(f"memfit train: unknown checkpointing {self.checkpointing!r}; choose from {CHECKPOINTING}")
         if self.resume not in ("no", "yes", "auto"):
             raise ValueError("memfit train: --resume takes no, yes or auto")
-        if (self.resume != "no" or self.save_every) and not self.checkpoint_dir:
-            raise ValueError("memfit train: --resume and --save-every need --checkpoint-dir")
+        if (self.resume != "no" or self.save_every or self.overwrite) and not self.checkpoint_dir:
+            raise ValueError("memfit train: --resume, --save-every and --overwrite need --checkpoint-dir")
+        if self.overwrite and self.resume != "no":
+            raise ValueError(
+                "memfit train: --overwrite starts afresh, deleting the checkpoints; --resume continues from them: "
+                "pass one of the two"
+            )
         if min(self.steps, self.accumulate, self.log_every, self.eval_batches) < 1 or self.warmup < 0:
             raise ValueError("memfit train: --steps, --accumulate, --log-every, --eval-batches >= 1, --warmup >= 0")
         if min(self.save_every, self.keep_last, self.eval_every, self.hybrid_shards) < 0:
@@ -90,27 +96,6 @@ class TrainConfig:
             return self.lr * (step + 1) / self.warmup
         progress = (step - self.warmup) / max(1, self.steps - self.warmup)
         return self.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
-
-
-def _resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, log: RunLog) -> int:
-    """Load the checkpoint that --resume asks for into ``model`` and ``opt``; the step to start at."""
-    if cfg.resume == "no":
-        return 0
-    found = _checkpoints.complete(cfg.checkpoint_dir)
-    if not found:
-        if cfg.resume == "yes":
-            raise ValueError(
-                f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
-                "--resume (or with --resume auto) to start from scratch"
-            )
-        return 0
-    path = found[-1][1]
-    try:
-        step = memfit.load_checkpoint(path, model, opt)["step"]
-    except (RuntimeError, FileNotFoundError) as e:  # another model's checkpoint, a damaged one: say which
-        raise ValueError(f"memfit train: cannot resume from {path!r}: {e}") from e
-    log.say(f"resumed from step {step} ({path})")
-    return step
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -138,6 +123,7 @@ class _Run:
     batch: int
     params: int  # parameters of the whole model (not this rank's shard)
     device: torch.device  # where this rank computes (--device)
+    identity: dict | None = None  # what its checkpoints record about it (See memfit/cli/_checkpoints.py)
 
 
 def _build(cfg: TrainConfig, device: torch.device) -> _Run:
@@ -243,9 +229,10 @@ def _evaluate(run: _Run, step: int) -> dict:
 
 def _save(run: _Run, step: int) -> None:
     path = _checkpoints.path_at(run.cfg.checkpoint_dir, step)
-    memfit.save_checkpoint(path, run.model, run.opt, step=step)
+    extra = {"step": step, "run": run.identity, "saved_at": time.time()}
+    memfit.save_checkpoint(path, run.model, run.opt, extra=extra)
     if run.rank == 0:
-        _checkpoints.prune(run.cfg.checkpoint_dir, run.cfg.keep_last)
+        _checkpoints.prune(run.cfg.checkpoint_dir, run.cfg.keep_last, run.identity["id"])
     run.log.say(f"saved checkpoint step {step} ({path})")
 
 
@@ -258,9 +245,10 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -
     """
     # A collective (or the mesh set-up of a restarted group) that outlives the timeout fails,
     # so that torchrun can restart the job instead of waiting for ever.
+    _checkpoints.claim(cfg)
     placement = init_process_group(timeout=pg_timeout(), device=cfg.device, where="memfit train")
     run = _build(cfg, placement.device)
-    start = _resume(cfg, run.model, run.opt, run.log)
+    start, run.identity = _checkpoints.resume(cfg, run.model, run.opt, run.log)
     if start >= cfg.steps:
         run.log.say(f"the run is finished: the checkpoint is at step {start} of --steps {cfg.steps}; nothing to train")
     can_eval = cfg.eval_every and len(run.tokens.val) > run.seq + 1

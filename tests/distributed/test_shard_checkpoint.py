@@ -75,7 +75,7 @@ def case_save_at_two(rank, world, root):
     path = os.path.join(root, "saved", "ckpt")
     model, opt = build()
     train(model, opt, 2, rank, world)
-    memfit.save_checkpoint(path, model, opt, step=2, data_position=24, seed=torch.tensor([7]))
+    memfit.save_checkpoint(path, model, opt, extra={"step": 2, "data_position": 24, "seed": torch.tensor([7])})
     saved = full_state(model, opt)
     losses = train(model, opt, 2, rank, world, first=2)
     if rank == 0:
@@ -104,9 +104,9 @@ def case_saving_over_a_checkpoint_replaces_it(rank, world, root):
     path = os.path.join(root, "resaved", "ckpt")
     model, opt = build()
     train(model, opt, 1, rank, world)
-    memfit.save_checkpoint(path, model, opt, step=1)
+    memfit.save_checkpoint(path, model, opt, extra={"step": 1})
     train(model, opt, 1, rank, world, first=1)
-    memfit.save_checkpoint(path, model, opt, step=2)  # replaces the first, atomically
+    memfit.save_checkpoint(path, model, opt, extra={"step": 2})  # replaces the first, atomically
     assert memfit.load_checkpoint(path, *build())["step"] == 2
     dist.barrier()
     if rank == 0:

@@ -226,7 +226,7 @@ def case_checkpoint_hsdp_to_plain_w3_w1_and_back(rank, world, root):
     model, opt = build(device_mesh=mesh, sharding_strategy="HYBRID_SHARD")
     steps(model, opt, rank)
     path = os.path.join(root, "hsdp")
-    memfit.save_checkpoint(path, model, opt, step=2)
+    memfit.save_checkpoint(path, model, opt, extra={"step": 2})
     saved = full_state(model, opt)
     for ranks in ([0, 1, 2], [0]):  # plain sharding at W=3 and W=1; the other ranks wait
         group = dist.new_group(ranks)
@@ -237,7 +237,7 @@ def case_checkpoint_hsdp_to_plain_w3_w1_and_back(rank, world, root):
             assert full_state(plain, plain_opt) == saved, ranks
             if len(ranks) == 3:
                 steps(plain, plain_opt, rank, n=1)
-                memfit.save_checkpoint(os.path.join(root, "w3"), plain, plain_opt, step=3)
+                memfit.save_checkpoint(os.path.join(root, "w3"), plain, plain_opt, extra={"step": 3})
                 saved_w3 = full_state(plain, plain_opt)
         dist.barrier()
     box = [saved_w3 if rank == 0 else None]

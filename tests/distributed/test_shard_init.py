@@ -169,7 +169,7 @@ def case_checkpoint_puts_state_where_torch_does(rank, world):
         nn.functional.mse_loss(model(torch.randn(4, 6).to(dev)), torch.zeros(4, 3).to(dev)).backward()
         opt.step()
         rng, on_dev = torch.get_rng_state(), torch.arange(3.0).to(dev)
-        memfit.save_checkpoint(path, model, opt, rng=rng, on_dev=on_dev)
+        memfit.save_checkpoint(path, model, opt, extra={"rng": rng, "on_dev": on_dev})
         opt.state.clear()
         extra = memfit.load_checkpoint(path, model, opt)
         assert extra["rng"].device.type == "cpu" and torch.equal(extra["rng"], rng)

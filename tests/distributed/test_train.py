@@ -108,9 +108,11 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     assert "saved checkpoint step 4" not in killed.stdout
     names = sorted(os.listdir(ck))
     partial = [n for n in names if n.startswith("step-00000004.tmp-")]
-    assert names[0] == "step-00000002" and len(partial) == 1, names  # killed after writing some shards
-    assert any(f.endswith(".distcp") for f in os.listdir(ck / partial[0]))
-    assert not (ck / partial[0] / "memfit.json").exists()
+    # Rank 1 died after writing its shards; rank 0, failing in the save's next collective, removes
+    # the partial save unless torchrun stopped it first: either way no step-4 checkpoint
+    assert names[0] == "step-00000002" and len(partial) <= 1 and len(names) == 1 + len(partial), names
+    for name in partial:
+        assert not (ck / name / "memfit.json").exists()
     # The previous checkpoint is whole (checksums verified), and resuming picks it, at any world size
     resumed = memfit_train(
         "--checkpoint-dir", str(ck), "--save-every", "2", "--resume", "auto", "--json", str(tmp_path / "r.json")
