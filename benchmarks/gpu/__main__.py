@@ -29,12 +29,12 @@ PARTS = {
 REPO = Path(__file__).resolve().parents[2]
 
 
-class PartTimeout(Exception):
+class PartTimeoutError(Exception):
     """A part ran past its time limit (``--part-timeout``)."""
 
 
 def _alarm(signum, frame):
-    raise PartTimeout("the part ran past its time limit and was stopped")
+    raise PartTimeoutError("the part ran past its time limit and was stopped")
 
 
 def run_part(letter: str, env: Env, limit: float) -> dict:
@@ -50,7 +50,7 @@ def run_part(letter: str, env: Env, limit: float) -> dict:
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):
             raise
-        status = "timeout" if isinstance(e, PartTimeout) else "error"
+        status = "timeout" if isinstance(e, PartTimeoutError) else "error"
         record.update(status=status, traceback=traceback.format_exc(), figures={}, goals=[], markdown=[])
         env.log(f"part {letter} {status}: {e!r}")
     finally:
@@ -138,7 +138,9 @@ def main(argv: list[str] | None = None) -> int:
         if earlier.get("smoke") == args.smoke and earlier.get("device") == name:
             report["parts"] = earlier.get("parts", {})
             report["commands"] = earlier.get("commands", [])
-    report["commands"].append("PYTHONPATH=. python -m benchmarks.gpu " + " ".join(sys.argv[1:] if argv is None else argv))
+    report["commands"].append(
+        "PYTHONPATH=. python -m benchmarks.gpu " + " ".join(sys.argv[1:] if argv is None else argv)
+    )
     env = Env(device=device, smoke=args.smoke, out=out, repo=REPO, bert_batch=args.bert_batch)
     env.log(f"device {report['device_name']}, torch {torch.__version__}, parts {','.join(letters)} -> {stem}.*")
     write(report, stem)
@@ -146,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         limit = args.part_timeout or PARTS[letter][2]
         report["parts"][letter] = run_part(letter, env, limit)
         write(report, stem)
-    summary = ", ".join(f"{k}: {v['status']}{'' if v['passed'] else ' (goals missed)'}" for k, v in report["parts"].items())
+    summary = ", ".join(
+        f"{k}: {v['status']}{'' if v['passed'] else ' (goals missed)'}" for k, v in report["parts"].items()
+    )
     env.log(f"done: {summary}; wrote {stem}.json and {stem}.md")
     print(render(report))
     return 0 if all(report["parts"][x]["status"] == "ok" for x in letters) else 1

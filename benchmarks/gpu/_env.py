@@ -153,4 +153,6 @@ def fmt(v, digits: int = 3) -> str:
 
 
 def mib(v: int | None) -> str:
-    return "-" if v is None else f"{v / MIB:.0f}"
+    if v is None:
+        return "-"
+    return f"{v / MIB:.0f}" if abs(v) >= 10 * MIB else f"{v / MIB:.2f}"

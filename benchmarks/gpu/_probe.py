@@ -128,6 +128,7 @@ def race_probe(
     base = build(width, blocks)
     g = torch.Generator().manual_seed(1)
     inputs = [[torch.randn(batch, 16, width, generator=g).to(device) for _ in range(micro)] for _ in range(steps)]
+
     def on_cpu():  # "cpu" offload of CPU tensors takes the accelerator path (smoke runs)
         return host_offload_on_cpu() if device.type == "cpu" else contextlib.nullcontext()
 

@@ -35,6 +35,7 @@ import torch
 import memfit
 from benchmarks.gpu._env import Env, fmt, goal
 from benchmarks.gpu._probe import _sharded, build, race_probe
+from benchmarks.gpu.bert import SMOKE
 from memfit.models import Shape, bert_layer_class, bert_mlm, mlm_batch
 
 
@@ -74,9 +75,7 @@ def checkpoint_parity(env: Env) -> dict:
     """Loss and gradients of each checkpoint decision against none, bitwise, under bf16 autocast."""
     from memfit.testing import host_offload_on_cpu, offload_stats
 
-    shape = Shape(layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=512) if env.smoke else Shape(
-        layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192
-    )
+    shape = SMOKE if env.smoke else Shape(layers=4, hidden=256, heads=4, seq=128, batch=8, vocab=8192)
     base = bert_mlm(shape)  # dropout 0.1
     batch = {k: v.to(env.device) for k, v in mlm_batch(shape).items()}
     pinned_checks: list[bool] = []
@@ -128,9 +127,11 @@ def _offload_pins(base: torch.nn.Module, batch: dict, env: Env) -> bool:
     the host caching allocator's allocated pinned bytes grow during the forward."""
     model = copy.deepcopy(base).to(env.device).train()
     memfit.Decision("offload", offload="cpu").apply_to(model, bert_layer_class())
-    before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) if hasattr(
-        torch.cuda, "host_memory_stats"
-    ) else None
+    before = (
+        torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+        if hasattr(torch.cuda, "host_memory_stats")
+        else None
+    )
     with env.autocast(torch.bfloat16):
         loss = model(**batch).loss
     env.sync()
@@ -167,7 +168,7 @@ def sharded_mixed_offload(env: Env) -> dict:
             memfit.shard(block, device=env.device, mixed_precision=mp, offload=offload)
         return memfit.shard(model, device=env.device, mixed_precision=mp, offload=offload)
 
-    plain_losses, plain_params = train(copy.deepcopy(base).to(env.device))
+    plain_losses, _ = train(copy.deepcopy(base).to(env.device))
     on_losses, on_params = train(sharded(None))
     off_losses, off_params = train(sharded("cpu"))
     rel = max(abs(a - b) / abs(b) for a, b in zip(on_losses, plain_losses))
@@ -225,7 +226,12 @@ def sanitizer(env: Env) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.gpu._probe", *(["--cpu"] if not env.cuda else [])]
     extra = {"TORCH_CUDA_SANITIZER": "1"} if env.cuda else {}
     rc, out = _subprocess(env, cmd, extra, timeout=150)
-    return {"sanitizer": bool(extra), "returncode": rc, "races_reported": out.count("CSAN detected"), "tail": out[-2000:]}
+    return {
+        "sanitizer": bool(extra),
+        "returncode": rc,
+        "races_reported": out.count("CSAN detected"),
+        "tail": out[-2000:],
+    }
 
 
 def run(env: Env) -> dict:
@@ -274,10 +280,17 @@ def run(env: Env) -> dict:
                     f"| {case['d2h_bytes'] / 2**20:.1f} | {case['h2d_bytes'] / 2**20:.1f} |"
                 )
                 goals.append(
-                    goal(f"checkpoint {name} == none (bitwise)", None, "bitwise", case["loss_bitwise"] and case["grads_bitwise"])
+                    goal(
+                        f"checkpoint {name} == none (bitwise)",
+                        None,
+                        "bitwise",
+                        case["loss_bitwise"] and case["grads_bitwise"],
+                    )
                 )
         offloaded = c["cases"]["offload cpu"]["d2h_bytes"] > 0
-        goals.append(goal("offload cpu moved activations to the host", c["cases"]["offload cpu"]["d2h_bytes"], "> 0", offloaded))
+        goals.append(
+            goal("offload cpu moved activations to the host", c["cases"]["offload cpu"]["d2h_bytes"], "> 0", offloaded)
+        )
         if env.cuda:
             pinned = c["cases"]["offload_host_copies_pinned"]
             goals.append(goal("offload host copies pinned", None, "pinned host memory grows in forward", pinned))
@@ -288,24 +301,58 @@ def run(env: Env) -> dict:
             f"{fmt(s['offload_bitwise_losses'])}, parameters bitwise {fmt(s['offload_bitwise_params'])}; "
             f"bf16 vs fp32 plain: max relative loss difference {s['bf16_vs_fp32_max_rel_loss']:.2e}"
         )
-        goals.append(goal("mixed + offload == mixed (bitwise)", None, "bitwise", s["offload_bitwise_losses"] and s["offload_bitwise_params"]))
-        goals.append(goal("bf16 loss vs fp32", s["bf16_vs_fp32_max_rel_loss"], "<= 2e-2 relative", s["bf16_vs_fp32_max_rel_loss"] <= 2e-2))
+        goals.append(
+            goal(
+                "mixed + offload == mixed (bitwise)",
+                None,
+                "bitwise",
+                s["offload_bitwise_losses"] and s["offload_bitwise_params"],
+            )
+        )
+        goals.append(
+            goal(
+                "bf16 loss vs fp32",
+                s["bf16_vs_fp32_max_rel_loss"],
+                "<= 2e-2 relative",
+                s["bf16_vs_fp32_max_rel_loss"] <= 2e-2,
+            )
+        )
     if r := figures.get("race_probe"):
         md.append(
             f"- race probe (side-stream entries {r['side_stream_entries']}, {r['sleep_cycles']} cycles each): "
             f"delayed == undelayed bitwise {fmt(r['delayed_bitwise_undelayed'])}; vs plain bitwise "
             f"{fmt(r['bitwise_vs_plain'])}, max relative {r['max_rel_diff_vs_plain']:.2e}"
         )
-        goals.append(goal("race probe: delayed == undelayed", r["delayed_max_rel_diff"], "bitwise", r["delayed_bitwise_undelayed"]))
-        goals.append(goal("race probe: vs plain", r["max_rel_diff_vs_plain"], "<= 1e-6 relative", r["max_rel_diff_vs_plain"] <= 1e-6))
-        goals.append(goal("race probe: side streams used", sum(r["side_stream_entries"].values()), "> 0", bool(r["side_stream_entries"])))
+        goals.append(
+            goal(
+                "race probe: delayed == undelayed", r["delayed_max_rel_diff"], "bitwise", r["delayed_bitwise_undelayed"]
+            )
+        )
+        goals.append(
+            goal(
+                "race probe: vs plain",
+                r["max_rel_diff_vs_plain"],
+                "<= 1e-6 relative",
+                r["max_rel_diff_vs_plain"] <= 1e-6,
+            )
+        )
+        goals.append(
+            goal(
+                "race probe: side streams used",
+                sum(r["side_stream_entries"].values()),
+                "> 0",
+                bool(r["side_stream_entries"]),
+            )
+        )
     if h := figures.get("host_syncs"):
         n = h.get("sync_debug_warnings", h["python_reads"])
         md.append(f"- host syncs in one steady step: {h}")
         goals.append(goal("host syncs per step", n, "<= 1", n <= 1))
     if z := figures.get("sanitizer"):
         ok = z["returncode"] == 0 and z["races_reported"] == 0
-        md.append(f"- TORCH_CUDA_SANITIZER={int(z['sanitizer'])} run: exit {z['returncode']}, races {z['races_reported']}")
+        md.append(
+            f"- TORCH_CUDA_SANITIZER={int(z['sanitizer'])} run: exit {z['returncode']}, races {z['races_reported']}"
+        )
         goals.append(goal("sanitizer run", z["races_reported"], "exit 0, no race reported", ok))
     for name, tb in errors.items():
         md += ["", f"{name} failed:", "", "```", tb.rstrip(), "```"]

@@ -1,7 +1,9 @@
 """Part d: the planner and the meter against the allocator.
 
 BERT-large MLM (seq 512, batch 32, fp32, AdamW). The plain step's peak P (max_memory_allocated,
-AdamW state included) is measured first. Then for budgets of 25%, 50% and 75% of P:
+AdamW state included) is measured first. Then for budgets 25%, 50% and 75% of the way from
+the smallest budget the planner fits to its forecast of keeping every activation (so every
+budget has a plan; each is also given as a share of P):
 ``memfit.plan(model, batch, budget=B)`` (profiled once, re-planned from that profile), the
 plan applied to a fresh copy, and one warm step run under
 ``torch.cuda.set_per_process_memory_fraction(B / total)`` (so the allocator refuses to go past
@@ -24,6 +26,7 @@ import torch
 
 import memfit
 from benchmarks.gpu._env import Env, fmt, goal, mib
+from benchmarks.gpu.bert import SMOKE
 from memfit.models import Shape, bert_mlm, mlm_batch
 
 FRACTIONS = (0.25, 0.5, 0.75)
@@ -33,7 +36,7 @@ def run(env: Env) -> dict:
     from memfit.testing import host_offload_on_cpu
 
     shape = (
-        Shape(layers=2, hidden=64, heads=4, seq=32, batch=2, vocab=512)
+        SMOKE
         if env.smoke
         else Shape(layers=24, hidden=1024, heads=16, seq=512, batch=env.bert_batch or 32, vocab=30522)
     )
@@ -62,20 +65,24 @@ def run(env: Env) -> dict:
         "meter_breakdown": meter.breakdown(),
     }
     peak = plain["allocator_peak"] or plain["meter_peak"]
-    profile = None
+    from memfit.testing import forecast, smallest_budget
+
+    profile = memfit.plan(model, batch, budget=10 * peak).profile  # measured once, re-planned below
+    low = smallest_budget(profile)
+    high = int(forecast(profile, ["keep"] * len(profile.blocks), None)["peak"])
+    plain |= {"smallest_budget": low, "keep_forecast": high}
     plans = {}
     total = torch.cuda.get_device_properties(env.device).total_memory if env.cuda else None
     for frac in FRACTIONS:
-        budget = int(frac * peak)
-        env.log(f"  d: budget {frac:.0%} of the plain peak = {budget / 2**20:.0f} MiB")
-        row: dict = {"budget": budget}
+        budget = int(low + frac * (high - low))
+        env.log(f"  d: budget {frac:.0%} of the way = {budget / 2**20:.1f} MiB")
+        row: dict = {"budget": budget, "of_plain_peak": budget / peak}
         plans[f"{frac:.0%}"] = row
         try:
             plan = memfit.plan(model, batch, budget=budget, profile=profile)
         except memfit.PlanError as e:
             row["no_fit"] = str(e).splitlines()[0]
             continue
-        profile = plan.profile
         row |= {"predicted_peak": plan.predicted_peak, "decisions": {p: str(d) for p, d in plan.decisions.items()}}
         del model, opt, step
         env.free()
@@ -107,8 +114,11 @@ def run(env: Env) -> dict:
         f"BertForMaskedLM {shape}, fp32, AdamW. Plain step: allocator peak {mib(plain['allocator_peak'])} MiB, "
         f"reserved {mib(plain['allocator_reserved_peak'])} MiB, MemoryMeter {mib(plain['meter_peak'])} MiB.",
         "",
-        "| budget | MiB | predicted MiB | measured MiB | error | OOM | decisions |",
-        "|---|---:|---:|---:|---:|---|---|",
+        f"Budgets: 25/50/75% of the way from the smallest budget a plan fits ({mib(plain['smallest_budget'])} MiB) "
+        f"to the forecast of keeping every activation ({mib(plain['keep_forecast'])} MiB).",
+        "",
+        "| budget | MiB | of plain peak | predicted MiB | measured MiB | error | OOM | decisions |",
+        "|---|---:|---:|---:|---:|---:|---|---|",
     ]
     for name, row in plans.items():
         if "no_fit" in row:
@@ -118,7 +128,8 @@ def run(env: Env) -> dict:
         for d in row["decisions"].values():
             kinds[d] = kinds.get(d, 0) + 1
         md.append(
-            f"| {name} | {mib(row['budget'])} | {mib(row['predicted_peak'])} | {mib(row.get('measured'))} "
+            f"| {name} | {mib(row['budget'])} | {row['of_plain_peak']:.2f} "
+            f"| {mib(row['predicted_peak'])} | {mib(row.get('measured'))} "
             f"| {fmt(row.get('error'))} | {fmt(row['oom'])} | {kinds} |"
         )
         err = row.get("error")

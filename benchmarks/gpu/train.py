@@ -23,17 +23,23 @@ from benchmarks.gpu._env import Env, goal
 
 def memfit_train(env: Env, *args: str) -> tuple[int, str]:
     path = os.pathsep.join(filter(None, [str(env.repo), os.environ.get("PYTHONPATH")]))
-    shape = ["--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "2"] if env.smoke else ["--batch", "8"]
+    shape = ["--layers", "1", "--hidden", "32", "--seq", "16", "--batch", "2"] if env.smoke else ["--batch", "8"]
     model = "gpt2" if env.smoke else "gpt2-small"
     cmd = [sys.executable, "-m", "memfit", "train", "--model", model, "--device", env.device.type, *shape, *args]
     proc = subprocess.run(
-        cmd, cwd=env.repo, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=300, check=False
+        cmd,
+        cwd=env.repo,
+        env={**os.environ, "PYTHONPATH": path},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
     return proc.returncode, (proc.stdout + proc.stderr)[-2500:]
 
 
 def run(env: Env) -> dict:
-    steps = 6 if env.smoke else 20
+    steps = 2 if env.smoke else 20
     half = steps // 2
     with tempfile.TemporaryDirectory(prefix="memfit-gpu-train-") as tmp:
         ck = Path(tmp) / "ck"
@@ -59,7 +65,12 @@ def run(env: Env) -> dict:
     }
     goals = [
         goal("train and resume exit 0", None, "0, 0", rc1 == 0 and rc2 == 0),
-        goal("resumed steps", len(resumed), f"steps {half + 1}-{steps}", sorted(resumed) == list(range(half + 1, steps + 1))),
+        goal(
+            "resumed steps",
+            len(resumed),
+            f"steps {half + 1}-{steps}",
+            sorted(resumed) == list(range(half + 1, steps + 1)),
+        ),
         goal("resumed losses vs whole run", worst, "<= 1e-5 relative", worst is not None and worst <= 1e-5),
     ]
     md = [
