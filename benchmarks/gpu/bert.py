@@ -131,7 +131,7 @@ def run(env: Env) -> dict:
             for dtype in (torch.float32, torch.bfloat16):
                 label = "fp32" if dtype == torch.float32 else "bf16 autocast"
                 rows = results.setdefault(label, {})
-                for strategy in STRATEGIES if not (env.smoke and dtype != torch.float32) else STRATEGIES[:2]:
+                for strategy in STRATEGIES if not (env.smoke and dtype != torch.float32) else STRATEGIES[:1]:
                     env.log(f"  b: {label} {strategy} (batch {shape.batch})")
                     none = rows.get("none", {"error": "not measured"})
                     # smoke: a budget a plan fits (a tiny model's head and state leave nothing to save)
@@ -185,8 +185,9 @@ def report(env: Env, shape: Shape, results: dict) -> dict:
         if "step_s" in rows.get("memfit planned", {}):
             pl = rows["memfit planned"]
             md.append("")
+            scale = "2 (smoke)" if env.smoke else "5978/9141"
             md.append(
-                f"- {label} planned: budget {mib(pl['budget'])} MiB (none's peak x {'2 (smoke)' if env.smoke else '5978/9141'}), predicted "
+                f"- {label} planned: budget {mib(pl['budget'])} MiB (none's peak x {scale}), predicted "
                 f"{mib(pl['predicted_peak'])} MiB, measured {mib(peak(pl))} MiB; decisions {pl['decisions']}"
             )
     return {

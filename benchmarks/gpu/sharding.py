@@ -101,7 +101,8 @@ def run(env: Env) -> dict:
             for bf16 in (False, True) if not (env.smoke and preset.arch == "llama") else (False,):
                 label = f"{name} {'bf16' if bf16 else 'fp32'}"
                 rows = results.setdefault(label, {})
-                for strategy in ("plain", "torch FSDP2", "memfit"):
+                smoke_llama = env.smoke and preset.arch == "llama"  # smoke: the preset's path, once
+                for strategy in ("memfit",) if smoke_llama else ("plain", "torch FSDP2", "memfit"):
                     env.log(f"  c: {label} {strategy}")
                     try:
                         rows[strategy] = measure(env, preset, strategy, bf16, base, batch)
