@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memfit-installed
 
-.PHONY: demo test lint format clean
+.PHONY: demo test lint format clean gpu
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,6 +18,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# The GPU validation (docs/gpu-validation.md), on a machine with a CUDA GPU and torch already
+# installed (no .venv, no network): memfit runs from this tree.
+gpu:
+	PYTHONPATH=. $(PYTHON) -m benchmarks.gpu --out benchmarks/results
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -19,7 +19,7 @@ from benchmarks.gpu._env import Env, device_name, fmt
 
 # letter -> (module, title, seconds it may take on one H100 before it is stopped)
 PARTS = {
-    "a": ("correctness", "Correctness on the device", 240),
+    "a": ("correctness", "Correctness on the device", 300),
     "b": ("bert", "The seed's experiment: BERT-large MLM, seq 512", 330),
     "c": ("sharding", "Sharding at W=1 on NCCL: plain vs FSDP2 vs memfit", 200),
     "d": ("planner", "Planner and meter against the allocator", 200),

@@ -66,7 +66,7 @@ def test_modules(env: Env) -> dict:
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *modules]
     if env.smoke:
         cmd.append("--collect-only")
-    rc, out = _subprocess(env, cmd, {"MEMFIT_TEST_DEVICE": env.device.type}, timeout=200)
+    rc, out = _subprocess(env, cmd, {"MEMFIT_TEST_DEVICE": env.device.type}, timeout=150)
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|tests? collected)", out)}
     return {"modules": modules, "returncode": rc, "counts": counts, "tail": out[-3000:]}
 
@@ -112,7 +112,7 @@ def checkpoint_parity(env: Env) -> dict:
             "d2h_bytes": stats.d2h_bytes,
             "h2d_bytes": stats.h2d_bytes,
         }
-    out["offload_host_copies_pinned"] = all(pinned_checks) if env.cuda else None
+    out["offload_host_copies_pinned"] = pinned_checks[0] if pinned_checks else None
     return {"shape": str(shape), "dtype": "bf16 autocast", "cases": out}
 
 
@@ -122,25 +122,20 @@ def _null():
     return contextlib.nullcontext()
 
 
-def _offload_pins(base: torch.nn.Module, batch: dict, env: Env) -> bool:
-    """Whether the host tensors offload="cpu" writes in a forward are pinned (CUDA only):
-    the host caching allocator's allocated pinned bytes grow during the forward."""
+def _offload_pins(base: torch.nn.Module, batch: dict, env: Env) -> bool | None:
+    """Whether offload="cpu" holds pinned host memory after a forward (CUDA only): the host
+    caching allocator's active pinned bytes grow during the forward. None: this torch has no
+    host allocator statistics."""
+    if not hasattr(torch.cuda, "host_memory_stats"):
+        return None
     model = copy.deepcopy(base).to(env.device).train()
     memfit.Decision("offload", offload="cpu").apply_to(model, bert_layer_class())
-    before = (
-        torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
-        if hasattr(torch.cuda, "host_memory_stats")
-        else None
-    )
+    before = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
     with env.autocast(torch.bfloat16):
         loss = model(**batch).loss
-    env.sync()
-    if before is None:  # no host allocator statistics in this torch: not shown
-        ok = True
-    else:
-        ok = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) > before
+    after = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
     loss.backward()
-    return ok
+    return after > before
 
 
 def sharded_mixed_offload(env: Env) -> dict:
@@ -274,7 +269,7 @@ def run(env: Env) -> dict:
         md += [f"- checkpoint parity, {c['dtype']}, dropout 0.1, {c['shape']}:", ""]
         md += ["| decision | loss bitwise | grads bitwise | offload D2H MiB | H2D MiB |", "|---|---|---|---:|---:|"]
         for name, case in c["cases"].items():
-            if isinstance(case, dict):
+            if isinstance(case, dict) and "loss_bitwise" in case:
                 md.append(
                     f"| {name} | {fmt(case['loss_bitwise'])} | {fmt(case['grads_bitwise'])} "
                     f"| {case['d2h_bytes'] / 2**20:.1f} | {case['h2d_bytes'] / 2**20:.1f} |"
@@ -291,9 +286,8 @@ def run(env: Env) -> dict:
         goals.append(
             goal("offload cpu moved activations to the host", c["cases"]["offload cpu"]["d2h_bytes"], "> 0", offloaded)
         )
-        if env.cuda:
-            pinned = c["cases"]["offload_host_copies_pinned"]
-            goals.append(goal("offload host copies pinned", None, "pinned host memory grows in forward", pinned))
+        if (pinned := c["cases"]["offload_host_copies_pinned"]) is not None:
+            goals.append(goal("offload host copies pinned", None, "active pinned bytes grow in forward", pinned))
         md.append("")
     if s := figures.get("sharded_mixed_offload"):
         md.append(
