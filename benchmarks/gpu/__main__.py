@@ -98,14 +98,35 @@ def write(report: dict, stem: Path) -> None:
         os.replace(tmp, stem.with_suffix(suffix))
 
 
+def merge(paths: list[str], out: Path) -> int:
+    """One report of the parts of several (the calls of one validation), in ``out``."""
+    reports = [json.loads(Path(x).read_text()) for x in paths]
+    if len({(r["device"], r["smoke"]) for r in reports}) != 1:
+        raise SystemExit(
+            "--merge: the reports come from different devices (or smoke and real runs); merge one device's"
+        )
+    merged = {**reports[-1], "commands": [c for r in reports for c in r["commands"]], "parts": {}}
+    for r in reports:
+        merged["parts"].update(r["parts"])
+    out.mkdir(parents=True, exist_ok=True)
+    write(merged, out / f"gpu_{merged['device']}")
+    print(f"merged parts {','.join(sorted(merged['parts']))} into {out / ('gpu_' + merged['device'])}.json/.md")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
     p.add_argument("--out", required=True, help="directory for gpu_<device>.json and gpu_<device>.md")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not the GPU")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)} (default: all)")
     p.add_argument("--part-timeout", type=float, default=0, help="seconds per part (default: each part's own)")
+    p.add_argument(
+        "--merge", nargs="+", metavar="JSON", help="no run: merge these reports' parts (later wins) into --out"
+    )
     p.add_argument("--bert-batch", type=int, default=0, help="part b's batch (default 32; halved on OOM)")
     args = p.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, Path(args.out))
     letters = [x.strip() for x in args.parts.split(",") if x.strip()]
     if bad := [x for x in letters if x not in PARTS]:
         p.error(f"unknown parts {bad}; choose from {','.join(PARTS)}")

@@ -86,3 +86,28 @@ def test_a_failing_part_is_recorded_and_the_run_goes_on(tmp_path, monkeypatch):
 def test_smoke_never_writes_into_the_committed_results():
     with pytest.raises(SystemExit):
         gpu.main(["--smoke", "--out", str(REPO / "benchmarks" / "results")])
+
+
+def test_merge_joins_the_parts_of_two_calls(tmp_path):
+    def report(letter: str, value: int) -> dict:
+        part = {"name": "p", "title": f"part {letter}", "status": "ok", "traceback": None, "seconds": 1.0}
+        part |= {"figures": {"value": value}, "goals": [], "markdown": [f"value {value}"], "passed": True}
+        return {
+            "device": "h100",
+            "device_name": "NVIDIA H100",
+            "torch": "2.11",
+            "transformers": "5",
+            "smoke": False,
+            "commands": [f"call {letter}"],
+            "parts": {letter: part},
+        }
+
+    for i, letter in enumerate("ab"):
+        (tmp_path / f"{letter}.json").write_text(json.dumps(report(letter, i)))
+    assert (
+        gpu.main(["--merge", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "out")]) == 0
+    )
+    merged = json.loads((tmp_path / "out" / "gpu_h100.json").read_text())
+    assert sorted(merged["parts"]) == ["a", "b"] and merged["commands"] == ["call a", "call b"]
+    text = (tmp_path / "out" / "gpu_h100.md").read_text()
+    assert "## a. part a" in text and "value 1" in text
