@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--merge", nargs="+", metavar="JSON", help="no run: merge these reports' parts (later wins) into --out"
     )
-    p.add_argument("--bert-batch", type=int, default=0, help="part b's batch (default 32; halved on OOM)")
+    p.add_argument(
+        "--bert-batch", type=int, default=0, help="BERT-large's batch in parts b and d (default 16; b halves it on OOM)"
+    )
     args = p.parse_args(argv)
     if args.merge:
         return merge(args.merge, Path(args.out))

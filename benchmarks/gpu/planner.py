@@ -1,6 +1,6 @@
 """Part d: the planner and the meter against the allocator.
 
-BERT-large MLM (seq 512, batch 32, fp32, AdamW). The plain step's peak P (max_memory_allocated,
+BERT-large MLM (seq 512, batch 16 or --bert-batch, fp32, AdamW). The plain step's peak P (max_memory_allocated,
 AdamW state included) is measured first. Then for budgets 25%, 50% and 75% of the way from
 the smallest budget the planner fits to its forecast of keeping every activation (so every
 budget has a plan; each is also given as a share of P):
@@ -38,7 +38,7 @@ def run(env: Env) -> dict:
     shape = (
         SMOKE
         if env.smoke
-        else Shape(layers=24, hidden=1024, heads=16, seq=512, batch=env.bert_batch or 32, vocab=30522)
+        else Shape(layers=24, hidden=1024, heads=16, seq=512, batch=env.bert_batch or 16, vocab=30522)
     )
     base = bert_mlm(shape)
     batch = {k: v.to(env.device) for k, v in mlm_batch(shape).items()}
