@@ -21,7 +21,7 @@ from benchmarks.gpu._env import Env, device_name, fmt
 PARTS = {
     "a": ("correctness", "Correctness on the device", 300),
     "b": ("bert", "The seed's experiment: BERT-large MLM, seq 512", 330),
-    "c": ("sharding", "Sharding at W=1 on NCCL: plain vs FSDP2 vs memfit", 200),
+    "c": ("sharding", "Sharding at W=1 on NCCL: plain vs FSDP2 vs memfit", 270),
     "d": ("planner", "Planner and meter against the allocator", 200),
     "e": ("offload", "Offload: pinned copies, offload='cpu' vs save_on_cpu", 120),
     "f": ("train", "memfit train --device cuda, resumed once", 150),

@@ -111,7 +111,10 @@ def run(env: Env) -> dict:
                     torch.cuda.set_per_process_memory_fraction(1.0, env.device)
         if "measured" in row:
             row["error"] = (row["measured"] - row["predicted_peak"]) / row["predicted_peak"]
-    goals = []
+    fitted = sum("no_fit" not in row for row in plans.values())
+    goals = [
+        goal("budgets with a plan", fitted, f"{len(FRACTIONS)} (each above the smallest)", fitted == len(FRACTIONS))
+    ]
     md = [
         f"BertForMaskedLM {shape}, fp32, AdamW. Plain step: allocator peak {mib(plain['allocator_peak'])} MiB, "
         f"reserved {mib(plain['allocator_reserved_peak'])} MiB, MemoryMeter {mib(plain['meter_peak'])} MiB.",
