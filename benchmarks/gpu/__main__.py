@@ -70,6 +70,14 @@ def render(report: dict) -> str:
         f"torch {report['torch']}, transformers {report['transformers']}, memfit from this tree. "
         f"Commands: {'; '.join(f'`{c}`' for c in report['commands'])}.",
         "",
+        *(
+            [
+                "**Smoke run**: tiny shapes on the CPU, one step each; it checks the script, the figures mean nothing.",
+                "",
+            ]
+            if report.get("smoke")
+            else []
+        ),
         "| part | what | status | goals met | seconds |",
         "|---|---|---|---|---:|",
     ]
