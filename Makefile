@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memfit-installed
 DOCS_STAMP := $(VENV)/.memfit-docs-installed
 
-.PHONY: demo test docs lint format clean
+.PHONY: demo test docs gpu lint format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test: $(STAMP)
 # Strict: a broken link, anchor or API reference fails the build. Nothing is fetched.
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The GPU validation (docs/gpu-validation.md), on a machine with a CUDA GPU and torch already
+# installed (no .venv, no network): memfit runs from this tree.
+gpu:
+	PYTHONPATH=. $(PYTHON) -m benchmarks.gpu --out benchmarks/results
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,0 +1,141 @@
+"""Part c: sharding at W=1 on NCCL (gloo on the CPU in smoke mode): plain vs torch FSDP2
+(``fully_shard`` per layer, then the root) vs memfit (``FullyShardedDataParallel`` with the
+layer class as its wrap policy), fp32 and bf16 mixed precision (plain: bf16 autocast; FSDP2:
+``MixedPrecisionPolicy(bf16, fp32)``; memfit: ``MixedPrecision(bf16, reduce_dtype=fp32)``), on
+BERT-large (seq 512, batch 8) and the llama-1b preset (seq 2048, batch 1). AdamW.
+
+Figures: median step time of 5 steps after 2 warm-up, allocator peaks, and from one profiled
+step (torch.profiler): device kernels, kernels per unit beyond plain, host-blocking sync calls
+(cudaStreamSynchronize / cudaDeviceSynchronize / cudaEventSynchronize / blocking cudaMemcpy),
+and the summed kernel time against the step's wall time (below 1: idle gaps; comms overlap is
+not separated at W=1, where memfit runs no collectives). Goal: memfit's step <= 1.03x plain's
+and <= FSDP2's.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import torch
+
+import memfit
+from benchmarks.gpu._env import Env, errors_of, fmt, goal, mib, ratio
+from benchmarks.gpu.bert import SMOKE
+from memfit.models import PRESETS, Preset, lm_batch, mlm_batch
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def presets(env: Env) -> dict[str, Preset]:
+    if env.smoke:
+        return {
+            "bert": Preset("bert", SMOKE),
+            "llama": Preset("llama", dataclasses.replace(SMOKE, dropout=0.0)),
+        }
+    return {"bert-large": PRESETS["bert-large"], "llama-1b": PRESETS["llama-1b"]}
+
+
+def wrap(strategy: str, model: torch.nn.Module, layer: type, bf16: bool) -> torch.nn.Module:
+    if strategy == "plain":
+        return model
+    if strategy == "memfit":
+        mp = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+        return memfit.FullyShardedDataParallel(model, auto_wrap_policy=layer, mixed_precision=mp)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+    for m in [m for m in model.modules() if isinstance(m, layer)]:
+        fully_shard(m, mp_policy=policy)
+    return fully_shard(model, mp_policy=policy)
+
+
+def profile_step(env: Env, step) -> dict:
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if env.cuda else [])
+    env.sync()
+    with profile(activities=activities) as prof:
+        step()
+        env.sync()
+    events = prof.events()
+    if env.cuda:
+        kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+        busy = sum(e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total for e in kernels)
+    else:  # the CPU: aten ops stand in for kernels
+        kernels = [e for e in events if e.name.startswith("aten::")]
+        busy = 0
+    syncs = sum(1 for e in events if e.name in SYNC_CALLS)
+    return {"kernels": len(kernels), "sync_calls": syncs, "kernel_us": busy}
+
+
+def measure(env: Env, preset: Preset, strategy: str, bf16: bool, base: torch.nn.Module, batch: dict) -> dict:
+    model = wrap(strategy, copy.deepcopy(base).to(env.device), preset.layer_class(), bf16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    autocast = env.autocast(torch.bfloat16 if bf16 and strategy == "plain" else torch.float32)
+
+    def step() -> None:
+        with autocast:
+            loss = model(**batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    warmup, repeats = (0, 1) if env.smoke else (2, 5)
+    seconds = env.median_time(step, warmup, repeats)
+    peaks = env.allocator_peaks(step) if env.cuda else {"max_allocated": None, "max_reserved": None}
+    prof = profile_step(env, step)
+    units = sum(1 for m in model.modules() if isinstance(m, preset.layer_class())) + 1
+    return {"step_s": seconds, **peaks, **prof, "units": units, "busy_share": prof["kernel_us"] / 1e6 / seconds}
+
+
+def run(env: Env) -> dict:
+    results: dict[str, dict] = {}
+    goals, md = [], []
+    with env.process_group():
+        for name, preset in presets(env).items():
+            base = preset.build()
+            make = mlm_batch if preset.arch == "bert" else lm_batch
+            batch = {k: v.to(env.device) for k, v in make(preset.shape).items()}
+            for bf16 in (False, True) if not (env.smoke and preset.arch == "llama") else (False,):
+                label = f"{name} {'bf16' if bf16 else 'fp32'}"
+                rows = results.setdefault(label, {})
+                smoke_llama = env.smoke and preset.arch == "llama"  # smoke: the preset's path, once
+                for strategy in ("memfit",) if smoke_llama else ("plain", "torch FSDP2", "memfit"):
+                    env.log(f"  c: {label} {strategy}")
+                    try:
+                        rows[strategy] = measure(env, preset, strategy, bf16, base, batch)
+                    except Exception as e:  # recorded; the others still run
+                        rows[strategy] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+                    env.free()
+            del base
+    md += [
+        "Median of 5 steps after 2 warm-up; one profiled step for the counts.",
+        "",
+        "| model | strategy | step s | vs plain | max allocated MiB | max reserved MiB | kernels | kernels/unit "
+        "beyond plain | sync calls | kernel time / step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for label, rows in results.items():
+        plain = rows.get("plain", {})
+        for strategy, r in rows.items():
+            if "error" in r:
+                md.append(f"| {label} | {strategy} | {r['error']} ||||||||")
+                continue
+            extra = (r["kernels"] - plain["kernels"]) / r["units"] if "kernels" in plain else None
+            md.append(
+                f"| {label} | {strategy} | {r['step_s']:.4f} | {fmt(ratio(r['step_s'], plain.get('step_s')))} "
+                f"| {mib(r['max_allocated'])} | {mib(r['max_reserved'])} | {r['kernels']} | {fmt(extra, 1)} "
+                f"| {r['sync_calls']} | {fmt(r['busy_share'], 2)} |"
+            )
+        mem, fsdp = rows.get("memfit", {}), rows.get("torch FSDP2", {})
+        if "step_s" in mem and "step_s" in plain:
+            t = mem["step_s"] / plain["step_s"]
+            goals.append(goal(f"{label}: memfit vs plain", t, "<= 1.03", t <= 1.03))
+        else:
+            goals.append(goal(f"{label}: memfit and plain ran", None, "no error", False))
+        if "step_s" in mem and "step_s" in fsdp:
+            t = mem["step_s"] / fsdp["step_s"]
+            goals.append(goal(f"{label}: memfit vs FSDP2", t, "<= 1.00", t <= 1.0))
+    return {"figures": {"results": results, "errors": errors_of(results)}, "goals": goals, "markdown": md}
