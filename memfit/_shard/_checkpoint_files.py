@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from memfit._instrument import HOOKS
 from memfit._shard._device import device_of_units, moved
 from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule
@@ -49,7 +50,6 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 
 _JSON = "memfit.json"
 _VERSION = 2  # 2: memfit.json holds a CRC-32 per stored chunk; 1 (no checksums) still loads
-_CHECKSUMS = True  # off only to measure what the checksums cost (benchmarks/checkpoint_checksums.py)
 _CORRUPT = "is corrupt or not a memfit checkpoint"
 
 
@@ -166,7 +166,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     # (an RNG state) into host memory.
     on_device = sorted(k for k, v in extra.items() if torch.is_tensor(v) and v.device.type != "cpu")
     meta = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
-    checksums = _checksums(tmp, meta, group) if _CHECKSUMS else None
+    checksums = _checksums(tmp, meta, group) if HOOKS.checksums else None
     dist.barrier(group=group)
     if rank == 0:
         with open(os.path.join(tmp, _JSON), "w") as f:

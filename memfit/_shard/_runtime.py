@@ -191,6 +191,9 @@ class RootState:
             unit.reshard()
         self.finish_pending_reduce()
         self.streams.after("compute", "reduce")  # the gradient shards are written
+        for unit in self.units:  # what compute reads next: the shards' gradients (optimizer), the check tails
+            self.streams.note("use", f"{unit.name}:grad-shards", "compute")
+            self.streams.note("use", f"{unit.name}:reduce-out", "compute")
         for unit in self.units:
             unit.training_state = TrainingState.IDLE
             unit.pending_backward = 0
