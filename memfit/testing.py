@@ -18,10 +18,10 @@ from memfit._checkpoint._host import STATS as _OFFLOAD_STATS
 from memfit._checkpoint._host import OffloadStats, offloadable
 from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu
 from memfit._instrument import Trace, switched
-from memfit._plan._calibrate import calibrate
+from memfit._plan._calibrate import calibrate, device_profile
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, terms
-from memfit._plan._time import PROFILES, CostRecorder, OpCost, device_profile
+from memfit._plan._time import PROFILES, CostRecorder, OpCost
 from memfit._plan._validate import measured_sharded_peak
 from memfit._shard import _checkpoint_files
 from memfit._shard._collectives import STATS, CommStats
