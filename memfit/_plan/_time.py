@@ -212,11 +212,14 @@ def _sdpa_cpu_backward(grad_out, query, key, value, *args, out_val=None, **kwarg
 
 
 # torch counts the CUDA attention kernels; the CPU one has the same arithmetic.
-_EXTRA_FLOPS = {}
-if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-    _EXTRA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu
-if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-    _EXTRA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_cpu_backward
+_EXTRA_FLOPS = {
+    getattr(aten, name): count
+    for name, count in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward),
+    )
+    if hasattr(aten, name)
+}
 
 
 def _nbytes(items) -> tuple[int, torch.dtype | None]:
