@@ -23,9 +23,13 @@ from memfit._instrument import HOOKS
 #   for compute first (the optimizer step wrote the shards), so a prefetch overlaps the
 #   compute of the unit before it. Compute waits for the all-gather's event before it copies
 #   the gathered buffer out into the full parameters.
-# - "reduce": the copy-in of full gradients, the reduce-scatter and the division. It waits for
-#   compute first (the gradients are ready); compute waits for its event only at the end of
-#   backward, so reduce-scatters overlap the next units' backward.
+# - "reduce": the copy-in of full gradients, the reduce-scatter, the division, and the addition
+#   into gradient shards that exist already (FSDP2's post-reduce stream does the same). It waits
+#   for compute first (the gradients are ready, the old gradient shards written); compute waits
+#   for its post-reduce event at the end of backward, so reduce-scatters overlap the next units'
+#   backward, and at once only where it reads the reduce output itself (debug checks).
+# Traced buffers (memfit.testing.trace_streams): each unit's gather output, full gradients,
+# reduce output and gradient shards; host offload traces its copies the same way.
 # A buffer allocated on one stream and used on another must not be freed (the caching
 # allocator would hand its memory to the allocating stream at once) before the allocating
 # stream has waited for an event recorded after the use. So the all-gather output is kept
@@ -33,8 +37,6 @@ from memfit._instrument import HOOKS
 # full gradients (allocated by autograd on compute) until compute has waited for the event
 # recorded after the reduce stream copied them in. No `record_stream`, no host waits. One
 # all-gather output is held at a time per root, as in FSDP2. On the CPU nothing is held.
-
-STREAMS = ("compute", "gather", "reduce")
 
 
 class Streams:

@@ -3,8 +3,9 @@
 - no import cycles between memfit's modules, counting imports inside functions (a lazy
   import hides a cycle from the interpreter, not from a reader);
 - module-level mutable state only where it must be process-wide, listed here, each with a
-  comment on its line (or the line above) saying why; no module assigns another module's globals (tests switch
-  instrumentation through memfit._instrument.HOOKS; See [Note: Instrumentation switches]).
+  comment on its line (or the line above) saying why;
+- no module assigns another module's globals (tests switch instrumentation through
+  memfit._instrument.HOOKS; See [Note: Instrumentation switches]).
 """
 
 from __future__ import annotations
@@ -211,7 +212,9 @@ def test_module_level_mutable_state_only_where_listed_and_commented():
         text = MODULES[module][0].read_text().splitlines()
         if line == 0 or ("#" not in text[line - 1] and not text[line - 2].lstrip().startswith("#")):
             uncommented.append(name)
-    assert uncommented == [], f"module-level state without a comment on its line (or the line above) saying why: {uncommented}"
+    assert uncommented == [], (
+        f"module-level state without a comment on its line (or the line above) saying why: {uncommented}"
+    )
 
 
 def test_no_module_assigns_another_modules_globals():
