@@ -46,7 +46,6 @@ __all__ = [
     "CostRecorder",
     "HostSyncCounter",
     "ModelProfile",
-    "OffloadStats",
     "OpCost",
     "OpCounter",
     "ShardedParam",
