@@ -17,7 +17,7 @@ from memfit._checkpoint._function import _Frame, _Holder
 from memfit._checkpoint._host import STATS as _OFFLOAD_STATS
 from memfit._checkpoint._host import OffloadStats, offloadable
 from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu
-from memfit._instrument import Trace, switched
+from memfit._instrument import Hooks, Trace, switched
 from memfit._plan._calibrate import calibrate, device_profile
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, terms
@@ -117,7 +117,9 @@ def held_recomputed_tensors() -> list[torch.Tensor]:
     return [t for o in gc.get_objects() if type(o) is _Holder for t in o.values.values()]
 
 
-def offload_writer(write: Callable[[str, torch.Tensor, Callable[[str, torch.Tensor], None]], None]):
+def offload_writer(
+    write: Callable[[str, torch.Tensor, Callable[[str, torch.Tensor], None]], None],
+) -> contextlib.AbstractContextManager[Hooks]:
     """Route ``offload="disk"`` writes through ``write(path, tensor, real_write)`` (fault injection)."""
     return switched(offload_write=write)
 
@@ -130,7 +132,7 @@ def trace_streams() -> Iterator[Trace]:
         yield hooks.trace
 
 
-def debug_collectives(on: bool = True):
+def debug_collectives(on: bool = True) -> contextlib.AbstractContextManager[Hooks]:
     """As ``MEMFIT_DEBUG_COLLECTIVES=1`` for roots set up inside: every collective checked at once."""
     return switched(debug_collectives=on)
 
@@ -148,7 +150,7 @@ def checkpoint_chunks(path: str) -> dict[str, tuple[str, int, int]]:
     return {name: (rel, off, n) for name, rel, off, n in _checkpoint_files._chunks(meta)}
 
 
-def checkpoint_checksums(enabled: bool):
+def checkpoint_checksums(enabled: bool) -> contextlib.AbstractContextManager[Hooks]:
     """Turn the per-chunk checksums of save_checkpoint on or off (to measure what they cost)."""
     return switched(checksums=enabled)
 
@@ -189,7 +191,7 @@ def meta_accelerator(world_size: int = 1, rank: int = 0, *, with_gloo: bool = Fa
         dist.destroy_process_group()
 
 
-def fake_allocator(module):
+def fake_allocator(module) -> contextlib.AbstractContextManager[Hooks]:
     """Make MemoryMeter read allocator peaks from ``module`` (a stand-in for ``torch.cuda``
     with ``is_available``, ``synchronize``, ``reset_peak_memory_stats``,
     ``max_memory_allocated`` and ``max_memory_reserved``), whatever the device."""
