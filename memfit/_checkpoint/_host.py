@@ -100,10 +100,11 @@ STATS = OffloadStats()  # process-wide: counts every offloading block of the pro
 
 @contextlib.contextmanager
 def cpu_as_device() -> Iterator[Trace]:
-    """Treat CPU tensors as accelerator tensors for "cpu" offload and trace the streams."""
+    """Treat CPU tensors as accelerator tensors for "cpu" offload and trace the streams (into
+    the trace already on, if one is: sharding's and offload's streams in one log)."""
     _offloaders.clear()
     try:
-        with switched(trace=Trace(), cpu_as_device=True) as hooks:
+        with switched(trace=HOOKS.trace or Trace(), cpu_as_device=True) as hooks:
             yield hooks.trace
     finally:
         _offloaders.clear()
@@ -116,7 +117,6 @@ class _Streams:
         self.device = device
         # A device module without streams (MPS) copies on its one queue, in order, unpinned.
         self.accel = device.type != "cpu" and hasattr(torch.get_device_module(device.type), "Stream")
-        self._ids = itertools.count()
         if self.accel:  # pragma: no cover (needs an accelerator)
             self.mod = torch.get_device_module(device.type)
             self.side = self.mod.Stream(device)
@@ -133,7 +133,7 @@ class _Streams:
         return self.side if name == "side" else self.mod.current_stream(self.device)
 
     def record(self, stream: str):
-        event = self._stream(stream).record_event() if self.accel else next(self._ids)
+        event = self._stream(stream).record_event() if self.accel else object()  # unique in a shared trace
         if HOOKS.trace is not None:
             HOOKS.trace.log.append(("record", stream, event))
         return event

@@ -9,7 +9,6 @@ tested on: the CPU tests check the same sequence of waits and records through th
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 
 import torch
@@ -44,7 +43,6 @@ class Streams:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._events = itertools.count()
         if self.cuda:  # pragma: no cover (needs a GPU)
             compute = torch.cuda.current_stream(device)
             high = torch.cuda.Stream.priority_range()[1]  # collectives first, as FSDP2 does
@@ -64,12 +62,12 @@ class Streams:
             yield
 
     def record(self, stream: str):
-        """An event marking the work queued on ``stream`` so far (an int id on the CPU)."""
+        """An event marking the work queued on ``stream`` so far (a unique stand-in on the CPU)."""
         if self.cuda:  # pragma: no cover (needs a GPU)
             event = torch.cuda.Event()
             event.record(self._streams[stream])
         else:
-            event = next(self._events)
+            event = object()  # a stand-in: unique, as a CUDA event is (one trace holds every root's)
         if HOOKS.trace is not None:
             HOOKS.trace.log.append(("record", stream, event))
         return event

@@ -77,3 +77,31 @@ def test_the_checker_finds_an_unordered_read_of_the_reduce_output():
     assert bad and all(b.startswith("u:reduce-out used on compute at 10") for b in bad)
     trace.log.insert(-1, ("wait", "compute", 2))
     assert trace.violations() == []
+
+
+def test_sharding_and_activation_offload_trace_into_one_log():
+    """One trace mechanism: a sharded model (a gloo group of one) whose blocks offload their
+    saved activations to the host records both kinds of buffers into one log, which one
+    checker checks; gradients accumulate over two backwards."""
+    import torch.distributed as dist
+
+    from memfit.testing import host_offload_on_cpu
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with trace_streams() as trace, host_offload_on_cpu() as same:
+            assert same is trace
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
+            blocks = list(model)
+            memfit.apply_activation_checkpointing(model, lambda m: m in blocks, save="all", offload="cpu")
+            for block in model:
+                memfit.shard(block)
+            memfit.shard(model)
+            for _ in range(2):
+                model(torch.randn(8, 64)).square().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    names = {e[1] for e in trace.log if e[0] in ("alloc", "use", "free")}
+    assert any(n.startswith("host#") for n in names) and any(n.endswith(":reduce-out") for n in names)
+    assert trace.violations() == []
