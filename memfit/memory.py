@@ -11,6 +11,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_flatten
 
+from memfit._instrument import HOOKS
+
 # [Note: How MemoryMeter counts]
 # Inside the region a TorchDispatchMode sees every aten op. Each tensor an op reads or writes
 # is reduced to its storage (views share one), and each storage is counted once, by its
@@ -253,14 +255,11 @@ class MemoryMeter:
         return f"MemoryMeter(device={self.device}, peak={self.peak_bytes / 2**20:.2f}MiB: {parts}{alloc})"
 
 
-_ALLOCATOR_OVERRIDE: list = []  # tests: a stand-in for the accelerator's device module (memfit.testing)
-
-
 def allocator_of(device: torch.device):
     """The device module whose caching allocator keeps peak statistics for ``device``
     (``torch.cuda`` on CUDA), or None (the CPU, the meta device, no accelerator)."""
-    if _ALLOCATOR_OVERRIDE:
-        return _ALLOCATOR_OVERRIDE[-1]
+    if HOOKS.allocator is not None:  # tests: a stand-in (See [Note: Instrumentation switches])
+        return HOOKS.allocator
     if device.type in ("cpu", "meta"):
         return None
     module = getattr(torch, device.type, None)

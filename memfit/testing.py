@@ -13,46 +13,77 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from memfit._checkpoint import _offload
 from memfit._checkpoint._function import _Frame, _Holder
-from memfit._plan._calibrate import calibrate
+from memfit._checkpoint._host import STATS as _OFFLOAD_STATS
+from memfit._checkpoint._host import OffloadStats, offloadable
+from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu
+from memfit._instrument import Hooks, Trace, switched
+from memfit._plan._calibrate import calibrate, device_profile
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, terms
-from memfit._plan._time import PROFILES, CostRecorder, OpCost, device_profile
+from memfit._plan._time import PROFILES, CostRecorder, OpCost
 from memfit._plan._validate import measured_sharded_peak
 from memfit._shard import _checkpoint_files
 from memfit._shard._collectives import STATS, CommStats
+from memfit._shard._counters import HostSyncCounter, OpCounter
+from memfit._shard._device import audit as device_audit
 from memfit._shard._mixed import _NORMS
 from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule
-from memfit.cli._launch import free_port
+from memfit.cli._bench_dist import run_distributed  # the CLI's pieces, for benchmarks timing steps as `memfit bench`
+from memfit.cli._data import batch_at
+from memfit.cli._launch import choose_device, end_process_group, free_port, init_process_group, spawn
+from memfit.cli._measure import Result as StepResult
+from memfit.cli._measure import run as run_steps
+from memfit.cli._plan import DTYPES
 
 __all__ = [
     "DECISIONS",
+    "DTYPES",
     "NORM_LAYERS",
     "PROFILES",
     "BlockProfile",
     "CostRecorder",
+    "HostSyncCounter",
     "ModelProfile",
     "OpCost",
+    "OpCounter",
     "ShardedParam",
     "Sharding",
+    "StepResult",
+    "Trace",
+    "batch_at",
     "calibrate",
     "checkpoint_checksums",
     "checkpoint_chunks",
+    "choose_device",
     "collective_stats",
+    "debug_collectives",
+    "device_audit",
     "device_profile",
+    "end_process_group",
+    "fake_allocator",
     "forecast",
     "free_port",
     "held_recomputed_tensors",
+    "host_offload_on_cpu",
+    "init_process_group",
     "live_checkpoint_frames",
     "measured_sharded_peak",
+    "meta_accelerator",
+    "offload_stats",
     "offload_writer",
+    "offloadable",
+    "placed_optimizer_state",
+    "run_distributed",
+    "run_steps",
     "sharded_units",
     "smallest_budget",
     "solve",
+    "spawn",
     "state_offload",
     "terms",
+    "trace_streams",
 ]
 # The planner's pieces, for tests that build a profile by hand: DECISIONS (the decision kinds),
 # BlockProfile / ModelProfile (what plan() measures), Sharding (per-rank accounting),
@@ -86,60 +117,30 @@ def held_recomputed_tensors() -> list[torch.Tensor]:
     return [t for o in gc.get_objects() if type(o) is _Holder for t in o.values.values()]
 
 
-@contextlib.contextmanager
-def offload_writer(write: Callable[[str, torch.Tensor, Callable[[str, torch.Tensor], None]], None]) -> Iterator[None]:
+def offload_writer(
+    write: Callable[[str, torch.Tensor, Callable[[str, torch.Tensor], None]], None],
+) -> contextlib.AbstractContextManager[Hooks]:
     """Route ``offload="disk"`` writes through ``write(path, tensor, real_write)`` (fault injection)."""
-    real = _offload._write
-    _offload._write = lambda path, t: write(path, t, real)
-    try:
-        yield
-    finally:
-        _offload._write = real
-
-
-# Counting the host's cost of a sharded step (tests and benchmarks/sharding_overhead.py).
-from memfit._shard._counters import HostSyncCounter, OpCounter  # noqa: E402
-
-__all__ += ["HostSyncCounter", "OpCounter"]
-
-# The streams' trace: every wait, record, allocation, use and free, and the ordering check.
-from memfit._shard._streams import StreamTrace  # noqa: E402
-from memfit._shard._streams import tracing as trace_streams  # noqa: E402
-
-__all__ += ["StreamTrace", "trace_streams"]
+    return switched(offload_write=write)
 
 
 @contextlib.contextmanager
-def debug_collectives(on: bool = True) -> Iterator[None]:
+def trace_streams() -> Iterator[Trace]:
+    """Record the streams' records, waits and buffer notes (sharding and host offload) made
+    inside into the yielded `Trace`; ``trace.violations()`` checks the ordering rules."""
+    with switched(trace=Trace()) as hooks:
+        yield hooks.trace
+
+
+def debug_collectives(on: bool = True) -> contextlib.AbstractContextManager[Hooks]:
     """As ``MEMFIT_DEBUG_COLLECTIVES=1`` for roots set up inside: every collective checked at once."""
-    from memfit._shard import _checks
-
-    saved, _checks.DEBUG_COLLECTIVES = _checks.DEBUG_COLLECTIVES, on
-    try:
-        yield
-    finally:
-        _checks.DEBUG_COLLECTIVES = saved
-
-
-__all__ += ["debug_collectives"]
-
-# Host offload ("cpu"): counters, and CPU tensors treated as device tensors with traced streams.
-from memfit._checkpoint._host import STATS as _OFFLOAD_STATS  # noqa: E402
-from memfit._checkpoint._host import (  # noqa: E402
-    OffloadStats,
-    OffloadTrace,
-    offloadable,
-)
-from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu  # noqa: E402
+    return switched(debug_collectives=on)
 
 
 def offload_stats() -> OffloadStats:
     """This process's counters of "cpu" offload (copies and bytes each way, prefetches,
     shared copies, kept tensors); ``.reset()`` them."""
     return _OFFLOAD_STATS
-
-
-__all__ += ["OffloadStats", "OffloadTrace", "host_offload_on_cpu", "offload_stats", "offloadable"]
 
 
 def checkpoint_chunks(path: str) -> dict[str, tuple[str, int, int]]:
@@ -149,23 +150,10 @@ def checkpoint_chunks(path: str) -> dict[str, tuple[str, int, int]]:
     return {name: (rel, off, n) for name, rel, off, n in _checkpoint_files._chunks(meta)}
 
 
-@contextlib.contextmanager
-def checkpoint_checksums(enabled: bool) -> Iterator[None]:
+def checkpoint_checksums(enabled: bool) -> contextlib.AbstractContextManager[Hooks]:
     """Turn the per-chunk checksums of save_checkpoint on or off (to measure what they cost)."""
-    before = _checkpoint_files._CHECKSUMS
-    _checkpoint_files._CHECKSUMS = enabled
-    try:
-        yield
-    finally:
-        _checkpoint_files._CHECKSUMS = before
+    return switched(checksums=enabled)
 
-
-# The meta test device: device mistakes made visible on a CPU-only machine.
-# See [Note: Devices and the meta test device] in memfit/_shard/_device.py.
-from memfit._shard._device import Audit  # noqa: E402
-from memfit._shard._device import audit as device_audit  # noqa: E402
-
-__all__ += ["Audit", "device_audit", "meta_accelerator"]
 
 _META_BACKEND = "memfit_meta"
 
@@ -203,35 +191,13 @@ def meta_accelerator(world_size: int = 1, rank: int = 0, *, with_gloo: bool = Fa
         dist.destroy_process_group()
 
 
-@contextlib.contextmanager
-def fake_allocator(module) -> Iterator[None]:
+def fake_allocator(module) -> contextlib.AbstractContextManager[Hooks]:
     """Make MemoryMeter read allocator peaks from ``module`` (a stand-in for ``torch.cuda``
     with ``is_available``, ``synchronize``, ``reset_peak_memory_stats``,
     ``max_memory_allocated`` and ``max_memory_reserved``), whatever the device."""
-    from memfit import memory
-
-    memory._ALLOCATOR_OVERRIDE.append(module)
-    try:
-        yield
-    finally:
-        memory._ALLOCATOR_OVERRIDE.pop()
+    return switched(allocator=module)
 
 
 def placed_optimizer_state(value: torch.Tensor, param: torch.Tensor, group: dict, key: str) -> torch.Tensor:
     """Where load_checkpoint puts a loaded, non-sharded optimizer state tensor (``step``, ...)."""
     return _checkpoint_files.placed_state(value, param, group, key)
-
-
-__all__ += ["fake_allocator", "placed_optimizer_state"]
-
-
-# The command line's building blocks, for benchmarks that time steps the way `memfit bench` does.
-from memfit.cli._bench_dist import run_distributed  # noqa: E402
-from memfit.cli._data import batch_at  # noqa: E402
-from memfit.cli._launch import choose_device, end_process_group, init_process_group, leave_now, spawn  # noqa: E402
-from memfit.cli._measure import Result as StepResult  # noqa: E402
-from memfit.cli._measure import run as run_steps  # noqa: E402
-from memfit.cli._plan import DTYPES  # noqa: E402
-
-__all__ += ["DTYPES", "StepResult", "batch_at", "choose_device", "init_process_group", "run_distributed"]
-__all__ += ["end_process_group", "leave_now", "run_steps", "spawn"]

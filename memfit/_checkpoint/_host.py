@@ -14,6 +14,8 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
+from memfit._instrument import HOOKS, Trace, switched
+
 # [Note: Host offload]
 # What a block saves for backward goes to host memory, except what would not free anything or
 # would cost more to move than to hold. Kept in place (in this order):
@@ -93,71 +95,18 @@ class OffloadStats:
             setattr(self, f.name, 0)
 
 
-STATS = OffloadStats()
-
-
-class OffloadTrace:
-    """What host offload did with its streams, in order, as tuples (tests).
-
-    ("alloc" | "use" | "free", buffer, stream), ("record", stream, event), ("wait", stream, event).
-    """
-
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
-
-    def violations(self) -> list[str]:
-        """A use on one stream not ordered after the other streams' earlier uses (and the
-        allocation), or a free before the allocating stream waited for every other use."""
-        recorded: dict[object, tuple[str, int]] = {}
-        waited: dict[str, list[tuple[object, int]]] = {}
-        touched: dict[str, list[tuple[str, int]]] = {}
-        owner: dict[str, str] = {}
-        bad = []
-
-        def ordered(src: str, after: int, dst: str, before: int) -> bool:
-            return any(recorded[e][0] == src and recorded[e][1] > after and p < before for e, p in waited.get(dst, []))
-
-        for i, (kind, a, b) in enumerate(self.log):
-            if kind == "record":
-                recorded[b] = (a, i)
-            elif kind == "wait":
-                waited.setdefault(a, []).append((b, i))
-            elif kind == "alloc":
-                owner[a], touched[a] = b, [(b, i)]
-            elif kind == "use" and a not in touched:
-                bad.append(f"{a} used on {b} at {i} after it was freed")
-            elif kind == "use":
-                bad += [
-                    f"{a} used on {b} at {i} before waiting for {s} (at {p})"
-                    for s, p in touched[a]
-                    if s != b and not ordered(s, p, b, i)
-                ]
-                touched[a].append((b, i))
-            elif kind == "free" and a in touched:  # (not one this trace saw allocated)
-                o = owner[a]
-                bad += [
-                    f"{a} freed at {i} before {o} waited for its use on {s} (at {p})"
-                    for s, p in touched.pop(a)
-                    if s != o and not ordered(s, p, o, i)
-                ]
-        return bad
-
-
-_TRACE: OffloadTrace | None = None
-_CPU_AS_DEVICE = False  # tests: CPU tensors take the accelerator path (synchronous copies)
+STATS = OffloadStats()  # process-wide: counts every offloading block of the process
 
 
 @contextlib.contextmanager
-def cpu_as_device() -> Iterator[OffloadTrace]:
-    """Treat CPU tensors as accelerator tensors for "cpu" offload and trace the streams."""
-    global _TRACE, _CPU_AS_DEVICE
-    saved = _TRACE, _CPU_AS_DEVICE
-    _TRACE, _CPU_AS_DEVICE = OffloadTrace(), True
+def cpu_as_device() -> Iterator[Trace]:
+    """Treat CPU tensors as accelerator tensors for "cpu" offload and trace the streams (into
+    the trace already on, if one is: sharding's and offload's streams in one log)."""
     _offloaders.clear()
     try:
-        yield _TRACE
+        with switched(trace=HOOKS.trace or Trace(), cpu_as_device=True) as hooks:
+            yield hooks.trace
     finally:
-        _TRACE, _CPU_AS_DEVICE = saved
         _offloaders.clear()
 
 
@@ -168,7 +117,6 @@ class _Streams:
         self.device = device
         # A device module without streams (MPS) copies on its one queue, in order, unpinned.
         self.accel = device.type != "cpu" and hasattr(torch.get_device_module(device.type), "Stream")
-        self._ids = itertools.count()
         if self.accel:  # pragma: no cover (needs an accelerator)
             self.mod = torch.get_device_module(device.type)
             self.side = self.mod.Stream(device)
@@ -185,24 +133,24 @@ class _Streams:
         return self.side if name == "side" else self.mod.current_stream(self.device)
 
     def record(self, stream: str):
-        event = self._stream(stream).record_event() if self.accel else next(self._ids)
-        if _TRACE is not None:
-            _TRACE.log.append(("record", stream, event))
+        event = self._stream(stream).record_event() if self.accel else object()  # unique in a shared trace
+        if HOOKS.trace is not None:
+            HOOKS.trace.log.append(("record", stream, event))
         return event
 
     def wait(self, stream: str, event) -> None:
         if self.accel:  # pragma: no cover (needs an accelerator)
             self._stream(stream).wait_event(event)
-        if _TRACE is not None:
-            _TRACE.log.append(("wait", stream, event))
+        if HOOKS.trace is not None:
+            HOOKS.trace.log.append(("wait", stream, event))
 
     def after(self, waiter: str, recorder: str) -> None:
         self.wait(waiter, self.record(recorder))
 
     @staticmethod
     def note(kind: str, buffer: str, stream: str) -> None:
-        if _TRACE is not None:
-            _TRACE.log.append((kind, buffer, stream))
+        if HOOKS.trace is not None:
+            HOOKS.trace.log.append((kind, buffer, stream))
 
 
 class _Fetch:
@@ -446,7 +394,7 @@ def _accelerator() -> str | None:
 
 def offloadable(t: torch.Tensor, min_bytes: int) -> bool:
     """Rules 1-3 of [Note: Host offload] (rule 4 needs the module: `_HostHooks`)."""
-    on_device = t.device.type == _accelerator() or (_CPU_AS_DEVICE and t.device.type == "cpu")
+    on_device = t.device.type == _accelerator() or (HOOKS.cpu_as_device and t.device.type == "cpu")
     if not on_device or type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided:
         return False
     if t.is_conj() or t.is_neg() or parameter_or_view(t):
@@ -618,8 +566,8 @@ class _HostOffload:
             self.release_source(entry)
 
 
-_offloaders: dict[torch.device, _HostOffload] = {}
-_names = itertools.count()  # of entries, for the trace
+_offloaders: dict[torch.device, _HostOffload] = {}  # process-wide: one side stream per device for every block
+_names = itertools.count()  # process-wide: entries' names are unique in a trace
 
 
 def _offloader(device: torch.device) -> _HostOffload:

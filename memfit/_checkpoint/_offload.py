@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, Kept, SavedVersion, parameter_or_view, recast
+from memfit._instrument import HOOKS
 
 # [Note: Offload of saved tensors]
 # Offload applies saved-tensor hooks to the tensors a block keeps for backward: the inputs of
@@ -184,7 +185,10 @@ class _DiskStore:
             return handle
         path = os.path.join(self._directory(), f"{next(self.names)}.bin")
         try:
-            _write(path, t)
+            if HOOKS.offload_write is not None:  # tests: fault injection
+                HOOKS.offload_write(path, t, _write)
+            else:
+                _write(path, t)
         except OSError as e:
             _remove(path)
             raise OSError(

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit._plan._time import CostRecorder, DeviceProfile, op_cost
+from memfit._plan._time import PROFILES, CostRecorder, DeviceProfile, default_profile, op_cost
 
 
 class _AttentionCalls(TorchDispatchMode):
@@ -298,4 +298,32 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
         return 2 * len(data) / _best_seconds(write_read, repeats=3)
 
 
-__all__ = ["calibrate"]
+# [Note: The default device profile]
+# A plan's times are priced on the profile named by ``device_profile``; without one, on the
+# named profile of the device the model is on (an accelerator by its name, a CPU or the meta
+# device: "cpu"). A cached `memfit calibrate` is used only when asked for ("calibrated"): a
+# calibration made once on a loaded machine must not change later plans behind the user's
+# back (one made under load priced a 0.5 s step at 16.9 s), and the same call must give the
+# same plan on every machine. Plan.table() and `memfit plan` say which profile priced the step.
+def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "cpu") -> DeviceProfile:
+    """The profile ``spec`` names: a DeviceProfile as is, a name from PROFILES, "calibrated"
+    (this machine's cached calibration, measured now if there is none), or None: the named
+    profile of ``device_type`` (:func:`default_profile`), never the cache."""
+    if isinstance(spec, DeviceProfile):
+        return spec
+    if spec is None:
+        return default_profile(device_type)
+    if spec == "calibrated":
+        cached = cache_path(torch.device(device_type).type)
+        if cached.exists():
+            return DeviceProfile(**json.loads(cached.read_text()))
+        return calibrate(device_type)
+    if spec not in PROFILES:
+        raise ValueError(
+            f"memfit.plan: unknown device profile {spec!r}; choose one of {sorted(PROFILES)}, 'calibrated' "
+            "(this machine, measured once by `memfit calibrate`) or a memfit DeviceProfile"
+        )
+    return PROFILES[spec]
+
+
+__all__ = ["calibrate", "device_profile"]

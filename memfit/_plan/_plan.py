@@ -10,8 +10,9 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-import memfit
+from memfit._checkpoint import Decision, Offload, remove_checkpointing
 from memfit._plan._budget import format_bytes, parse_bytes
+from memfit._plan._calibrate import device_profile as _device_profile
 from memfit._plan._head import chunk_head, unchunk_head
 from memfit._plan._profile import (
     DECISIONS,
@@ -24,7 +25,7 @@ from memfit._plan._profile import (
 )
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload
 from memfit._plan._time import DeviceProfile
-from memfit._plan._time import device_profile as _device_profile
+from memfit.memory import MemoryMeter
 
 _TERMS = {
     "state": "parameters and optimizer state (sharded: 1/shards each), buffers (whole on every rank)",
@@ -55,7 +56,7 @@ class Plan:
     profile: ModelProfile
     sharding: Sharding | None
     rule: str = "linear"
-    offload: memfit.Offload | None = None
+    offload: Offload | None = None
     solve_seconds: float = 0.0
     head: str = "plain"  # the LM head and loss: "plain" or "chunked" (see [Note: The head as a decision])
     forecast: dict[str, float] = field(default_factory=dict)
@@ -103,13 +104,13 @@ class Plan:
         """Undo :meth:`apply`: every block plain again and the head whole (``model(**batch)``
         returns logits again, for evaluation or ``generate()``)."""
         for path in self.decisions:
-            memfit.remove_checkpointing(model.get_submodule(path))
+            remove_checkpointing(model.get_submodule(path))
         unchunk_head(model)
         return model
 
-    def decision(self, kind: str) -> memfit.Decision:
+    def decision(self, kind: str) -> Decision:
         """The :class:`memfit.Decision` this plan means by ``kind`` (its rule and offload)."""
-        return memfit.Decision.parse(kind, save=self.rule, offload=self.offload)
+        return Decision.parse(kind, save=self.rule, offload=self.offload)
 
     def table(self) -> str:
         """Per block (runs of 3 or more identical rows as one): decision, bytes kept and saved
@@ -236,17 +237,17 @@ class Plan:
         model.train()
         opt = _make_optimizer(optimizer, model)
         for _ in range(steps):
-            with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
+            with MemoryMeter(model=model, optimizer=opt) as meter:
                 step_loss(model, example_inputs, loss_fn).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         return meter.peak_bytes
 
-    def compare(self, measured_peak: int | memfit.MemoryMeter) -> str:
+    def compare(self, measured_peak: int | MemoryMeter) -> str:
         """Predicted against measured peak (bytes, or a MemoryMeter around a step). The forecast
         is of a step whose optimizer state exists already: measure the second step or a later
         one (the first step's peak comes before AdamW's state is created)."""
-        measured = measured_peak.peak_bytes if isinstance(measured_peak, memfit.MemoryMeter) else measured_peak
+        measured = measured_peak.peak_bytes if isinstance(measured_peak, MemoryMeter) else measured_peak
         ratio = self.predicted_peak / measured
         text = (
             f"predicted peak {format_bytes(self.predicted_peak)}, measured {format_bytes(measured)} "
@@ -280,7 +281,7 @@ def plan(
     decisions: tuple[str, ...] = DECISIONS,
     profile: ModelProfile | None = None,
     device_profile: str | DeviceProfile | None = None,
-    offload: str | memfit.Offload | None = None,
+    offload: str | Offload | None = None,
     chunk_head: bool | None = None,
 ) -> Plan:
     """Profile ``model``'s blocks on ``example_inputs`` and choose, per block, keep / selective
@@ -342,7 +343,7 @@ def plan(
         decisions={b.path: d for b, d in zip(profile.blocks, chosen)},
         profile=profile,
         sharding=shard,
-        offload=memfit.Offload(offload) if isinstance(offload, str) else offload,
+        offload=Offload(offload) if isinstance(offload, str) else offload,
         solve_seconds=time.perf_counter() - t0,
         head=head,
     )

@@ -12,11 +12,12 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
-import memfit
+from memfit._checkpoint import Decision, Offload, remove_checkpointing
 from memfit._checkpoint._decision import KINDS as DECISIONS
+from memfit._plan._calibrate import device_profile
 from memfit._plan._head import LMHead, find_head, unchunk_head
 from memfit._plan._head import chunk_head as chunk_forward
-from memfit._plan._time import CostRecorder, DeviceProfile, OpCost, device_profile
+from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
 from memfit.memory import MemoryMeter
 
 # [Note: The planner's memory model]
@@ -173,7 +174,7 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
     for decision in measured:
         if decision == "offload":
             continue
-        memfit.Decision.parse(decision, save=rule).apply(block)
+        Decision.parse(decision, save=rule).apply(block)
         a, k = _fresh(args, kwargs)
         recorder = CostRecorder()
         with _Meter(model=block) as meter:
@@ -195,7 +196,7 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
         prof.peak[decision] = max(0, meter.peak_bytes - prof.param_bytes - prof.output_bytes)
         block.zero_grad(set_to_none=True)
         del out, outs
-    memfit.remove_checkpointing(block)
+    remove_checkpointing(block)
     if "offload" in measured:  # full checkpointing with the input elsewhere until backward
         prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
         prof.peak["offload"] = prof.peak["full"]
@@ -256,7 +257,7 @@ def profile_model(
     loss_fn: Callable | None = None,
     optimizer: str = "adamw",
     rule: str = "linear",
-    offload: memfit.Offload | None = None,
+    offload: Offload | None = None,
     decisions: tuple[str, ...] = DECISIONS,
     device: DeviceProfile | None = None,
     chunk_head: bool = True,

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
-import json
 import math
 from dataclasses import dataclass
 
@@ -213,11 +212,14 @@ def _sdpa_cpu_backward(grad_out, query, key, value, *args, out_val=None, **kwarg
 
 
 # torch counts the CUDA attention kernels; the CPU one has the same arithmetic.
-_EXTRA_FLOPS = {}
-if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu"):
-    _EXTRA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu] = _sdpa_cpu
-if hasattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward"):
-    _EXTRA_FLOPS[aten._scaled_dot_product_flash_attention_for_cpu_backward] = _sdpa_cpu_backward
+_EXTRA_FLOPS = {
+    getattr(aten, name): count
+    for name, count in (
+        ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu),
+        ("_scaled_dot_product_flash_attention_for_cpu_backward", _sdpa_cpu_backward),
+    )
+    if hasattr(aten, name)
+}
 
 
 def _nbytes(items) -> tuple[int, torch.dtype | None]:
@@ -309,34 +311,4 @@ def default_profile(device: str | torch.device = "cpu") -> DeviceProfile:
     )
 
 
-# [Note: The default device profile]
-# A plan's times are priced on the profile named by ``device_profile``; without one, on the
-# named profile of the device the model is on (an accelerator by its name, a CPU or the meta
-# device: "cpu"). A cached `memfit calibrate` is used only when asked for ("calibrated"): a
-# calibration made once on a loaded machine must not change later plans behind the user's
-# back (one made under load priced a 0.5 s step at 16.9 s), and the same call must give the
-# same plan on every machine. Plan.table() and `memfit plan` say which profile priced the step.
-def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "cpu") -> DeviceProfile:
-    """The profile ``spec`` names: a DeviceProfile as is, a name from PROFILES, "calibrated"
-    (this machine's cached calibration, measured now if there is none), or None: the named
-    profile of ``device_type`` (:func:`default_profile`), never the cache."""
-    if isinstance(spec, DeviceProfile):
-        return spec
-    if spec is None:
-        return default_profile(device_type)
-    if spec == "calibrated":
-        from memfit._plan._calibrate import cache_path, calibrate
-
-        cached = cache_path(torch.device(device_type).type)
-        if cached.exists():
-            return DeviceProfile(**json.loads(cached.read_text()))
-        return calibrate(device_type)
-    if spec not in PROFILES:
-        raise ValueError(
-            f"memfit.plan: unknown device profile {spec!r}; choose one of {sorted(PROFILES)}, 'calibrated' "
-            "(this machine, measured once by `memfit calibrate`) or a memfit DeviceProfile"
-        )
-    return PROFILES[spec]
-
-
-__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "default_profile", "device_profile"]
+__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "default_profile"]

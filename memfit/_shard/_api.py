@@ -148,7 +148,7 @@ class FullyShardedDataParallel(ShardedModule):
         """Nothing to do: ``__new__`` returned the model, already sharded."""
 
 
-_CLASSES: dict[tuple[type, type], type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}  # process-wide: one mixin class per user class, reused
 
 
 def _device_for(module: nn.Module, target: torch.device, device: torch.device | str | None) -> torch.device:

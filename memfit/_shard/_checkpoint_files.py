@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from memfit._instrument import HOOKS
 from memfit._shard import _atomic
 from memfit._shard._device import device_of_units, moved
 from memfit._shard._param import ShardedParam
@@ -51,7 +52,6 @@ __all__ = ["load_checkpoint", "save_checkpoint"]
 
 _JSON = "memfit.json"
 _VERSION = 2  # 2: memfit.json holds a CRC-32 per stored chunk; 1 (no checksums) still loads
-_CHECKSUMS = True  # off only to measure what the checksums cost (benchmarks/checkpoint_checksums.py)
 _CORRUPT = "is corrupt or not a memfit checkpoint"
 
 
@@ -182,7 +182,7 @@ def save_checkpoint(
     try:
         meta = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
         _atomic.step("save:written")
-        checksums = _checksums(tmp, meta, group) if _CHECKSUMS else None
+        checksums = _checksums(tmp, meta, group) if HOOKS.checksums else None
         _atomic.step("save:checksummed")
     except BaseException as e:  # CheckpointException is a BaseException; every rank gets it
         if rank == 0:

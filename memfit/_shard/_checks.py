@@ -4,11 +4,11 @@ ranks that diverged, and parameters no rank produced a gradient for.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
 
 import torch
 
+from memfit._instrument import HOOKS
 from memfit._shard._device import host_read
 
 if TYPE_CHECKING:
@@ -34,15 +34,13 @@ if TYPE_CHECKING:
 # The index in every slot is what turns "silently wrong" into an error; a hang still ends with
 # the timeout error of memfit's collectives, which names the unit and the rank.
 
-DEBUG_COLLECTIVES = os.environ.get("MEMFIT_DEBUG_COLLECTIVES", "0") not in ("", "0")
-
 
 class StepChecks:
     """The device-side values a step checks on the host, and the one transfer that reads them."""
 
     def __init__(self, rank: int, eager: bool = False) -> None:
         self.rank = rank
-        self.debug = DEBUG_COLLECTIVES or eager  # settle at once: debugging, or no step to wait for
+        self.debug = HOOKS.debug_collectives or eager  # settle at once: debugging, or no step to wait for
         self._gathers: list[tuple[Unit, torch.Tensor]] = []  # (unit, the W gathered indices)
         self._reduces: list[tuple[Unit, list[ShardedParam], torch.Tensor, bool]] = []  # flags + check sums
         self._fresh: dict[ShardedParam, torch.Tensor] = {}  # gradients this step created: None if unused

@@ -59,7 +59,7 @@ class CommStats(LinkStats):
             setattr(stats, kind + "_bytes", getattr(stats, kind + "_bytes") + nbytes)
 
 
-STATS = CommStats()
+STATS = CommStats()  # process-wide: counts every collective of the process, over all roots
 # A group's global ranks, cached weakly: a group held here would outlive destroy_process_group
 # (see [Note: Ending a process group] in memfit/cli/_launch.py).
 _RANKS: weakref.WeakKeyDictionary[dist.ProcessGroup, tuple[int, ...]] = weakref.WeakKeyDictionary()
@@ -132,7 +132,7 @@ class _AddAfter:
         return True
 
 
-_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()
+_GLOO: weakref.WeakKeyDictionary[dist.ProcessGroup, bool] = weakref.WeakKeyDictionary()  # per group, weakly
 
 
 def _is_gloo(group) -> bool:

@@ -37,8 +37,7 @@ from memfit._shard._mixed import MixedPrecision
 #     always communicates one flat buffer per unit.
 
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
-_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True}
-_RESHARD["_HYBRID_SHARD_ZERO2"] = False
+_RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True, _HYBRID[1]: False}
 
 
 def strategy_of(sharding_strategy, reshard_after_forward: bool | int | None) -> tuple[bool | int, bool]:

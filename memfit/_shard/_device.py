@@ -55,7 +55,7 @@ class Audit:
         self.to_host.clear()
 
 
-AUDIT = Audit()
+AUDIT = Audit()  # process-wide: counts every crossing of the process (recording only inside audit())
 # Events after copies to the host not waited for yet: one per copy (copies of several sharded
 # roots may run on different streams, so the last event alone need not cover them all).
 _pending_host_copies: list = []

@@ -375,7 +375,7 @@ def _finish_hook(state: _runtime.RootState) -> Callable[[torch.Tensor], None]:
 
 # -- optimizer built before sharding ---------------------------------------------------------
 
-_optimizer_hook = None
+_optimizer_hook = None  # process-wide: torch's optimizer step hooks are global, installed once
 
 
 def ensure_optimizer_check() -> None:

@@ -12,6 +12,7 @@ from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit._checkpoint import is_recomputing
+from memfit._instrument import HOOKS
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
@@ -191,6 +192,9 @@ class RootState:
             unit.reshard()
         self.finish_pending_reduce()
         self.streams.after("compute", "reduce")  # the gradient shards are written
+        for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next
+            self.streams.note("use", f"{unit.name}:grad-shards", "compute")  # (the optimizer)
+            self.streams.note("use", f"{unit.name}:reduce-out", "compute")  # (the step's checks)
         for unit in self.units:
             unit.training_state = TrainingState.IDLE
             unit.pending_backward = 0

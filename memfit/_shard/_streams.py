@@ -1,6 +1,6 @@
 """The streams a sharded model's units run their copies and collectives on, and the events
-between them. On CUDA they are real streams; on the CPU every call is a no-op, and a
-`StreamTrace` (tests) records the calls so the ordering rules can be checked without a GPU.
+between them. On CUDA they are real streams; on the CPU every call is a no-op, and the trace of
+memfit._instrument (tests) records the calls so the ordering rules can be checked without a GPU.
 
 The CUDA path is written for GPUs but cannot run on the CPU-only machine this package is
 tested on: the CPU tests check the same sequence of waits and records through the trace.
@@ -9,10 +9,11 @@ tested on: the CPU tests check the same sequence of waits and records through th
 from __future__ import annotations
 
 import contextlib
-import itertools
 from collections.abc import Iterator
 
 import torch
+
+from memfit._instrument import HOOKS
 
 # [Note: Streams and buffer lifetimes]
 # Three streams, as in FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py):
@@ -21,9 +22,13 @@ import torch
 #   for compute first (the optimizer step wrote the shards), so a prefetch overlaps the
 #   compute of the unit before it. Compute waits for the all-gather's event before it copies
 #   the gathered buffer out into the full parameters.
-# - "reduce": the copy-in of full gradients, the reduce-scatter and the division. It waits for
-#   compute first (the gradients are ready); compute waits for its event only at the end of
-#   backward, so reduce-scatters overlap the next units' backward.
+# - "reduce": the copy-in of full gradients, the reduce-scatter, the division, and the addition
+#   into gradient shards that exist already (FSDP2's post-reduce stream does the same). It waits
+#   for compute first (the gradients are ready, the old gradient shards written); compute waits
+#   for its post-reduce event at the end of backward, so reduce-scatters overlap the next units'
+#   backward, and at once only where it reads the reduce output itself (debug checks).
+# Traced buffers (memfit.testing.trace_streams): each unit's gather output, full gradients,
+# reduce output and gradient shards; host offload traces its copies the same way.
 # A buffer allocated on one stream and used on another must not be freed (the caching
 # allocator would hand its memory to the allocating stream at once) before the allocating
 # stream has waited for an event recorded after the use. So the all-gather output is kept
@@ -32,76 +37,12 @@ import torch
 # recorded after the reduce stream copied them in. No `record_stream`, no host waits. One
 # all-gather output is held at a time per root, as in FSDP2. On the CPU nothing is held.
 
-STREAMS = ("compute", "gather", "reduce")
-
-
-class StreamTrace:
-    """What a `Streams` did, in order, as tuples; for tests of the ordering rules.
-
-    ("alloc", buffer, stream) / ("use", buffer, stream) / ("free", buffer, stream),
-    ("record", stream, event) and ("wait", stream, event).
-    """
-
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
-
-    def violations(self) -> list[str]:
-        """Uses and frees that break [Note: Streams and buffer lifetimes]."""
-        recorded: dict[int, tuple[str, int]] = {}  # event -> (stream, position)
-        waited: dict[str, list[tuple[int, int]]] = {s: [] for s in STREAMS}  # stream -> (event, position)
-        touched: dict[object, list[tuple[str, int]]] = {}  # buffer -> (stream, position) of alloc and uses
-        alloc: dict[object, str] = {}
-        bad = []
-
-        def ordered(src: str, after: int, dst: str, before: int) -> bool:
-            """Whether ``dst`` waited, before position ``before``, an event ``src`` recorded after ``after``."""
-            return any(recorded[e][0] == src and recorded[e][1] > after and pos < before for e, pos in waited[dst])
-
-        for i, entry in enumerate(self.log):
-            kind = entry[0]
-            if kind == "record":
-                recorded[entry[2]] = (entry[1], i)
-            elif kind == "wait":
-                waited[entry[1]].append((entry[2], i))
-            elif kind == "alloc":
-                alloc[entry[1]] = entry[2]
-                touched[entry[1]] = [(entry[2], i)]
-            elif kind == "use":
-                buf, stream = entry[1], entry[2]
-                for src, pos in touched.get(buf, []):
-                    if src != stream and not ordered(src, pos, stream, i):
-                        bad.append(f"{buf} used on {stream} at {i} without waiting for {src} (step {pos})")
-                touched.setdefault(buf, []).append((stream, i))
-            elif kind == "free":
-                buf = entry[1]
-                owner = alloc.get(buf, entry[2])
-                for src, pos in touched.get(buf, []):
-                    if src != owner and not ordered(src, pos, owner, i):
-                        bad.append(f"{buf} freed at {i} before {owner} waited for its use on {src} (step {pos})")
-                touched.pop(buf, None)
-        return bad
-
-
-_TRACE: StreamTrace | None = None  # set by tests: every Streams records into it
-
-
-@contextlib.contextmanager
-def tracing() -> Iterator[StreamTrace]:
-    """Record every `Streams` call made inside this context into the yielded trace."""
-    global _TRACE  # noqa: PLW0603 (a test switch)
-    saved, _TRACE = _TRACE, StreamTrace()
-    try:
-        yield _TRACE
-    finally:
-        _TRACE = saved
-
 
 class Streams:
     """The compute, gather and reduce streams of one root (CUDA), or no-ops (CPU)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self._events = itertools.count()
         if self.cuda:  # pragma: no cover (needs a GPU)
             compute = torch.cuda.current_stream(device)
             high = torch.cuda.Stream.priority_range()[1]  # collectives first, as FSDP2 does
@@ -121,14 +62,14 @@ class Streams:
             yield
 
     def record(self, stream: str):
-        """An event marking the work queued on ``stream`` so far (an int id on the CPU)."""
+        """An event marking the work queued on ``stream`` so far (a unique stand-in on the CPU)."""
         if self.cuda:  # pragma: no cover (needs a GPU)
             event = torch.cuda.Event()
             event.record(self._streams[stream])
         else:
-            event = next(self._events)
-        if _TRACE is not None:
-            _TRACE.log.append(("record", stream, event))
+            event = object()  # a stand-in: unique, as a CUDA event is (one trace holds every root's)
+        if HOOKS.trace is not None:
+            HOOKS.trace.log.append(("record", stream, event))
         return event
 
     def wait(self, stream: str, event) -> None:
@@ -137,8 +78,8 @@ class Streams:
             return
         if self.cuda:  # pragma: no cover (needs a GPU)
             self._streams[stream].wait_event(event)
-        if _TRACE is not None:
-            _TRACE.log.append(("wait", stream, event))
+        if HOOKS.trace is not None:
+            HOOKS.trace.log.append(("wait", stream, event))
 
     def after(self, waiter: str, recorder: str) -> None:
         """``waiter`` waits for everything queued on ``recorder`` so far."""
@@ -148,9 +89,9 @@ class Streams:
     def holds(self) -> bool:
         """Whether buffers used across streams must be held until an event: on CUDA (and when
         traced, to check the order). On the CPU every op has finished when it returns."""
-        return self.cuda or _TRACE is not None
+        return self.cuda or HOOKS.trace is not None
 
     def note(self, kind: str, buffer: str, stream: str) -> None:
         """Trace only: ``buffer`` was allocated, used or freed (``kind``) on ``stream``."""
-        if _TRACE is not None:
-            _TRACE.log.append((kind, buffer, stream))
+        if HOOKS.trace is not None:
+            HOOKS.trace.log.append((kind, buffer, stream))

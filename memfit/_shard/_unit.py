@@ -16,7 +16,7 @@ from torch import nn
 
 from memfit._shard import _collectives as comm
 from memfit._shard._checks import StepChecks
-from memfit._shard._device import copy_in, land, wait_host_copies
+from memfit._shard._device import copy_in, land, same_device, wait_host_copies
 from memfit._shard._layout import Layout, post_forward_group
 from memfit._shard._mixed import gradient_divide_factors
 from memfit._shard._param import ShardedParam
@@ -273,7 +273,8 @@ class Unit:
         grads = [p.full.grad for p in trainable]
         have = tuple(g is not None for g in grads)
         streams = self._streams()
-        streams.after("reduce", "compute")  # the gradients are ready
+        streams.note("alloc", f"{self.name}:full-grads", "compute")  # autograd wrote them on compute
+        streams.after("reduce", "compute")  # the gradients are ready (and the shards' old gradients)
         with streams.on("reduce"):
             send = torch.empty(self.world, layout.slot, dtype=layout.dtype, device=layout.device)
             if not all(have):
@@ -285,6 +286,7 @@ class Unit:
             streams.note("use", f"{self.name}:full-grads", "reduce")
             copied = streams.record("reduce")
             out = torch.empty(layout.slot, dtype=layout.dtype, device=layout.device)
+            streams.note("alloc", f"{self.name}:reduce-out", "reduce")
             work = comm.reduce_scatter(out, send.view(-1), self.group)
         for p in trainable:
             p.full.grad = None
@@ -387,9 +389,17 @@ class PendingReduce:
         self.unit, self.layout, self.work, self.inputs, self.out = unit, layout, work, inputs, out
 
     def finish(self) -> None:
-        """Wait; the gradient shards are views of the reduced buffer (added where they exist)."""
+        """Wait; the gradient shards are views of the reduced buffer (added where they exist).
+
+        Everything that reads the reduced buffer on the device runs on the reduce stream, as
+        FSDP2's post-reduce stream does: the division, the cast, and the addition into gradients
+        the shards already have (two backwards without ``no_sync``, ``zero_grad(set_to_none=
+        False)``, ``retain_graph``), which the reduce stream may touch because it waited for
+        compute before the reduce-scatter. Compute waits for the post-reduce event at the end of
+        backward, or at once when it reads the buffer here (debug checks)."""
         unit, layout, out = self.unit, self.layout, self.out
         streams = unit._streams()
+        name = f"{unit.name}:reduce-out"
         with streams.on("reduce"):
             comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
             replicate = unit.layout.replicate
@@ -397,7 +407,13 @@ class PendingReduce:
                 comm.wait(comm.all_reduce(out, replicate), f"all-reduce of sharded unit '{unit.name}'", replicate)
             out.div_(layout.post)
             out = land(out, layout.params[0].sharded, lambda: streams.record("reduce"))  # offloaded: to the host
-            streams.record("reduce")
+            streams.note("use", name, "reduce")
+            olds, news = self._shard_grads(out)
+            on_host = bool(olds) and not same_device(out.device, self.out.device)
+            if olds and not on_host:
+                streams.note("use", f"{unit.name}:grad-shards", "reduce")
+                torch._foreach_add_(olds, news)
+            done = streams.record("reduce")
         _send, grads, copied = self.inputs
         if not streams.holds:
             comm.free_now(_send)
@@ -405,9 +421,21 @@ class PendingReduce:
             streams.wait("compute", copied)  # the full gradients were read: compute may reuse them
             streams.note("free", f"{unit.name}:full-grads", "compute")
         self.inputs = None
-        olds, news = [], []
+        if on_host:
+            wait_host_copies()  # offloaded: the host adds what the device copied
+            torch._foreach_add_(olds, news)
         checks = unit._checks()
-        for p, off in zip(layout.params, layout.offsets):
+        if checks.debug:  # the check reads the buffer's tail now, on compute
+            streams.wait("compute", done)
+            streams.note("use", name, "compute")
+        checks.reduced(unit, layout.params, self.out[layout.flags :], layout.exact)
+
+    def _shard_grads(self, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Give each shard without a gradient its view of ``out``; (old gradients, their
+        views of ``out``) for the shards that have one."""
+        olds, news = [], []
+        checks = self.unit._checks()
+        for p, off in zip(self.layout.params, self.layout.offsets):
             g = out[off : off + p.local_numel].view(p.sharded.shape)
             if p.sharded.grad is None:
                 p.sharded.grad = g
@@ -415,10 +443,7 @@ class PendingReduce:
             else:
                 olds.append(p.sharded.grad)
                 news.append(g)
-        if olds:
-            wait_host_copies()  # offloaded: the host adds what the device copied
-            torch._foreach_add_(olds, news)
-        checks.reduced(unit, layout.params, self.out[layout.flags :], layout.exact)
+        return olds, news
 
 
 class ShardedModule:

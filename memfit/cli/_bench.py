@@ -64,7 +64,8 @@ class BenchConfig:
         if self.world_size < 1:
             raise ValueError("memfit bench: --world-size must be >= 1")
         # --device cuda without a GPU, or more ranks than GPUs, fails here
-        choose_device(self.device, env={"LOCAL_RANK": str(self.world_size - 1)}, where="memfit bench")
+        spawned = self.world_size if self.world_size > 1 else None
+        choose_device(self.device, env={"LOCAL_RANK": str(self.world_size - 1)}, spawned=spawned, where="memfit bench")
         if self.warmup < 1 or self.repeats < 1:
             raise ValueError("memfit bench: --warmup and --repeats must be >= 1")
         if self.budget is not None:

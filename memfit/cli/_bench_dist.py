@@ -41,7 +41,7 @@ def _wrap(strategy: str, model: torch.nn.Module, layer: type, device: torch.devi
 
 
 def _worker(rank: int, world: int, preset: Preset, strategies: tuple[str, ...], warmup: int, repeats: int, device: str):
-    dev = choose_device(device, env={"LOCAL_RANK": str(rank)}).device  # as spawn placed this rank
+    dev = choose_device(device, env={"LOCAL_RANK": str(rank)}, spawned=world).device  # as spawn placed this rank
     base = preset.build().to(dev)
     base.train()
     batch = {k: v.to(dev) for k, v in batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=rank).items()}

@@ -43,6 +43,7 @@ def choose_device(
     *,
     env: Mapping[str, str] | None = None,
     cuda_devices: int | None = None,
+    spawned: int | None = None,
     where: str = "memfit",
 ) -> Placement:
     """The device and backend for ``--device requested`` ("auto", "cpu" or "cuda"): CUDA on
@@ -51,7 +52,9 @@ def choose_device(
     a GPU.
 
     ``env`` (default ``os.environ``) and ``cuda_devices`` (default: how many GPUs torch sees)
-    can be given, for tests. Raises ValueError naming ``--device`` when it cannot be met.
+    can be given, for tests. ``spawned``: how many ranks memfit starts on this machine itself
+    (:func:`spawn`), each of which needs a GPU of its own. Raises ValueError naming ``--device``
+    when it cannot be met.
     """
     env = os.environ if env is None else env
     if requested not in DEVICES:
@@ -65,6 +68,12 @@ def choose_device(
         raise ValueError(
             f"{where}: --device cuda, but this torch ({torch.__version__}) sees no CUDA device; "
             "pass --device cpu (or --device auto, which falls back to the CPU)"
+        )
+    if spawned is not None and spawned > cuda_devices:  # NCCL: "Duplicate GPU detected"
+        raise ValueError(
+            f"{where}: --device {requested}: {spawned} ranks on this machine but torch sees {cuda_devices} CUDA "
+            f"device(s), and each rank needs a GPU of its own (NCCL refuses two ranks on one GPU); start at most "
+            f"{cuda_devices} rank(s) (--world-size {cuda_devices}), or pass --device cpu"
         )
     if cuda_devices == 1:  # one visible GPU per process (a scheduler set CUDA_VISIBLE_DEVICES per task)
         return Placement(torch.device("cuda", 0), "nccl", local_rank)
@@ -139,7 +148,7 @@ def spawn(fn: Callable, world_size: int, *args, device: str = "cpu", where: str 
 
     ``fn`` must be importable (a module-level function); what it returns must pickle.
     """
-    choose_device(device, env={"LOCAL_RANK": str(world_size - 1)}, where=where)
+    choose_device(device, env={"LOCAL_RANK": str(world_size - 1)}, spawned=world_size, where=where)
     queue = mp.get_context("spawn").SimpleQueue()
     mp.start_processes(
         _rank, args=(fn, world_size, free_port(), args, queue, device), nprocs=world_size, start_method="spawn"
@@ -149,7 +158,7 @@ def spawn(fn: Callable, world_size: int, *args, device: str = "cpu", where: str 
 
 def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queue, device: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 2) // world_size))
-    placement = choose_device(device, env={"LOCAL_RANK": str(rank)})
+    placement = choose_device(device, env={"LOCAL_RANK": str(rank)}, spawned=world_size)
     _join(placement, init_method=f"tcp://{HOST}:{port}", rank=rank, world_size=world_size)
     try:
         out = fn(rank, world_size, *args)

@@ -84,7 +84,7 @@ def _device_profile(name: str | None) -> tuple[memfit.DeviceProfile, str]:
     """The profile ``--device-profile`` names, or the default: the named profile of this
     machine's accelerator, or "cpu" (never a cached calibration: see [Note: The default device
     profile]); with the reason, for the header."""
-    from memfit._plan._time import device_profile
+    from memfit._plan._calibrate import device_profile
 
     if name is not None:
         profile = device_profile(name)

@@ -13,7 +13,7 @@ from torch import nn
 
 import memfit
 import memfit.testing
-from memfit.testing import HostSyncCounter, OpCounter, StreamTrace, trace_streams
+from memfit.testing import HostSyncCounter, OpCounter, Trace, trace_streams
 from tests._dist import Subtests, case_id
 
 
@@ -203,7 +203,7 @@ def test_hot_path(world, case):
 
 
 def test_trace_catches_a_buffer_freed_before_its_consumer():
-    trace = StreamTrace()
+    trace = Trace()
     trace.log = [
         ("alloc", "out", "gather"),
         ("record", "gather", 0),

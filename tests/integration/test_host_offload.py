@@ -263,7 +263,7 @@ def test_forward_releases_the_inputs_of_blocks_before_the_previous_one(harness):
 
 
 def test_trace_checker_catches_early_free_and_unordered_use():
-    trace = memfit.testing.OffloadTrace()
+    trace = memfit.testing.Trace()
     trace.log = [("alloc", "b", "compute"), ("use", "b", "side"), ("free", "b", "compute"), ("use", "b", "compute")]
     # used on side without a wait; freed before compute waited; used after it was freed
     assert len(trace.violations()) == 3

@@ -64,3 +64,30 @@ def test_bad_local_rank_is_named(requested, raw):
     # not int()'s bare "invalid literal", nor torch's "Device index must not be negative"
     with pytest.raises(ValueError, match=rf"memfit train: LOCAL_RANK={raw!r} is not a rank"):
         choose_device(requested, env={"LOCAL_RANK": raw}, cuda_devices=2, where="memfit train")
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+
+
+@pytest.mark.parametrize("requested", ["cuda", "auto"])
+def test_spawning_more_ranks_than_gpus_is_refused_before_any_starts(one_gpu, requested, monkeypatch):
+    """With one visible GPU every spawned rank would take cuda:0 and NCCL would fail ("Duplicate
+    GPU detected"): spawn and `memfit bench --world-size 2` refuse at once, naming the count."""
+    import torch.multiprocessing as mp
+
+    from memfit.testing import spawn
+
+    def started(*args, **kwargs):
+        raise AssertionError("a rank was started")
+
+    monkeypatch.setattr(mp, "start_processes", started)
+    want = rf"--device {requested}: 2 ranks on this machine but torch sees 1 CUDA device\(s\).*--device cpu"
+    with pytest.raises(ValueError, match=want):
+        spawn(print, 2, device=requested)
+    with pytest.raises(ValueError, match="memfit bench: " + want):
+        BenchConfig(world_size=2, device=requested)
+    assert choose_device(requested, env={}, spawned=1).device == torch.device("cuda", 0)
+    assert choose_device("cpu", env={}, spawned=2).device == torch.device("cpu")

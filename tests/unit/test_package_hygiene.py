@@ -1,0 +1,242 @@
+"""Static checks of the package's structure, by reading its source (AST), no imports:
+
+- no import cycles between memfit's modules, counting imports inside functions (a lazy
+  import hides a cycle from the interpreter, not from a reader);
+- module-level mutable state only where it must be process-wide, listed here, each with a
+  comment on its line (or the line above) saying why;
+- no module assigns another module's globals (tests switch instrumentation through
+  memfit._instrument.HOOKS; See [Note: Instrumentation switches]).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import memfit
+
+ROOT = pathlib.Path(memfit.__file__).parent
+
+# Process-wide state, and why it must be (the comment on its line says the same).
+ALLOWED = {
+    "memfit._instrument.HOOKS": "autograd's threads read the switches: a ContextVar would not reach them",
+    "memfit._shard._collectives.STATS": "counters of every collective of the process",
+    "memfit._shard._collectives._RANKS": "a weak cache of each process group's ranks",
+    "memfit._shard._collectives._GLOO": "a weak cache of whether each process group is gloo",
+    "memfit._shard._device.AUDIT": "counters of host/device crossings of the process",
+    "memfit._shard._device._pending_host_copies": "copies of every root, waited for once per step",
+    "memfit._shard._runtime._IN_FLIGHT": "steps between forward and backward hold their root state",
+    "memfit._shard._init._optimizer_hook": "torch's optimizer hook is global: installed once",
+    "memfit._shard._api._CLASSES": "one mixin class per user class, as FSDP2 makes",
+    "memfit._checkpoint._host.STATS": "counters of every offloading block of the process",
+    "memfit._checkpoint._host._offloaders": "one side stream per device for every block",
+    "memfit._checkpoint._host._names": "names unique across the process's trace",
+    "memfit._checkpoint._function._anonymous_backward": "graph ids unique in the process",
+}
+
+MUTATORS = {
+    "append", "extend", "insert", "pop", "popitem", "clear", "update", "add", "discard", "remove",
+    "setdefault", "appendleft", "reset", "__setitem__", "__delitem__",
+}  # fmt: skip
+CONTAINERS = {"list", "dict", "set", "defaultdict", "OrderedDict", "deque", "Counter", "count"}
+CONTAINERS |= {"WeakKeyDictionary", "WeakValueDictionary", "WeakSet"}
+IMMUTABLE_CALLS = {"frozenset", "tuple", "TypeVar", "Path", "device", "dtype", "timedelta"}
+
+
+def modules() -> dict[str, tuple[pathlib.Path, ast.Module]]:
+    out = {}
+    for p in sorted(ROOT.rglob("*.py")):
+        parts = p.relative_to(ROOT.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = (p, ast.parse(p.read_text(), str(p)))
+    return out
+
+
+MODULES = modules()
+
+
+def runtime_imports(tree: ast.Module):
+    """Every import statement, at any depth, except under ``if TYPE_CHECKING:``."""
+    stack: list[ast.AST] = [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(node.orelse)
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            yield node
+        stack.extend(ast.iter_child_nodes(node))
+
+
+def imported(module: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """The memfit modules an import statement in ``module`` runs (a name imported from a
+    package that is not a submodule runs the package's __init__)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names if a.name in MODULES]
+    base = node.module or ""
+    if node.level:
+        package = module if MODULES[module][0].name == "__init__.py" else module.rpartition(".")[0]
+        for _ in range(node.level - 1):
+            package = package.rpartition(".")[0]
+        base = f"{package}.{base}" if base else package
+    if base not in MODULES:
+        return []
+    return [f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base for a in node.names]
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {
+        m: {t for node in runtime_imports(tree) for t in imported(m, node) if t != m}
+        for m, (_, tree) in MODULES.items()
+    }
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles():
+    graph = import_graph()
+    assert "memfit._plan._calibrate" in graph["memfit._plan._profile"]  # the scan sees imports
+    bad = cycles(graph)
+    assert bad == [], "import cycles (imports inside functions counted): " + "; ".join(
+        " -> ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c) for c in bad
+    )
+
+
+def test_the_cycle_scan_finds_a_lazy_import():
+    graph = {"a": {"b"}, "b": set(), "c": {"a"}}
+    assert cycles(graph) == []
+    graph["b"].add("c")  # as `import memfit` inside a function of memfit/_plan once was
+    assert cycles(graph) == [["a", "b", "c"]]
+
+
+def _called(value: ast.expr) -> str:
+    if isinstance(value, ast.Call):
+        f = value.func
+        return f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+    return ""
+
+
+def module_state() -> dict[str, int]:
+    """Module-level names holding mutable state: {module.name: line} (line 0: only a
+    ``global`` statement binds it). Containers count when something mutates them (in any
+    module); instances of classes and names rebound through ``global`` always count."""
+    mutated: set[tuple[str, str]] = set()  # (module or alias-resolved module, name)
+    for m, (_, tree) in MODULES.items():
+        aliases = {}  # local name -> memfit module
+        for node in runtime_imports(tree):
+            for a in node.names:
+                for t in imported(m, node) if isinstance(node, ast.ImportFrom) else []:
+                    if t.endswith("." + a.name):
+                        aliases[a.asname or a.name] = t
+        for node in ast.walk(tree):
+            targets: list[ast.expr] = []
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in MUTATORS:
+                targets = [node.func.value]
+            elif isinstance(node, (ast.Assign, ast.Delete)):
+                targets = [t.value for t in node.targets if isinstance(t, (ast.Subscript, ast.Attribute))]
+            elif isinstance(node, ast.AugAssign) and isinstance(node.target, (ast.Subscript, ast.Attribute)):
+                targets = [node.target.value]
+            elif isinstance(node, ast.Call) and getattr(node.func, "id", "") == "next" and node.args:
+                targets = [node.args[0]]
+            for t in targets:
+                if isinstance(t, ast.Name):
+                    mutated.add((m, t.id))
+                elif isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in aliases:
+                    mutated.add((aliases[t.value.id], t.attr))
+    state = {}
+    for m, (_, tree) in MODULES.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Global):
+                state.update({f"{m}.{name}": 0 for name in node.names})
+        for node in tree.body:
+            if isinstance(node, ast.Assign):
+                targets, value = node.targets, node.value
+            elif isinstance(node, ast.AnnAssign) and node.value is not None:
+                targets, value = [node.target], node.value
+            else:
+                continue
+            for t in targets:
+                if not isinstance(t, ast.Name) or t.id == "__all__":
+                    continue
+                if f"{m}.{t.id}" in state:  # rebound through `global`
+                    state[f"{m}.{t.id}"] = node.lineno
+                called = _called(value)
+                container = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp, ast.SetComp))
+                container |= called in CONTAINERS
+                instance = called[:1].isupper() and called not in IMMUTABLE_CALLS and not called.isupper()
+                if instance or (container and (m, t.id) in mutated):
+                    state[f"{m}.{t.id}"] = node.lineno
+    return state
+
+
+def test_module_level_mutable_state_only_where_listed_and_commented():
+    state = module_state()
+    assert set(state) == set(ALLOWED), (
+        f"new module-level mutable state: {sorted(set(state) - set(ALLOWED))} (keep state on objects, "
+        "switch instrumentation through memfit._instrument.HOOKS, or list it here with why); "
+        f"no longer found: {sorted(set(ALLOWED) - set(state))}"
+    )
+    uncommented = []
+    for name, line in state.items():
+        module, _, _ = name.rpartition(".")
+        text = MODULES[module][0].read_text().splitlines()
+        if line == 0 or ("#" not in text[line - 1] and not text[line - 2].lstrip().startswith("#")):
+            uncommented.append(name)
+    assert uncommented == [], (
+        f"module-level state without a comment on its line (or the line above) saying why: {uncommented}"
+    )
+
+
+def test_no_module_assigns_another_modules_globals():
+    bad = []
+    for m, (_, tree) in MODULES.items():
+        aliases = {}
+        for node in runtime_imports(tree):
+            if isinstance(node, ast.ImportFrom):
+                for a, t in zip(node.names, imported(m, node)):
+                    if t.endswith("." + a.name):
+                        aliases[a.asname or a.name] = t
+            else:
+                aliases.update({a.asname or a.name: a.name for a in node.names if a.name in MODULES})
+        for node in ast.walk(tree):
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign)
+                else []
+            )
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in aliases:
+                    bad.append(f"{m}:{node.lineno} assigns {aliases[t.value.id]}.{t.attr}")
+    assert bad == []

@@ -1,0 +1,107 @@
+"""The stream rules of sharding ([Note: Streams and buffer lifetimes]) checked in one process
+on the meta test device: the ranks are simulated, the streams are traced (every record, wait,
+and every use of a buffer written on one stream and read, added into or freed on another),
+and the trace's checker finds a use not ordered after the stream that wrote the buffer.
+
+Only a GPU shows that the recorded order is also the order the device runs (real CUDA
+streams and events, NCCL writing the reduce output while compute runs).
+"""
+
+import torch
+from torch import nn
+
+import memfit
+from memfit.testing import Trace, debug_collectives, meta_accelerator, trace_streams
+
+META = torch.device("meta")
+
+
+def sharded_net():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(META)
+    memfit.shard(model[0])
+    memfit.shard(model[2])
+    memfit.shard(model)
+    memfit.materialize(model)
+    return model
+
+
+def backward(model):
+    model(torch.randn(3, 4, device=META)).sum().backward()
+
+
+def test_gradients_accumulated_into_existing_shards_wait_for_the_reduce():
+    """Point 1 of the GPU-correctness issue: a second backward without no_sync (also
+    zero_grad(set_to_none=False), retain_graph) adds the reduced gradients into the shards'
+    existing ones; the add must run after the reduce-scatter and division that write them."""
+    with meta_accelerator(2), trace_streams() as trace:
+        model = sharded_net()
+        backward(model)
+        backward(model)  # the shards have gradients: this one adds into them
+        torch.optim.SGD(model.parameters(), lr=0.1).zero_grad(set_to_none=False)
+        backward(model)
+    assert trace.violations() == []
+    adds = [e for e in trace.log if e[0] == "use" and e[1].endswith(":grad-shards") and e[2] == "reduce"]
+    assert len(adds) == 2 * 3  # two accumulating backwards, three units: on the reduce stream, as FSDP2
+
+
+def test_debug_checks_read_the_reduce_output_after_the_reduce():
+    """Point 2: MEMFIT_DEBUG_COLLECTIVES=1 reads each reduce output's check values at once, on
+    compute: only after compute waited for the reduce stream's post-reduce event."""
+    with meta_accelerator(2), debug_collectives(), trace_streams() as trace:
+        model = sharded_net()
+        backward(model)
+        backward(model)
+    reads = [i for i, e in enumerate(trace.log) if e[0] == "use" and e[1].endswith(":reduce-out")]
+    assert any(trace.log[i][2] == "compute" for i in reads)
+    assert trace.violations() == []
+
+
+def test_the_checker_finds_an_unordered_read_of_the_reduce_output():
+    """The accumulation race as the old code traced it: compute waited only for the copy-in's
+    event, recorded before the reduce-scatter wrote the output."""
+    trace = Trace()
+    trace.log = [
+        ("alloc", "u:full-grads", "compute"),
+        ("record", "compute", 0),
+        ("wait", "reduce", 0),
+        ("use", "u:full-grads", "reduce"),
+        ("record", "reduce", 1),  # `copied`
+        ("alloc", "u:reduce-out", "reduce"),
+        ("use", "u:reduce-out", "reduce"),  # the reduce-scatter and division write it
+        ("record", "reduce", 2),  # the post-reduce event, dropped by the old code
+        ("wait", "compute", 1),
+        ("free", "u:full-grads", "compute"),
+        ("use", "u:reduce-out", "compute"),  # _foreach_add_ into the old gradients
+    ]
+    bad = trace.violations()
+    assert bad and all(b.startswith("u:reduce-out used on compute at 10") for b in bad)
+    trace.log.insert(-1, ("wait", "compute", 2))
+    assert trace.violations() == []
+
+
+def test_sharding_and_activation_offload_trace_into_one_log():
+    """One trace mechanism: a sharded model (a gloo group of one) whose blocks offload their
+    saved activations to the host records both kinds of buffers into one log, which one
+    checker checks; gradients accumulate over two backwards."""
+    import torch.distributed as dist
+
+    from memfit.testing import host_offload_on_cpu
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with trace_streams() as trace, host_offload_on_cpu() as same:
+            assert same is trace
+            torch.manual_seed(0)
+            model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3)])
+            blocks = list(model)
+            memfit.apply_activation_checkpointing(model, lambda m: m in blocks, save="all", offload="cpu")
+            for block in model:
+                memfit.shard(block)
+            memfit.shard(model)
+            for _ in range(2):
+                model(torch.randn(8, 64)).square().sum().backward()
+    finally:
+        dist.destroy_process_group()
+    names = {e[1] for e in trace.log if e[0] in ("alloc", "use", "free")}
+    assert any(n.startswith("host#") for n in names) and any(n.endswith(":reduce-out") for n in names)
+    assert trace.violations() == []
