@@ -79,7 +79,15 @@ class Trace:
 class Hooks:
     """The instrumentation switches (all off in training)."""
 
-    __slots__ = ("allocator", "checksums", "cpu_as_device", "debug_collectives", "offload_write", "trace")
+    __slots__ = (
+        "allocator",
+        "checksums",
+        "cpu_as_device",
+        "debug_collectives",
+        "offload_write",
+        "save_step",
+        "trace",
+    )
 
     def __init__(self) -> None:
         self.trace: Trace | None = None  # every stream record, wait and buffer note goes here
@@ -90,6 +98,8 @@ class Hooks:
         # disk offload writes through this (path, tensor, real_write) when set: fault injection
         self.offload_write: Callable | None = None
         self.allocator = None  # a stand-in for the accelerator's device module (MemoryMeter's peaks)
+        # called with the name of each step of a save or an export (tests kill the process there)
+        self.save_step: Callable[[str], None] | None = None
 
 
 HOOKS = Hooks()  # process-wide: see [Note: Instrumentation switches]

@@ -77,6 +77,7 @@ __all__ = [
     "placed_optimizer_state",
     "run_distributed",
     "run_steps",
+    "save_steps",
     "sharded_units",
     "smallest_budget",
     "solve",
@@ -153,6 +154,11 @@ def checkpoint_chunks(path: str) -> dict[str, tuple[str, int, int]]:
 def checkpoint_checksums(enabled: bool) -> contextlib.AbstractContextManager[Hooks]:
     """Turn the per-chunk checksums of save_checkpoint on or off (to measure what they cost)."""
     return switched(checksums=enabled)
+
+
+def save_steps(hook: Callable[[str], None] | None) -> contextlib.AbstractContextManager[Hooks]:
+    """Call ``hook(name)`` at each named step of a save or an export (tests kill the process there)."""
+    return switched(save_step=hook)
 
 
 _META_BACKEND = "memfit_meta"

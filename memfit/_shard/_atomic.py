@@ -11,6 +11,8 @@ import shutil
 import uuid
 from collections.abc import Callable
 
+from memfit._instrument import HOOKS
+
 # [Note: Atomic directory replacement]
 # A checkpoint is written into `<path>.tmp-<id>` beside `path`; only when every file in it is
 # written and synced does it take `path`'s place, in one step:
@@ -31,19 +33,18 @@ from collections.abc import Callable
 # `recover` never deletes the only whole copy: `.tmp-*` and `.old-*` leftovers are deleted
 # only once `path` itself is whole. (An export shares its directory with other files and
 # switches its index instead: See [Note: Exported weights].)
-# Tests kill the process (os._exit) at each named step below (`_HOOK`):
+# Tests kill the process (os._exit) at each named step below (`HOOKS.save_step`):
 # tests/distributed/test_checkpoint_guarantees.py.
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
 _NO_EXCHANGE = {errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP}
-_HOOK: Callable[[str], None] | None = None  # tests: called with each step's name (See the Note)
 
 
 def step(name: str) -> None:
     """A named moment of a save or an export (where a test can kill the process)."""
-    if _HOOK is not None:
-        _HOOK(name)
+    if HOOKS.save_step is not None:
+        HOOKS.save_step(name)
 
 
 @functools.cache

@@ -27,6 +27,7 @@ from torch import nn
 
 import memfit
 from memfit._shard import _atomic
+from memfit.testing import save_steps
 from tests._models import make_model
 
 KILLED = 77
@@ -113,11 +114,11 @@ def two_versions(path: str, expected: str, kill: str | None, what: str, fallback
         versions[version] = full(model)
         with open(expected, "w") as f:
             json.dump(versions, f)
-        _atomic._HOOK = kill_at(kill) if version == 2 else None
-        if what == "save":
-            memfit.save_checkpoint(path, model, opt, extra={"step": version})
-        else:
-            memfit.export_safetensors(model, path)
+        with save_steps(kill_at(kill) if version == 2 else None):
+            if what == "save":
+                memfit.save_checkpoint(path, model, opt, extra={"step": version})
+            else:
+                memfit.export_safetensors(model, path)
     raise AssertionError(f"the step {kill!r} was never reached")
 
 
