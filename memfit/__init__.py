@@ -7,6 +7,7 @@ fits a training step into a memory budget. Everything a user needs is re-exporte
 from memfit._checkpoint import (
     CheckpointError,
     Decision,
+    DecisionKind,
     Offload,
     apply_activation_checkpointing,
     checkpoint,
@@ -39,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "Decision",
+    "DecisionKind",
     "DeviceProfile",
     "FullyShardedDataParallel",
     "MemoryMeter",

@@ -52,6 +52,8 @@ def with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace, 
         if dest not in dests or dest in ("config", "help"):
             raise ValueError(f"memfit: --config {path!r}: unknown key {key!r} for `memfit {args.command}`")
         action = dests[dest]
+        if action.choices is not None and callable(action.type):  # as on the command line (old spellings)
+            value = action.type(value)
         if action.choices is not None and value not in action.choices:
             raise ValueError(f"memfit: --config {path!r}: {key} must be one of {list(action.choices)}, not {value!r}")
         defaults[dest] = value

@@ -16,7 +16,7 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
     assert rc == 0
     rows = json.loads(out.read_text())["results"]
     names = [r["strategy"] for r in rows]
-    assert names == ["none", "full", "selective", "offload", "torch.utils.checkpoint", "planned"]
+    assert names == ["keep", "selective", "full", "offload", "torch.utils.checkpoint", "planned"]
     assert len({round(r["loss"], 6) for r in rows}) == 1  # same model, same batch, same loss
     planned = rows[-1]
     assert planned["peak_bytes"] <= 1.05 * planned["budget"]
