@@ -64,7 +64,7 @@ def test_keywords_are_the_fields():
     assert ShardOptions.from_kwargs() == ShardOptions()
     with pytest.raises(TypeError, match=r"unknown sharding option\(s\) \['reshard'\]; the options are"):
         ShardOptions.from_kwargs(reshard=False)
-    with pytest.raises(TypeError, match="options must be a memfit.ShardOptions, got dict"):
+    with pytest.raises(TypeError, match=r"options must be a memfit\.ShardOptions, got dict"):
         ShardOptions.from_kwargs({"offload": "cpu"})
 
 
@@ -120,7 +120,7 @@ SAME = [
 ]
 
 
-class _Recorded(Exception):
+class _RecordedError(Exception):
     pass
 
 
@@ -131,7 +131,7 @@ def recorded(monkeypatch):
 
     def fake(module, *, options=None, **kwargs):
         calls.append(ShardOptions.from_kwargs(options, **kwargs))
-        raise _Recorded
+        raise _RecordedError
 
     monkeypatch.setattr(memfit, "FullyShardedDataParallel", fake)
     return calls
@@ -143,7 +143,7 @@ def test_lightning_strategy_passes_options_and_keywords_through(recorded, option
     from memfit.integrations.lightning import MemfitStrategy
 
     for strategy in (MemfitStrategy(options=options), MemfitStrategy(**kwargs, timeout=None)):
-        with pytest.raises(_Recorded):
+        with pytest.raises(_RecordedError):
             strategy._setup_model(nn.Linear(2, 2))
     assert recorded[0] == recorded[1] == options
 
@@ -170,7 +170,7 @@ def test_hf_entry_points_pass_options_and_keywords_through(recorded, monkeypatch
         lambda: hf.MemfitTrainer(nn.Linear(2, 2), options=options),
         lambda: hf.MemfitTrainer(nn.Linear(2, 2), **kwargs),
     ):
-        with pytest.raises(_Recorded):
+        with pytest.raises(_RecordedError):
             call()
     # shard_pretrained_model names the blocks when no auto_wrap_policy is given (a Linear has none)
     assert recorded[0] == recorded[1] == recorded[2] == recorded[3] == options
@@ -185,15 +185,15 @@ def test_shard_pretrained_model_takes_reshard_after_forward(recorded, monkeypatc
 
     monkeypatch.setattr(dist, "is_initialized", lambda: True)
     for name in FIELDS:  # each field's default, passed by name, is accepted
-        with pytest.raises(_Recorded):
+        with pytest.raises(_RecordedError):
             shard_pretrained_model(nn.Linear(2, 2), **{name: getattr(ShardOptions(), name)})
-    with pytest.raises(_Recorded):
+    with pytest.raises(_RecordedError):
         shard_pretrained_model(nn.Linear(2, 2), reshard_after_forward=False)
     assert recorded[-1].reshard_after_forward is False
 
 
 def test_shard_refuses_a_wrap_policy_and_unknown_keywords():
-    with pytest.raises(ValueError, match="memfit.shard: shards one module and takes no auto_wrap_policy"):
+    with pytest.raises(ValueError, match=r"memfit\.shard: shards one module and takes no auto_wrap_policy"):
         memfit.shard(nn.Linear(2, 2), auto_wrap_policy=nn.Linear)
     with pytest.raises(TypeError, match=r"unknown sharding option\(s\) \['reshard'\]"):
         memfit.shard(nn.Linear(2, 2), reshard=False)
