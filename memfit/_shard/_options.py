@@ -163,10 +163,6 @@ class ShardOptions:
         _torch_spellings(native, kwargs)
         return dataclasses.replace(options or cls(), **native)
 
-    def replace(self, **kwargs: Any) -> ShardOptions:
-        """These options with the fields (or their torch spellings) ``kwargs`` name replaced."""
-        return ShardOptions.from_kwargs(self, **kwargs)
-
 
 FIELDS = tuple(f.name for f in dataclasses.fields(ShardOptions))
 KEYWORDS = frozenset(FIELDS + _SPELLINGS)  # every keyword argument that is a sharding option

@@ -72,7 +72,9 @@ def test_keywords_replace_the_options_fields():
     base = ShardOptions(reshard_after_forward=False, offload="cpu")
     assert ShardOptions.from_kwargs(base) == base
     assert ShardOptions.from_kwargs(base, offload=None) == ShardOptions(reshard_after_forward=False)
-    assert base.replace(sync_module_states=False) == dataclasses.replace(base, sync_module_states=False)
+    assert ShardOptions.from_kwargs(base, sync_module_states=False) == dataclasses.replace(
+        base, sync_module_states=False
+    )
 
 
 @pytest.mark.parametrize(
