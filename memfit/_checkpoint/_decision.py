@@ -69,9 +69,9 @@ class Decision:
         if self.kind == "offload" and self.offload is None:
             object.__setattr__(self, "offload", "disk")
         if self.save is not None and self.kind != "selective":
-            raise ValueError(f"memfit.Decision: save= is only for kind 'selective', not {self.kind!r}")
+            raise ValueError(f"memfit.Decision: save= is only for kind 'selective', not {self.kind.value!r}")
         if self.offload is not None and self.kind != "offload":
-            raise ValueError(f"memfit.Decision: offload= is only for kind 'offload', not {self.kind!r}")
+            raise ValueError(f"memfit.Decision: offload= is only for kind 'offload', not {self.kind.value!r}")
 
     @classmethod
     def parse(cls, spec: str | Decision, **options) -> Decision:
