@@ -7,6 +7,7 @@ fits a training step into a memory budget. Everything a user needs is re-exporte
 from memfit._checkpoint import (
     CheckpointError,
     Decision,
+    DecisionKind,
     Offload,
     apply_activation_checkpointing,
     checkpoint,
@@ -22,6 +23,7 @@ from memfit._plan import DeviceProfile, Plan, PlanError, chunked_cross_entropy, 
 from memfit._shard import (
     FullyShardedDataParallel,
     MixedPrecision,
+    ShardOptions,
     clip_grad_norm_,
     export_safetensors,
     load_checkpoint,
@@ -38,6 +40,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointError",
     "Decision",
+    "DecisionKind",
     "DeviceProfile",
     "FullyShardedDataParallel",
     "MemoryMeter",
@@ -45,6 +48,7 @@ __all__ = [
     "Offload",
     "Plan",
     "PlanError",
+    "ShardOptions",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_module",

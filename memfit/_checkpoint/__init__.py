@@ -1,6 +1,6 @@
 """Activation checkpointing: function, sequential and module forms."""
 
-from memfit._checkpoint._decision import Decision
+from memfit._checkpoint._decision import Decision, DecisionKind
 from memfit._checkpoint._function import CheckpointError, checkpoint, disable_checkpointing, is_recomputing
 from memfit._checkpoint._module import (
     apply_activation_checkpointing,
@@ -15,6 +15,7 @@ from memfit._checkpoint._sequential import checkpoint_sequential
 __all__ = [
     "CheckpointError",
     "Decision",
+    "DecisionKind",
     "Offload",
     "apply_activation_checkpointing",
     "checkpoint",

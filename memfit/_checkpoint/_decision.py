@@ -4,13 +4,39 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
 from torch import nn
 
 from memfit._checkpoint._module import apply_activation_checkpointing, checkpoint_module, remove_checkpointing
 from memfit._checkpoint._offload import Offload
 
-KINDS = ("keep", "selective", "full", "offload")
+
+class DecisionKind(str, Enum):
+    """What is kept of a block's activations between its forward and its backward: the
+    planner's choices, cheapest in time first. A ``str``: each member equals its value
+    (``DecisionKind.FULL == "full"``), prints and serialises as it (plan JSON, the CLI)."""
+
+    KEEP = "keep"  # every activation the block's backward needs stays: no checkpointing
+    SELECTIVE = "selective"  # the block's inputs and the outputs the `save` rule selects; the rest recomputed
+    FULL = "full"  # only the block's inputs; everything else recomputed in backward
+    OFFLOAD = "offload"  # as FULL, with the inputs moved off the device (disk or host) until backward
+
+    __str__ = str.__str__  # "full", not "DecisionKind.FULL"
+    __format__ = str.__format__
+
+    @classmethod
+    def parse(cls, name: str | DecisionKind) -> DecisionKind:
+        """The kind ``name`` spells; ``"none"`` (the CLI's old spelling of ``"keep"``) is ``KEEP``."""
+        if name == "none":
+            return cls.KEEP
+        try:
+            return cls(name)
+        except ValueError:
+            raise ValueError(f"memfit.Decision: unknown kind {name!r}; choose from {KINDS}") from None
+
+
+KINDS = tuple(k.value for k in DecisionKind)  # the kinds' names, in DecisionKind's order
 
 
 @dataclass(frozen=True)
@@ -19,7 +45,7 @@ class Decision:
     ``memfit train`` choose and apply.
 
     Fields:
-        kind: ``"keep"`` (store its activations: no checkpointing), ``"selective"``
+        kind: a :class:`DecisionKind` or its name: ``"keep"`` (store its activations: no checkpointing), ``"selective"``
             (recompute, keeping the outputs that ``save`` selects), ``"full"`` (recompute
             everything; only the block's inputs are kept) or ``"offload"`` (recompute; the
             inputs wait for backward where ``offload`` says).
@@ -30,21 +56,22 @@ class Decision:
     ``Decision.parse("full")`` builds one from its name (``"none"`` is ``"keep"``).
     """
 
-    kind: str
+    kind: DecisionKind
     save: str | Callable | None = None
     offload: str | Offload | None = None
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"memfit.Decision: unknown kind {self.kind!r}; choose from {KINDS}")
+        object.__setattr__(self, "kind", DecisionKind(self.kind))
         if self.kind == "selective" and self.save is None:
             object.__setattr__(self, "save", "linear")
         if self.kind == "offload" and self.offload is None:
             object.__setattr__(self, "offload", "disk")
         if self.save is not None and self.kind != "selective":
-            raise ValueError(f"memfit.Decision: save= is only for kind 'selective', not {self.kind!r}")
+            raise ValueError(f"memfit.Decision: save= is only for kind 'selective', not {self.kind.value!r}")
         if self.offload is not None and self.kind != "offload":
-            raise ValueError(f"memfit.Decision: offload= is only for kind 'offload', not {self.kind!r}")
+            raise ValueError(f"memfit.Decision: offload= is only for kind 'offload', not {self.kind.value!r}")
 
     @classmethod
     def parse(cls, spec: str | Decision, **options) -> Decision:
@@ -52,7 +79,7 @@ class Decision:
         ``"offload"``), with the options that kind takes; a Decision is returned as is."""
         if isinstance(spec, Decision):
             return spec
-        kind = "keep" if spec == "none" else spec
+        kind = DecisionKind.parse(spec)
         wanted = {"selective": ("save",), "offload": ("offload",)}.get(kind, ())
         return cls(kind, **{k: v for k, v in options.items() if k in wanted and v is not None})
 

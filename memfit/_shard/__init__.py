@@ -5,11 +5,13 @@ from memfit._shard._checkpoint_files import load_checkpoint, save_checkpoint
 from memfit._shard._deferred import load_full_state_dict, materialize
 from memfit._shard._export import export_safetensors
 from memfit._shard._mixed import MixedPrecision
+from memfit._shard._options import ShardOptions
 from memfit._shard._utils import clip_grad_norm_, summon_full_params
 
 __all__ = [
     "FullyShardedDataParallel",
     "MixedPrecision",
+    "ShardOptions",
     "clip_grad_norm_",
     "export_safetensors",
     "load_checkpoint",

@@ -99,7 +99,7 @@ def mesh_of(group, device_mesh, hybrid: bool, strategy=None):
     return hybrid_mesh(int(local), where)
 
 
-def mixed_precision_of(spec) -> MixedPrecision | None:
+def mixed_precision_of(spec, where: str = "memfit.FullyShardedDataParallel") -> MixedPrecision | None:
     """memfit's MixedPrecision for memfit's, torch FSDP's (1 and 2) or FairScale's (a bool) spelling."""
     if spec is None or spec is False or isinstance(spec, MixedPrecision):
         return spec or None
@@ -115,7 +115,7 @@ def mixed_precision_of(spec) -> MixedPrecision | None:
             buffer_dtype=getattr(spec, "buffer_dtype", None),
         )
     raise TypeError(
-        "memfit.FullyShardedDataParallel: mixed_precision must be a memfit.MixedPrecision, "
+        f"{where}: mixed_precision must be a memfit.MixedPrecision, "
         f"a torch.distributed.fsdp.MixedPrecision / MixedPrecisionPolicy, True (fp16) or None; got {spec!r}"
     )
 

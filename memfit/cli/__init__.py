@@ -16,6 +16,7 @@ from collections.abc import Callable
 import memfit
 from memfit.cli._bench import STRATEGIES, BenchConfig, bench
 from memfit.cli._config_file import with_config_file
+from memfit.cli._flags import DEVICE_HELP, DEVICES, add_flags
 from memfit.cli._launch import end_process_group, leave_now
 from memfit.cli._plan import CalibrateConfig, PlanConfig, calibrate_command, plan_command
 from memfit.cli._train import TrainConfig, train
@@ -83,7 +84,8 @@ def _parser() -> argparse.ArgumentParser:
         "Every flag can also come from --config FILE (TOML or YAML, keys are the flag names); flags override it.",
         formatter_class=_DefaultsShown,
     )
-    _train_flags(t, models)
+    t.add_argument("--config", help="a TOML or YAML file of flag values (keys: flag names)")
+    add_flags(t, TrainConfig)  # See [Note: Flags from the config]
     return p
 
 
@@ -96,60 +98,8 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _train_flags(t: argparse.ArgumentParser, models: str) -> None:
-    t.add_argument("--config", help="a TOML or YAML file of flag values (keys: flag names)")
-    t.add_argument("--model", default="bert", help=f"a preset ({models}), a config.json path, or pkg.module:function")
-    t.add_argument("--data", help="text file or directory, or .npy/.bin token ids (default: stdlib sources)")
-    t.add_argument("--tokenizer", help="a local tokenizer.json for text data (default: bytes)")
-    t.add_argument("--val-fraction", type=float, default=0.05, help="tail of the tokens held out for evaluation")
-    t.add_argument("--eval-every", type=int, default=0, help="evaluate every K steps and at the end (0: never)")
-    t.add_argument("--eval-batches", type=int, default=4, help="micro-batches per evaluation")
-    t.add_argument("--steps", type=int, default=20, help="optimizer steps in all")
-    t.add_argument("--lr", type=float, default=3e-4, help="peak learning rate")
-    t.add_argument("--warmup", type=int, default=2, help="linear warm-up steps, then cosine decay")
-    t.add_argument("--accumulate", type=int, default=1, help="micro-batches per step")
-    t.add_argument("--clip", type=float, default=1.0, help="max global gradient norm")
-    t.add_argument("--checkpointing", default="full", choices=["none", "full", "selective"], help="per block")
-    t.add_argument(
-        "--hybrid-shards",
-        type=int,
-        default=0,
-        metavar="N",
-        help="hybrid sharding: shard over groups of N consecutive ranks (a node), replicate across them (0: over all)",
-    )
-    _shape_flags(t, batch_note=" (rows per rank per micro-batch)")
-    t.add_argument("--seed", type=int, default=0, help="initialisation, dropout and masking")
-    t.add_argument("--checkpoint-dir", help="checkpoints go to DIR/step-N")
-    t.add_argument("--save-every", type=int, default=0, help="save a checkpoint every K steps and at the end")
-    t.add_argument("--keep-last", type=int, default=0, help="keep only the newest N checkpoints (0: all)")
-    t.add_argument(
-        "--resume",
-        nargs="?",
-        const="yes",
-        default="no",
-        choices=["no", "yes", "auto"],
-        help="continue from the newest checkpoint in --checkpoint-dir (auto: only if there is one)",
-    )
-    t.add_argument(
-        "--overwrite",
-        action="store_true",
-        help="start afresh in a --checkpoint-dir that holds another run's checkpoints, deleting them",
-    )
-    t.add_argument("--export", help="write a safetensors export (from_pretrained loads it) here at the end")
-    t.add_argument("--log-every", type=int, default=1, help="print and record metrics every N steps")
-    t.add_argument("--metrics", help="append metrics here as JSON lines, as the run goes")
-    t.add_argument("--tensorboard", help="TensorBoard log directory (needs the tensorboard package)")
-    t.add_argument("--json", help="write the log and a digest of the final parameters here")
-    _device_flag(t)
-
-
 def _device_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--device",
-        default="auto",
-        choices=["auto", "cpu", "cuda"],
-        help="cuda: GPU LOCAL_RANK with NCCL; cpu: gloo; auto: cuda when there is a GPU (default: auto)",
-    )
+    p.add_argument("--device", default="auto", choices=DEVICES, help=DEVICE_HELP)
 
 
 def _shape_flags(p: argparse.ArgumentParser, batch_note: str = "") -> None:

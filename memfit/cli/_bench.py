@@ -20,12 +20,13 @@ from torch import nn
 import memfit
 from memfit.cli._bench_dist import run_distributed
 from memfit.cli._data import batch_at
+from memfit.cli._flags import decision_kind
 from memfit.cli._launch import choose_device, warn_world_size
 from memfit.cli._measure import Result, run
 from memfit.cli._output import Output, plot, write_json
 from memfit.models import PRESETS, Preset
 
-STRATEGIES = ("none", "full", "selective", "offload", "planned")
+STRATEGIES = (*(k.value for k in memfit.DecisionKind), "planned")  # each DecisionKind on every block, or planned
 COMPARE = ("torch.utils.checkpoint",)
 
 
@@ -35,7 +36,7 @@ class BenchConfig:
 
     model: str = "bert"  # a preset name (memfit.models.PRESETS)
     strategies: tuple[str, ...] | None = None  # one process only; None: all of STRATEGIES
-    budget: str | None = None  # for "planned" (one process); default: halfway between "full" and "none"
+    budget: str | None = None  # for "planned" (one process); default: halfway between "full" and "keep"
     compare: bool = False  # add torch.utils.checkpoint (with --world-size: torch FSDP2)
     world_size: int = 1  # > 1: DDP vs memfit sharding on spawned ranks
     device: str = "auto"  # auto (CUDA when there is a GPU), cpu or cuda
@@ -55,7 +56,7 @@ class BenchConfig:
                 f"memfit bench: --strategies and --budget apply to one process; --world-size {self.world_size} "
                 "compares DDP with memfit sharding (add --compare for torch FSDP2). Drop them, or drop --world-size"
             )
-        self.strategies = tuple(STRATEGIES if self.strategies is None else self.strategies)
+        self.strategies = tuple(STRATEGIES if self.strategies is None else map(decision_kind, self.strategies))
         if self.model not in PRESETS:
             raise ValueError(f"memfit bench: unknown model {self.model!r}; choose one of {sorted(PRESETS)}")
         bad = [s for s in self.strategies if s not in STRATEGIES]
@@ -96,14 +97,14 @@ def bench(cfg: BenchConfig, console=None) -> list[dict]:
 
 
 def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
-    """One process: every strategy (plus "none", the baseline) on its own copy of one model."""
+    """One process: every strategy (plus "keep", the baseline) on its own copy of one model."""
     preset = cfg.preset
     device = choose_device(cfg.device, where="memfit bench").device
     batch = {k: v.to(device) for k, v in batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0).items()}
     base = preset.build().to(device)
     names = [x for x in cfg.strategies if x != "planned"] + (list(COMPARE) if cfg.compare else [])
-    if "none" not in names:
-        names.insert(0, "none")
+    if "keep" not in names:
+        names.insert(0, "keep")
     models = {n: _prepare(n, base, preset) for n in names}
     plan = None
     if "planned" in cfg.strategies:
@@ -116,7 +117,7 @@ def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     for r in results:
         planned = {"budget": plan.budget, "predicted_peak": plan.predicted_peak} if r.name == "planned" else {}
         rows.append(_row(r, activation_bytes_at_peak=r.breakdown["activations_and_other"], **planned))
-    return _with_ratios(rows, next(row for row in rows if row["strategy"] == "none"))
+    return _with_ratios(rows, next(row for row in rows if row["strategy"] == "keep"))
 
 
 def _prepare(strategy: str, base: nn.Module, preset: Preset) -> nn.Module:
@@ -132,15 +133,15 @@ def _prepare(strategy: str, base: nn.Module, preset: Preset) -> nn.Module:
 
 
 def _plan(cfg: BenchConfig, base: nn.Module, batch: dict, out: Output) -> memfit.Plan:
-    """The plan for --budget or, without one, for halfway between the all-full and none peaks."""
+    """The plan for --budget or, without one, for halfway between the all-full and all-keep peaks."""
     if cfg.budget is not None:
         return memfit.plan(base, batch, budget=cfg.budget)
-    out.say("planned: measuring the all-full and none peaks to set the budget halfway")
+    out.say("planned: measuring the all-full and all-keep peaks to set the budget halfway")
     layer_paths = [p for p, m in base.named_modules() if isinstance(m, cfg.preset.layer_class())]
     probe = memfit.plan(base, batch, budget="1TB")
-    none_peak = memfit.Plan.fixed(dict.fromkeys(layer_paths, "keep"), probe.profile).measure(base, batch)
+    keep_peak = memfit.Plan.fixed(dict.fromkeys(layer_paths, "keep"), probe.profile).measure(base, batch)
     full_peak = memfit.Plan.fixed(dict.fromkeys(layer_paths, "full"), probe.profile).measure(base, batch)
-    return memfit.plan(base, batch, budget=int((none_peak + full_peak) / 2), profile=probe.profile)
+    return memfit.plan(base, batch, budget=int((keep_peak + full_peak) / 2), profile=probe.profile)
 
 
 def _distributed_rows(cfg: BenchConfig, out: Output) -> list[dict]:
@@ -158,7 +159,7 @@ def _row(r: Result, **extra) -> dict:
 
 
 def _with_ratios(rows: list[dict], base: dict) -> list[dict]:
-    """Add each row's step-time overhead and peak ratio against ``base`` ("none" in one
+    """Add each row's step-time overhead and peak ratio against ``base`` ("keep" in one
     process, "DDP" on many ranks), and the baseline's name."""
     for r in rows:
         r["baseline"] = base["strategy"]

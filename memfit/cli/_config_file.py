@@ -47,11 +47,13 @@ def with_config_file(parser: argparse.ArgumentParser, args: argparse.Namespace, 
     sub = _subparser(parser, args.command)
     dests = {a.dest: a for a in sub._actions}
     defaults = {}
-    for key, value in values.items():
+    for key, given in values.items():
         dest = key.replace("-", "_")
         if dest not in dests or dest in ("config", "help"):
             raise ValueError(f"memfit: --config {path!r}: unknown key {key!r} for `memfit {args.command}`")
         action = dests[dest]
+        # read as on the command line, where a choice's type maps an old spelling to the new
+        value = action.type(given) if action.choices is not None and callable(action.type) else given
         if action.choices is not None and value not in action.choices:
             raise ValueError(f"memfit: --config {path!r}: {key} must be one of {list(action.choices)}, not {value!r}")
         defaults[dest] = value

@@ -72,7 +72,7 @@ class Output:
 
     def table(self, rows: list[dict], title: str) -> None:
         """The rows of `memfit bench` (strategy, peak, time and the ratios to the baseline)."""
-        base = rows[0]["baseline"] if rows else "none"
+        base = rows[0]["baseline"] if rows else "keep"
         header = ["strategy", "peak MiB", "step s", f"overhead vs {base}", f"peak vs {base}", "loss"]
         cells = [
             [

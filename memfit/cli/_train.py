@@ -19,7 +19,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,50 +27,84 @@ import torch.distributed as dist
 import memfit
 from memfit.cli import _checkpoints
 from memfit.cli._data import Tokens, load_tokens, window_batch
+from memfit.cli._flags import DEVICE_HELP, DEVICES, decision_kind, flag
 from memfit.cli._launch import choose_device, init_process_group, pg_timeout
 from memfit.cli._log import RunLog
 from memfit.cli._output import write_json
+from memfit.models import PRESETS
 from memfit.models._spec import ModelSpec, layer_class, loss_of, resolve, vocab_size
 
-CHECKPOINTING = ("none", "full", "selective")
+# Not OFFLOAD: a block's input offloaded to disk under sharded training is untested
+CHECKPOINTING = tuple(k.value for k in memfit.DecisionKind if k is not memfit.DecisionKind.OFFLOAD)
+_SHAPE = "override the preset's {} (default: the preset's)"
 
 
 @dataclass
 class TrainConfig:
-    """What `memfit train` runs (each field is a command-line flag and a config-file key)."""
+    """What `memfit train` runs: each field is a command-line flag (its metadata the flag's help
+    and argparse keywords; See [Note: Flags from the config]) and a config-file key."""
 
-    model: str = "bert"  # a preset, a local config.json (or its directory), or pkg.module:function
-    data: str | None = None  # text file/directory, .npy/.bin token ids; None: stdlib sources
-    tokenizer: str | None = None  # a local tokenizer.json for text data (else bytes)
-    val_fraction: float = 0.05  # the tail of the tokens held out for evaluation
-    eval_every: int = 0  # evaluate every K steps (and at the end); 0: never
-    eval_batches: int = 4  # micro-batches per evaluation
-    steps: int = 20
-    lr: float = 3e-4
-    warmup: int = 2
-    accumulate: int = 1  # micro-batches per step, each of --batch rows per rank
-    clip: float = 1.0
-    checkpointing: str = "full"
-    hybrid_shards: int = 0  # shard within groups of N consecutive ranks (a node), replicate across; 0: over all
-    layers: int | None = None  # preset overrides
-    hidden: int | None = None
-    seq: int | None = None
-    batch: int | None = None  # rows per rank per micro-batch (a step: batch x accumulate x world)
-    seed: int = 0
-    checkpoint_dir: str | None = None  # checkpoints go to <dir>/step-<N>
-    save_every: int = 0
-    keep_last: int = 0  # keep the newest N checkpoints (0: all)
-    resume: str = "no"  # "no", "yes" (a checkpoint must exist) or "auto" (if one exists)
-    overwrite: bool = False  # a fresh run into a --checkpoint-dir holding another run's checkpoints deletes them
-    export: str | None = None  # write the safetensors export (from_pretrained loads it) here at the end
-    log_every: int = 1
-    metrics: str | None = None  # a JSONL file, one line per logged step and evaluation
-    tensorboard: str | None = None  # a TensorBoard log directory (needs the tensorboard package)
-    json: str | None = None
-    device: str = "auto"  # auto (CUDA on GPU LOCAL_RANK with NCCL when there is a GPU), cpu (gloo) or cuda
+    model: str = field(
+        default="bert",
+        metadata=flag(f"a preset ({', '.join(sorted(PRESETS))}), a config.json path, or pkg.module:function"),
+    )
+    data: str | None = field(
+        default=None, metadata=flag("text file or directory, or .npy/.bin token ids (default: stdlib sources)")
+    )
+    tokenizer: str | None = field(default=None, metadata=flag("a local tokenizer.json for text data (default: bytes)"))
+    val_fraction: float = field(default=0.05, metadata=flag("tail of the tokens held out for evaluation"))
+    eval_every: int = field(default=0, metadata=flag("evaluate every K steps and at the end (0: never)"))
+    eval_batches: int = field(default=4, metadata=flag("micro-batches per evaluation"))
+    steps: int = field(default=20, metadata=flag("optimizer steps in all"))
+    lr: float = field(default=3e-4, metadata=flag("peak learning rate"))
+    warmup: int = field(default=2, metadata=flag("linear warm-up steps, then cosine decay"))
+    accumulate: int = field(default=1, metadata=flag("micro-batches per step"))  # each of --batch rows per rank
+    clip: float = field(default=1.0, metadata=flag("max global gradient norm"))
+    checkpointing: str = field(default="full", metadata=flag("per block", choices=CHECKPOINTING, type=decision_kind))
+    hybrid_shards: int = field(
+        default=0,
+        metadata=flag(
+            "hybrid sharding: shard over groups of N consecutive ranks (a node), replicate across them (0: over all)",
+            metavar="N",
+        ),
+    )
+    layers: int | None = field(default=None, metadata=flag(_SHAPE.format("layers")))
+    hidden: int | None = field(default=None, metadata=flag(_SHAPE.format("hidden")))
+    seq: int | None = field(default=None, metadata=flag(_SHAPE.format("seq")))
+    batch: int | None = field(  # a step: batch x accumulate x world
+        default=None, metadata=flag(_SHAPE.format("batch (rows per rank per micro-batch)"))
+    )
+    seed: int = field(default=0, metadata=flag("initialisation, dropout and masking"))
+    checkpoint_dir: str | None = field(default=None, metadata=flag("checkpoints go to DIR/step-N"))
+    save_every: int = field(default=0, metadata=flag("save a checkpoint every K steps and at the end"))
+    keep_last: int = field(default=0, metadata=flag("keep only the newest N checkpoints (0: all)"))
+    resume: str = field(
+        default="no",
+        metadata=flag(
+            "continue from the newest checkpoint in --checkpoint-dir (auto: only if there is one)",
+            nargs="?",
+            const="yes",
+            choices=["no", "yes", "auto"],
+        ),
+    )
+    overwrite: bool = field(
+        default=False,
+        metadata=flag("start afresh in a --checkpoint-dir that holds another run's checkpoints, deleting them"),
+    )
+    export: str | None = field(
+        default=None, metadata=flag("write a safetensors export (from_pretrained loads it) here at the end")
+    )
+    log_every: int = field(default=1, metadata=flag("print and record metrics every N steps"))
+    metrics: str | None = field(default=None, metadata=flag("append metrics here as JSON lines, as the run goes"))
+    tensorboard: str | None = field(
+        default=None, metadata=flag("TensorBoard log directory (needs the tensorboard package)")
+    )
+    json: str | None = field(default=None, metadata=flag("write the log and a digest of the final parameters here"))
+    device: str = field(default="auto", metadata=flag(DEVICE_HELP, choices=DEVICES))
 
     def __post_init__(self) -> None:
         choose_device(self.device, where="memfit train")  # --device cuda without a GPU fails here
+        self.checkpointing = decision_kind(self.checkpointing)  # "none": the old spelling of "keep"
         if self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"memfit train: unknown checkpointing {self.checkpointing!r}; choose from {CHECKPOINTING}")
         if self.resume not in ("no", "yes", "auto"):
@@ -144,7 +178,8 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
     memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
-    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={block}, device_mesh=_hybrid_mesh(cfg, world))
+    options = memfit.ShardOptions(auto_wrap_policy={block}, mesh=_hybrid_mesh(cfg, world))
+    model = memfit.FullyShardedDataParallel(model, options=options)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)

@@ -23,6 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
 
 import memfit
+from memfit._shard._options import FIELDS, split_kwargs
 from memfit._shard._unit import ShardedModule
 
 __all__ = ["MemfitStrategy"]
@@ -50,13 +51,14 @@ class MemfitStrategy(DDPStrategy):
     """Lightning strategy that shards the LightningModule with memfit (ZeRO-3) instead of DDP.
 
     Args:
-        auto_wrap_policy: which submodules become their own sharding unit (any spelling
-            ``memfit.FullyShardedDataParallel`` takes: a block class, classes, a callable, torch's
-            policies); None: one unit for the whole module.
         checkpointing: activation checkpointing before sharding: a ``memfit.Plan`` or a policy
             for ``memfit.apply_activation_checkpointing`` (block class(es) or a callable).
-        mixed_precision, offload, reshard_after_forward: as for ``memfit.FullyShardedDataParallel``.
-        **kwargs: DDPStrategy's (``process_group_backend``, ``timeout``, ...).
+        options: a ``memfit.ShardOptions`` (``auto_wrap_policy``: which submodules become their
+            own sharding unit, None: one unit for the whole module; ``mixed_precision``,
+            ``offload``, ``reshard_after_forward``, ...).
+        **kwargs: any field of ``memfit.ShardOptions`` (or its torch FSDP spelling), passed to
+            ``memfit.FullyShardedDataParallel`` as it is; the rest are DDPStrategy's
+            (``process_group_backend``, ``timeout``, ...).
     """
 
     strategy_name = "memfit"
@@ -64,20 +66,15 @@ class MemfitStrategy(DDPStrategy):
     def __init__(
         self,
         *,
-        auto_wrap_policy=None,
         checkpointing: memfit.Plan | type | tuple | Callable[[nn.Module], bool] | None = None,
-        mixed_precision=None,
-        offload: str | None = None,
-        reshard_after_forward: bool = True,
+        options: memfit.ShardOptions | None = None,
         **kwargs: Any,
     ) -> None:
+        shard_kwargs, kwargs = split_kwargs(kwargs)
         super().__init__(**kwargs)
-        self._memfit_kwargs = {
-            "auto_wrap_policy": auto_wrap_policy,
-            "mixed_precision": mixed_precision,
-            "offload": offload,
-            "reshard_after_forward": reshard_after_forward,
-        }
+        memfit.ShardOptions.from_kwargs(options, **{k: v for k, v in shard_kwargs.items() if k in FIELDS})  # checks
+        # Resolved at setup, when the process group exists (torch's spellings may build a mesh)
+        self._shard_options = (options, shard_kwargs)
         self._checkpointing = checkpointing
 
     # -- setup ----------------------------------------------------------------------------------
@@ -107,7 +104,8 @@ class MemfitStrategy(DDPStrategy):
             self._checkpointing.apply(model)
         elif self._checkpointing is not None:
             memfit.apply_activation_checkpointing(model, self._checkpointing)
-        return memfit.FullyShardedDataParallel(model, **self._memfit_kwargs)
+        options, kwargs = self._shard_options
+        return memfit.FullyShardedDataParallel(model, options=options, **kwargs)
 
     def _clip_with_memfit(self) -> None:
         plugin = self.precision_plugin

@@ -13,6 +13,7 @@ with memfit] for what changes inside.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 
@@ -22,6 +23,7 @@ from torch import nn
 from transformers import Trainer
 
 import memfit
+from memfit._shard._options import split_kwargs
 from memfit._shard._unit import ShardedModule
 
 __all__ = ["MemfitTrainer", "shard_pretrained_model"]
@@ -47,22 +49,21 @@ MEMFIT_DIR = "memfit"
 def shard_pretrained_model(
     model: nn.Module,
     *,
-    auto_wrap_policy=None,
-    checkpointing=None,
-    mixed_precision=None,
-    offload: str | None = None,
-    device: torch.device | str | None = None,
+    checkpointing: memfit.Plan | type | tuple | Callable[[nn.Module], bool] | None = None,
+    options: memfit.ShardOptions | None = None,
+    **kwargs,
 ) -> nn.Module:
     """Checkpoint (optionally) and shard an HF model in place; returns it.
 
     Args:
-        auto_wrap_policy: what becomes a unit (any spelling FullyShardedDataParallel takes);
-            default: the classes named in the model's ``_no_split_modules`` (its blocks).
         checkpointing: a ``memfit.Plan`` (from ``memfit.plan(model, batch, budget=...)``) or a
             policy for ``memfit.apply_activation_checkpointing`` (a block class, classes or a
             ``callable(module) -> bool``); None: no activation checkpointing.
-        mixed_precision, offload: as for ``memfit.FullyShardedDataParallel``.
-        device: moved there first (the Trainer's ``args.device``).
+        options: a ``memfit.ShardOptions``; its ``auto_wrap_policy`` defaults to the classes
+            named in the model's ``_no_split_modules`` (its blocks), and the model is moved to
+            its ``device`` (the Trainer's ``args.device``) first.
+        **kwargs: any field of ``memfit.ShardOptions`` (or its torch FSDP spelling), replacing
+            that field of ``options``.
     """
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError(
@@ -71,17 +72,16 @@ def shard_pretrained_model(
         )
     if isinstance(model, ShardedModule):
         return model
-    if device is not None and not any(p.is_meta for p in model.parameters()):
-        model.to(device)
+    options = memfit.ShardOptions.from_kwargs(options, **kwargs)
+    if options.device is not None and not any(p.is_meta for p in model.parameters()):
+        model.to(options.device)
     if isinstance(checkpointing, memfit.Plan):
         checkpointing.apply(model)
     elif checkpointing is not None:
         memfit.apply_activation_checkpointing(model, checkpointing)
-    if auto_wrap_policy is None:
-        auto_wrap_policy = _block_classes(model)
-    return memfit.FullyShardedDataParallel(
-        model, auto_wrap_policy=auto_wrap_policy, mixed_precision=mixed_precision, offload=offload
-    )
+    if options.auto_wrap_policy is None:
+        options = dataclasses.replace(options, auto_wrap_policy=_block_classes(model))
+    return memfit.FullyShardedDataParallel(model, options=options)
 
 
 def _block_classes(model: nn.Module) -> set[type] | None:
@@ -93,9 +93,10 @@ def _block_classes(model: nn.Module) -> set[type] | None:
 class MemfitTrainer(Trainer):
     """``transformers.Trainer`` that trains a memfit-sharded model (see the module docstring).
 
-    Takes the Trainer's arguments, and, keyword-only, ``auto_wrap_policy``, ``checkpointing``,
-    ``mixed_precision`` and ``offload`` (see :func:`shard_pretrained_model`). A model already
-    sharded with memfit is used as it is.
+    Takes the Trainer's arguments and, keyword-only, ``checkpointing``, ``options`` (a
+    ``memfit.ShardOptions``; its ``device`` defaults to ``args.device``) and any field of
+    ``memfit.ShardOptions`` as a keyword argument (see :func:`shard_pretrained_model`). A model
+    already sharded with memfit is used as it is.
     """
 
     def __init__(
@@ -103,24 +104,19 @@ class MemfitTrainer(Trainer):
         model: nn.Module | None = None,
         args=None,
         *rest,
-        auto_wrap_policy=None,
         checkpointing: memfit.Plan | type | tuple | Callable[[nn.Module], bool] | None = None,
-        mixed_precision=None,
-        offload: str | None = None,
+        options: memfit.ShardOptions | None = None,
         **kwargs,
     ) -> None:
         if args is not None and (getattr(args, "fsdp", None) or getattr(args, "deepspeed", None)):
             raise ValueError("MemfitTrainer shards the model itself: leave TrainingArguments' fsdp and deepspeed unset")
+        shard_kwargs, kwargs = split_kwargs(kwargs)
         if model is not None:
             device = args.device if args is not None else None  # also sets up torch.distributed under torchrun
-            model = shard_pretrained_model(
-                model,
-                auto_wrap_policy=auto_wrap_policy,
-                checkpointing=checkpointing,
-                mixed_precision=mixed_precision,
-                offload=offload,
-                device=device,
-            )
+            options = memfit.ShardOptions.from_kwargs(options, **shard_kwargs)
+            if options.device is None and device is not None:
+                options = dataclasses.replace(options, device=device)
+            model = shard_pretrained_model(model, checkpointing=checkpointing, options=options)
         super().__init__(model, args, *rest, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:

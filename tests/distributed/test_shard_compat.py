@@ -135,7 +135,54 @@ def case_fairscale_keywords(rank, world):
     assert {sp.sharded.dtype for sp in unit.params} == {torch.float32}
 
 
+def unit_config(model):
+    """What sharding made of ``model``: per unit its name, resharding, dtypes and shard devices."""
+    unit_names(model)
+    return [
+        (
+            u.name,
+            u.reshard_after_forward,
+            u.input_dtype,
+            u.reduce_dtype,
+            sorted({str(sp.sharded.device) for sp in u.params}),
+        )
+        for u in memfit.testing.sharded_units(model)
+    ]
+
+
+def case_options_object_and_keywords_shard_alike(rank, world):
+    """memfit.ShardOptions passed as options= and the same options as keywords (memfit's or
+    torch's spellings) give the same units and the same step, for shard() and FSDP."""
+    bf16 = memfit.MixedPrecision(torch.bfloat16)
+    for options, kwargs in [
+        (
+            memfit.ShardOptions(auto_wrap_policy=AttnBlock, reshard_after_forward=False, offload="cpu"),
+            {"auto_wrap_policy": AttnBlock, "reshard_after_forward": False, "offload": "cpu"},
+        ),
+        (
+            memfit.ShardOptions(auto_wrap_policy=AttnBlock, mixed_precision=bf16, group=dist.group.WORLD),
+            {
+                "auto_wrap_policy": ModuleWrapPolicy({AttnBlock}),
+                "mixed_precision": TorchMixedPrecision(param_dtype=torch.bfloat16),
+                "process_group": dist.group.WORLD,
+            },
+        ),
+    ]:
+        ours, spelt = (
+            memfit.FullyShardedDataParallel(make_model("lm"), options=options),
+            memfit.FullyShardedDataParallel(make_model("lm"), **kwargs),
+        )
+        assert unit_config(ours) == unit_config(spelt)
+        assert one_step_loss(ours) == one_step_loss(spelt)
+    options = memfit.ShardOptions(reshard_after_forward=False, mixed_precision=bf16)
+    ours = memfit.shard(make_model("lm"), options=options)
+    spelt = memfit.shard(make_model("lm"), reshard_after_forward=False, mixed_precision=bf16)
+    assert unit_config(ours) == unit_config(spelt) and unit_config(ours)[0][1:3] == (False, torch.bfloat16)
+    assert one_step_loss(ours) == one_step_loss(spelt)
+
+
 CASES = [
+    case_options_object_and_keywords_shard_alike,
     case_torch_wrap_policies_pick_the_same_units,
     case_torch_mixed_precision,
     case_sharding_strategy,

@@ -91,7 +91,7 @@ def test_factory_model_and_nanogpt_bin(tmp_path):
     for data in ("train.bin", "ids.npy"):
         proc = memfit_train(
             "--model", "user_models:build", "--data", str(tmp_path / data), "--steps", "2",
-            "--checkpointing", "none", "--json", str(tmp_path / "f.json"), env_path=str(tmp_path),
+            "--checkpointing", "keep", "--json", str(tmp_path / "f.json"), env_path=str(tmp_path),
             preset=False,
         )  # fmt: skip
         assert [e["step"] for e in read(tmp_path / "f.json")["log"]] == [1, 2], proc.stdout

@@ -16,7 +16,7 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
     assert rc == 0
     rows = json.loads(out.read_text())["results"]
     names = [r["strategy"] for r in rows]
-    assert names == ["none", "full", "selective", "offload", "torch.utils.checkpoint", "planned"]
+    assert names == ["keep", "selective", "full", "offload", "torch.utils.checkpoint", "planned"]
     assert len({round(r["loss"], 6) for r in rows}) == 1  # same model, same batch, same loss
     planned = rows[-1]
     assert planned["peak_bytes"] <= 1.05 * planned["budget"]
@@ -34,7 +34,7 @@ def test_plan_prints_table(capsys):
     ("argv", "message"),
     [
         (["bench", "--model", "nope"], r"unknown model 'nope'; choose one of \['bert', 'bert-base'"),
-        (["bench", "--strategies", "none", "fast"], r"unknown strategies \['fast'\]; choose from"),
+        (["bench", "--strategies", "keep", "fast"], r"unknown strategies \['fast'\]; choose from"),
         (["plan", *TINY, "--budget", "1KB"], r"no plan fits 1000 B\. The smallest budget that fits is"),
         (["plan", "--budget", "lots"], r"cannot read the memory budget 'lots'"),
     ],
@@ -76,9 +76,9 @@ def test_progress_lines_when_stdout_is_not_a_terminal(capsys):
     # capsys: stdout is not a terminal, as in CI logs; progress comes as plain lines
     assert main(["plan", *TINY, "--model", "gpt2", "--budget", "1GB"]) == 0
     assert "plan: profiling one batch" in capsys.readouterr().out
-    assert main(["bench", *TINY, "--strategies", "none", "full", "--repeats", "1", "--warmup", "1"]) == 0
+    assert main(["bench", *TINY, "--strategies", "keep", "full", "--repeats", "1", "--warmup", "1"]) == 0
     out = capsys.readouterr().out
-    assert "[1/" in out and "warm-up: none" in out and "memory: full" in out
+    assert "[1/" in out and "warm-up: keep" in out and "memory: full" in out
 
 
 def test_bench_world_size_refuses_one_process_flags(capsys):

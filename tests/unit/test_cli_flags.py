@@ -1,0 +1,131 @@
+"""The CLI's flags declared once: `memfit train`'s parser is generated from TrainConfig's fields
+(memfit.cli._flags.add_flags), and the decision-kind choices come from memfit.DecisionKind."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+
+import memfit
+from memfit.cli import BenchConfig, TrainConfig, _parser, main, parse_config
+from memfit.cli._bench import STRATEGIES
+from memfit.cli._flags import add_flags, flag, flag_name
+
+
+def train_parser() -> argparse.ArgumentParser:
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices["train"]
+
+
+def test_every_field_is_a_flag_and_every_flag_a_field():
+    fields = {f.name: f for f in dataclasses.fields(TrainConfig) if f.init}
+    actions = {a.dest: a for a in train_parser()._actions if a.dest not in ("help", "config")}
+    assert set(actions) == set(fields)
+    for name, f in fields.items():
+        action = actions[name]
+        assert action.option_strings == [flag_name(name)]
+        assert action.default == f.default, name
+        assert action.help == f.metadata["help"], name
+    assert parse_config(["train"]) == TrainConfig()  # the parser's defaults are the fields'
+
+
+def test_help_shows_every_flag_with_its_help(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = "".join(capsys.readouterr().out.split())  # without the line breaks (argparse breaks at hyphens)
+    for f in dataclasses.fields(TrainConfig):
+        assert flag_name(f.name) in text
+        assert "".join(f.metadata["help"].split()) in text, f.name
+
+
+def test_a_config_round_trips_through_its_flags():
+    cfg = TrainConfig(
+        model="gpt2",
+        data="corpus.txt",
+        tokenizer="tok.json",
+        val_fraction=0.25,
+        eval_every=3,
+        eval_batches=2,
+        steps=9,
+        lr=1e-3,
+        warmup=1,
+        accumulate=2,
+        clip=0.5,
+        checkpointing="selective",
+        hybrid_shards=2,
+        layers=2,
+        hidden=32,
+        seq=16,
+        batch=4,
+        seed=7,
+        checkpoint_dir="ck",
+        save_every=3,
+        keep_last=2,
+        resume="auto",
+        export="out",
+        log_every=2,
+        metrics="m.jsonl",
+        tensorboard="tb",
+        json="run.json",
+        device="cpu",
+    )
+    defaults = TrainConfig()
+    changed = [f.name for f in dataclasses.fields(TrainConfig) if getattr(cfg, f.name) != getattr(defaults, f.name)]
+    assert len(changed) == len(dataclasses.fields(TrainConfig))  # every field is exercised
+    argv = [x for name in changed for x in (flag_name(name), str(getattr(cfg, name)))]
+    assert parse_config(["train", *argv]) == cfg
+
+
+def test_checkpointing_choices_are_the_decision_kinds(capsys):
+    (action,) = [a for a in train_parser()._actions if a.dest == "checkpointing"]
+    kinds = [k.value for k in memfit.DecisionKind]
+    assert list(action.choices) == [k for k in kinds if k != "offload"]
+    assert list(STRATEGIES) == [*kinds, "planned"]
+    assert parse_config(["train", "--checkpointing", "keep"]).checkpointing == "keep"
+    with pytest.raises(SystemExit):
+        parse_config(["train", "--checkpointing", "recompute"])
+    assert "invalid choice: 'recompute' (choose from keep, selective, full)" in capsys.readouterr().err.replace(
+        "'keep', 'selective', 'full'", "keep, selective, full"
+    )
+
+
+def test_the_old_none_spelling_still_works_with_a_warning(tmp_path):
+    with pytest.warns(FutureWarning, match="'none' is now spelt 'keep'"):
+        assert parse_config(["train", "--checkpointing", "none"]).checkpointing == "keep"
+    with pytest.warns(FutureWarning, match="'none' is now spelt 'keep'"):
+        assert TrainConfig(checkpointing="none").checkpointing == "keep"
+    (tmp_path / "run.toml").write_text('checkpointing = "none"\n')
+    with pytest.warns(FutureWarning, match="'none' is now spelt 'keep'"):
+        assert parse_config(["train", "--config", str(tmp_path / "run.toml")]).checkpointing == "keep"
+    with pytest.warns(FutureWarning, match="'none' is now spelt 'keep'"):
+        assert BenchConfig(strategies=("none", "full")).strategies == ("keep", "full")
+
+
+def test_decision_kinds_are_strings():
+    kind = memfit.DecisionKind.FULL
+    assert kind == "full" and str(kind) == f"{kind}" == "full" and json.dumps({"k": kind}) == '{"k": "full"}'
+    assert memfit.Decision("full").kind is kind and memfit.Decision.parse("none").kind is memfit.DecisionKind.KEEP
+    assert {"full": 1}[kind] == 1
+
+
+def test_add_flags_reads_types_and_metadata():
+    @dataclasses.dataclass
+    class Config:
+        name: str = dataclasses.field(default="a", metadata=flag("a name", choices=["a", "b"]))
+        count: int | None = dataclasses.field(default=None, metadata=flag("how many"))
+        rate: float = dataclasses.field(default=0.5, metadata=flag("how fast"))
+        loud: bool = dataclasses.field(default=False, metadata=flag("say more"))
+
+    p = argparse.ArgumentParser()
+    add_flags(p, Config)
+    args = p.parse_args(["--name", "b", "--count", "3", "--rate", "2", "--loud"])
+    assert Config(**vars(args)) == Config(name="b", count=3, rate=2.0, loud=True)
+    assert Config(**vars(p.parse_args([]))) == Config()
+
+    @dataclasses.dataclass
+    class Bad:
+        names: list = dataclasses.field(default_factory=list, metadata=flag("names"))
+
+    with pytest.raises(TypeError, match=r"the flag of Bad\.names needs a str, int, float or bool field"):
+        add_flags(argparse.ArgumentParser(), Bad)
