@@ -70,11 +70,20 @@ def test_a_config_round_trips_through_its_flags():
         json="run.json",
         device="cpu",
     )
+    fresh = dataclasses.replace(cfg, resume="no", overwrite=True)  # --overwrite and --resume exclude each other
     defaults = TrainConfig()
-    changed = [f.name for f in dataclasses.fields(TrainConfig) if getattr(cfg, f.name) != getattr(defaults, f.name)]
-    assert len(changed) == len(dataclasses.fields(TrainConfig))  # every field is exercised
-    argv = [x for name in changed for x in (flag_name(name), str(getattr(cfg, name)))]
-    assert parse_config(["train", *argv]) == cfg
+    exercised = set()
+    for config in (cfg, fresh):
+        changed = [
+            f.name for f in dataclasses.fields(TrainConfig) if getattr(config, f.name) != getattr(defaults, f.name)
+        ]
+        exercised.update(changed)
+        argv = []
+        for name in changed:
+            value = getattr(config, name)
+            argv += [flag_name(name)] if value is True else [flag_name(name), str(value)]  # a bool is a switch
+        assert parse_config(["train", *argv]) == config
+    assert exercised == {f.name for f in dataclasses.fields(TrainConfig)}  # every field is exercised
 
 
 def test_checkpointing_choices_are_the_decision_kinds(capsys):
