@@ -238,6 +238,7 @@ def place_buffers(managed: list[tuple[str, nn.Module]], device: torch.device) ->
         for name, b in m._buffers.items():
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros_like(b, device=device)
+                m.__dict__.setdefault("_memfit_meta_buffers", set()).add(name)  # for materialize to fill
             elif b is not None and not same_device(b.device, device):
                 m._buffers[name] = b.to(device)
 
