@@ -109,12 +109,12 @@ def _from_dtensors_or_full(optimizer: torch.optim.Optimizer, state_dict: dict) -
 
 
 def localize_loaded_state(optimizer: torch.optim.Optimizer) -> None:
-    """Turn DTensor states of sharded parameters, loaded before the hooks were installed, into
-    this rank's chunks (the step cannot mix DTensors with the plain chunk parameters)."""
+    """Turn DTensor or full states of sharded parameters, loaded before the hooks were installed,
+    into this rank's chunks (the step cannot mix them with the plain chunk parameters)."""
     for p, st in optimizer.state.items():
         sp = shard_of(p)
         if sp is None:
             continue
         for k, v in list(st.items()):
-            if isinstance(v, DTensor):
+            if _loads_as_rows(v, sp, p):
                 st[k] = _local(v, sp, p, f"{sp.fqn}.{k}").to(dtype=v.dtype, device=p.device)
