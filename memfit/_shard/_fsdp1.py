@@ -31,6 +31,7 @@ from torch.utils._pytree import tree_map_only
 
 from memfit._shard import _utils
 from memfit._shard._optim_state import install_optimizer_state_hooks
+from memfit._shard._unit import ShardedModule
 
 __all__ = ["FSDP1API"]
 
@@ -115,8 +116,9 @@ def _optim_options(model: nn.Module) -> tuple[StateDictOptions, bool, bool]:
     return StateDictOptions(full_state_dict=True), rank0_only, config.offload_to_cpu
 
 
-class FSDP1API:
-    """Mixed into ``memfit.FullyShardedDataParallel``: FSDP1's class and instance methods."""
+class FSDP1API(ShardedModule):
+    """Mixed into ``memfit.FullyShardedDataParallel``: FSDP1's class and instance methods (a
+    ShardedModule, so that ``user_class`` skips it)."""
 
     @staticmethod
     def set_state_dict_type(

@@ -209,6 +209,26 @@ def case_memfit_checkpoint_files_and_dcp_files(rank, world, root):
     memfit.load_checkpoint(path, model3, opt3)
     saved = torch.load(path + ".full.pt", weights_only=True)
     assert_same(full(model3, opt3), (saved["model"], saved["optim"]), "memfit.load_checkpoint of DCP files")
+    # Another layout: refused, naming the directory, what it holds and what memfit reads.
+    other = os.path.join(root, "other-layout")
+    dcp.save({"weights": get_state_dict(model3, opt3)[0]}, checkpoint_id=other)
+    with pytest.raises(RuntimeError, match=r"other-layout.*without memfit\.json.*\['weights'\].*'model' and 'optim'"):
+        memfit.load_checkpoint(other, model3, opt3)
+
+
+def case_plain_load_state_dict_before_any_step(rank, world, root):
+    """optimizer.state_dict() / load_state_dict() of torch's own, on an optimizer that has not
+    stepped yet (no hooks): its DTensors are made local at the first step."""
+    for kind in ("adam", "sgd"):
+        model, opt = build(kind, 301)
+        train(model, opt, 2, 0, rank, world, 301)
+        # Copies: loading shares tensors with what is loaded, as torch's own load_state_dict does.
+        msd, osd = tree_map_only(torch.Tensor, torch.clone, (model.state_dict(), opt.state_dict()))
+        assert isinstance(osd["state"][0][next(k for k in osd["state"][0] if k != "step")], DTensor)
+        model2, opt2 = build(kind, 301, seed=1)
+        model2.load_state_dict(msd)
+        opt2.load_state_dict(osd)
+        assert train(model2, opt2, 2, 2, rank, world, 301) == train(model, opt, 2, 2, rank, world, 301), kind
 
 
 # -- the groups of 1 and 3 -------------------------------------------------------------------
@@ -244,6 +264,7 @@ CASES = {
         case_save_and_resume_bitwise,
         case_full_state_equals_unsharded_run,
         case_memfit_checkpoint_files_and_dcp_files,
+        case_plain_load_state_dict_before_any_step,
     ],
     1: [case_load_saved_at_two],
     3: [case_load_saved_at_two, case_load_saved_at_one],
