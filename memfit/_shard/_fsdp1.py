@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from memfit._shard import _utils
-from memfit._shard._optim_state import install_optimizer_state_hooks
+from memfit._shard._optim_state import from_dtensors_or_full, install_optimizer_state_hooks
 from memfit._shard._unit import ShardedModule
 
 __all__ = ["FSDP1API"]
@@ -201,6 +201,56 @@ class FSDP1API(ShardedModule):
         install_optimizer_state_hooks(optim)  # its load_state_dict takes what we return
         set_optimizer_state_dict(model, optim, optim_state_dict, options=options)
         return optim.state_dict()  # DTensors views of what was loaded: loading them again is exact
+
+    @staticmethod
+    def full_optim_state_dict(
+        model: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_input: Any = None,
+        rank0_only: bool = True,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """FSDP1's older API: the full optimizer state keyed by parameter ids, in the order of
+        ``optim``'s groups (as ``optim.state_dict()`` of the unsharded model); with ``rank0_only``
+        the other ranks get {}. Every rank must call it."""
+        del group
+        if optim_input is not None:
+            raise NotImplementedError(
+                "memfit.FullyShardedDataParallel.full_optim_state_dict: optim_input is not supported; the "
+                "parameters are read from the optimizer"
+            )
+        osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+        if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
+            return {}
+        ids = {n: i for i, n in enumerate(n for g in osd["param_groups"] for n in g["params"])}
+        return {
+            "state": {ids[n]: st for n, st in osd["state"].items()},
+            "param_groups": [{**g, "params": [ids[n] for n in g["params"]]} for g in osd["param_groups"]],
+        }
+
+    @staticmethod
+    def scatter_full_optim_state_dict(
+        full_optim_state_dict: dict[str, Any] | None,
+        model: nn.Module,
+        optim_input: Any = None,
+        optim: torch.optim.Optimizer | None = None,
+        group: dist.ProcessGroup | None = None,
+    ) -> dict[str, Any]:
+        """FSDP1's older API: rank 0's :meth:`full_optim_state_dict` (the others pass None) made
+        this rank's state dict for ``optim.load_state_dict`` (its rows of every state tensor).
+        The whole state is broadcast as one object: every rank holds it briefly, in host memory."""
+        del model, group
+        if optim is None or optim_input is not None:
+            raise NotImplementedError(
+                "memfit.FullyShardedDataParallel.scatter_full_optim_state_dict: pass optim= (the optimizer "
+                "the state is for); optim_input is not supported"
+            )
+        box = [full_optim_state_dict if not dist.is_initialized() or dist.get_rank() == 0 else None]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            box = [tree_map_only(torch.Tensor, lambda t: t.cpu(), box[0])]
+            dist.broadcast_object_list(box, src=0)
+        install_optimizer_state_hooks(optim)
+        return from_dtensors_or_full(optim, box[0])
 
     @staticmethod
     @contextlib.contextmanager

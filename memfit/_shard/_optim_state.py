@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor, Shard
 from memfit._shard._param import ShardedParam, shard_of
 from memfit._shard._state_dict import as_dtensor
 
-__all__ = ["install_optimizer_state_hooks", "localize_loaded_state"]
+__all__ = ["from_dtensors_or_full", "install_optimizer_state_hooks", "localize_loaded_state"]
 
 # [Note: Optimizer state of a sharded model]
 # An optimizer of a sharded model holds each sharded parameter's chunk, so its state (Adam's
@@ -41,7 +41,7 @@ def install_optimizer_state_hooks(optimizer: torch.optim.Optimizer) -> None:
     if getattr(optimizer, _INSTALLED, False):
         return
     optimizer.register_state_dict_post_hook(_to_dtensors)
-    optimizer.register_load_state_dict_pre_hook(_from_dtensors_or_full)
+    optimizer.register_load_state_dict_pre_hook(from_dtensors_or_full)
     setattr(optimizer, _INSTALLED, True)
 
 
@@ -96,7 +96,9 @@ def _loads_as_rows(value: Any, sp: ShardedParam, chunk: torch.Tensor) -> bool:
     return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sp.shape) != tuple(chunk.shape)
 
 
-def _from_dtensors_or_full(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+def from_dtensors_or_full(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """``state_dict`` (keyed by ids or names) with this rank's chunk for every DTensor or full
+    state of a sharded parameter of ``optimizer``: what its ``load_state_dict`` takes."""
     by_key = _params_by_key(optimizer, state_dict["param_groups"])
     state = dict(state_dict["state"])
     for key, st in state.items():

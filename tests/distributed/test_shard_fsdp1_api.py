@@ -81,6 +81,24 @@ def case_optim_state_dict_full_and_rank0_only(rank, world, root):
         assert train(model2, opt2, 2, 2, rank, world, VOCAB) == cont, kind
 
 
+def case_full_optim_state_dict_and_scatter(rank, world, root):
+    for kind in ("adam", "sgd"):
+        model, opt, _, ref_opt = trained(kind)
+        full = FSDP.full_optim_state_dict(model, opt)  # rank0_only by default
+        if rank == 0:
+            assert_same(full, ref_opt.state_dict(), f"{kind} full optim state by ids", **TOL)
+        else:
+            assert full == {}
+        full = tree_map_only(torch.Tensor, torch.clone, full)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+            msd = model.state_dict()
+        cont = train(model, opt, 2, 2, rank, world, VOCAB)
+        model2, opt2 = build(kind, VOCAB, seed=1)
+        model2.load_state_dict(msd)
+        opt2.load_state_dict(FSDP.scatter_full_optim_state_dict(full if rank == 0 else None, model2, optim=opt2))
+        assert train(model2, opt2, 2, 2, rank, world, VOCAB) == cont, kind
+
+
 def case_sharded_state_dict_through_dcp(rank, world, root):
     model, opt, _, _ = trained()
     path = os.path.join(root, "sharded")
@@ -138,6 +156,7 @@ def case_summon_full_params_and_clip_grad_norm(rank, world, root):
 CASES = [
     case_full_state_dict_rank0_only_offloaded,
     case_optim_state_dict_full_and_rank0_only,
+    case_full_optim_state_dict_and_scatter,
     case_sharded_state_dict_through_dcp,
     case_settings_and_refusals,
     case_summon_full_params_and_clip_grad_norm,
