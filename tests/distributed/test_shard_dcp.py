@@ -231,6 +231,35 @@ def case_plain_load_state_dict_before_any_step(rank, world, root):
         assert train(model2, opt2, 2, 2, rank, world, 301) == train(model, opt, 2, 2, rank, world, 301), kind
 
 
+def case_gpt2_with_tied_head_resumes_bitwise(rank, world, root):
+    """The issue's scenario: a sharded HF GPT-2 (LM head tied to the embedding), vocabulary 301."""
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    from tests._models import tiny_gpt2
+
+    def gpt2(seed):
+        model = memfit.FullyShardedDataParallel(tiny_gpt2(vocab=301, seed=seed), auto_wrap_policy=GPT2Block)
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def steps(model, opt, first, n):
+        for step in range(first, first + n):
+            ids = batch(step, 301, rank, world)
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    path = os.path.join(root, "gpt2")
+    model, opt = gpt2(0)
+    steps(model, opt, 0, 2)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    steps(model, opt, 2, 2)
+    model2, opt2 = gpt2(1)
+    load_into(path, model2, opt2)
+    steps(model2, opt2, 2, 2)
+    assert_same(full(model2, opt2), full(model, opt), "GPT-2 resumed")
+
+
 # -- the groups of 1 and 3 -------------------------------------------------------------------
 
 
@@ -265,6 +294,7 @@ CASES = {
         case_full_state_equals_unsharded_run,
         case_memfit_checkpoint_files_and_dcp_files,
         case_plain_load_state_dict_before_any_step,
+        case_gpt2_with_tied_head_resumes_bitwise,
     ],
     1: [case_load_saved_at_two],
     3: [case_load_saved_at_two, case_load_saved_at_one],
