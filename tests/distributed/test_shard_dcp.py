@@ -260,6 +260,20 @@ def case_gpt2_with_tied_head_resumes_bitwise(rank, world, root):
     assert_same(full(model2, opt2), full(model, opt), "GPT-2 resumed")
 
 
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # torchtitan's layout
+
+
+def case_save_flattened_optimizer_state(rank, world, root):
+    model, opt = build("adam", 301)
+    train(model, opt, 3, 0, rank, world, 301)
+    msd, osd = get_state_dict(model, opt, options=FLAT)
+    assert isinstance(osd["state.emb.weight.exp_avg"], DTensor)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "flat"))
+    saved = full(model, opt)
+    if rank == 0:
+        torch.save(saved, os.path.join(root, "flat.full.pt"))
+
+
 # -- the groups of 1 and 3 -------------------------------------------------------------------
 
 
@@ -287,6 +301,15 @@ def case_load_saved_at_one(rank, world, root):
     check_loads(rank, world, root, lambda kind, vocab: tag(kind, vocab) + ".at1")
 
 
+def case_load_flattened_saved_at_two(rank, world, root):
+    model, opt = build("adam", 301, seed=1)
+    msd, osd = get_state_dict(model, opt, options=FLAT)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, checkpoint_id=os.path.join(root, "flat"))
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=FLAT)
+    assert_same(full(model, opt), torch.load(os.path.join(root, "flat.full.pt"), weights_only=True), "flattened")
+
+
 CASES = {
     2: [
         case_state_is_dtensors_sharded_like_the_parameters,
@@ -295,9 +318,10 @@ CASES = {
         case_memfit_checkpoint_files_and_dcp_files,
         case_plain_load_state_dict_before_any_step,
         case_gpt2_with_tied_head_resumes_bitwise,
+        case_save_flattened_optimizer_state,
     ],
     1: [case_load_saved_at_two],
-    3: [case_load_saved_at_two, case_load_saved_at_one],
+    3: [case_load_saved_at_two, case_load_saved_at_one, case_load_flattened_saved_at_two],
 }
 GROUPS = {world: Subtests(cases, timeout=600) for world, cases in CASES.items()}
 
