@@ -13,6 +13,7 @@ from memfit._shard import _runtime
 from memfit._shard._compat import wrap_policy_of
 from memfit._shard._device import compute_device, resolved
 from memfit._shard._export import SavePretrained
+from memfit._shard._fsdp1 import FSDP1API
 from memfit._shard._init import (
     broadcast_buffers,
     check_adopted_homes,
@@ -35,7 +36,7 @@ from memfit._shard._unit import ShardedModule, Unit, user_class
 __all__ = ["FullyShardedDataParallel", "shard"]
 
 
-class FullyShardedDataParallel(ShardedModule):
+class FullyShardedDataParallel(FSDP1API, ShardedModule):
     """Drop-in for ``DistributedDataParallel`` that shards the model over the ranks (ZeRO-3).
 
     ``FullyShardedDataParallel(model, ...)`` shards, in place, each submodule that

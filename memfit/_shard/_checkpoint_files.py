@@ -23,7 +23,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from memfit._instrument import HOOKS
 from memfit._shard import _atomic
+from memfit._shard._dcp_files import is_dcp_checkpoint, load_dcp_checkpoint
 from memfit._shard._device import device_of_units, moved
+from memfit._shard._optim_state import install_optimizer_state_hooks
 from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule
 
@@ -426,8 +428,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     files, bytes that differ from the checksums written at save (naming file and tensor),
     unreadable files ("corrupt or not a memfit checkpoint"), and metadata that would unpickle
     anything but checkpoint metadata."""
-    shards, group = _shard_params(model)
     path = whole_copy(os.path.abspath(path))
+    if is_dcp_checkpoint(path):  # See [Note: memfit's checkpoint files and DCP's]
+        return load_dcp_checkpoint(path, model, optimizer)
+    shards, group = _shard_params(model)
     meta = _read_metadata(path)
     _check_files(path, meta)
     info = _read_info(path)
@@ -477,6 +481,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
             v = state[key]
             v = v.to_local().reshape(p.shape) if isinstance(v, DTensor) else v
             optimizer.state[p][k] = placed_state(v, p, groups[id(p)], k)
+        install_optimizer_state_hooks(optimizer)  # its state_dict() speaks DTensors before any step
     extra = dict(info["extra"])
     device = device_of_units([sp.owner for sp in shards.values()]) if shards else torch.device("cpu")
     on_device = set(info.get("on_device", []))

@@ -3,6 +3,7 @@ one tensor at a time, so the full model never exists on one rank."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -11,41 +12,184 @@ from torch import nn
 
 from memfit._shard._collectives import free_now
 from memfit._shard._device import device_of_units, fill, moved
-from memfit._shard._unit import units_of
+from memfit._shard._unit import units_of, user_class
 
 __all__ = ["load_full_state_dict", "materialize"]
 
 
+# [Note: What materialize initialises]
+# A model built on the meta device has no values, and memfit allocates each unit's full
+# parameters without filling them, so every tensor must be written by something that knows the
+# model's init. Per unit (the unit's full parameters allocated, the same seed on every rank, so
+# every rank computes the same full values and keeps its rows), each module the unit manages,
+# children before parents (as transformers' `initialize_weights` walks them):
+# - `init=` / `param_init_fn=` given: `init(module)` and nothing else;
+# - else its own `reset_parameters()` when it has one (what its constructor would have done),
+#   then, inside a transformers model, the `_init_weights(module)` of the nearest enclosing
+#   `PreTrainedModel` (what `from_config` does eagerly: embeddings std `initializer_range`,
+#   norms 1, biases 0, GPT-2's scaled residual projections, rotary and position buffers).
+# Before that the tensors to fill (deferred parameters, and buffers built on the meta device,
+# which sharding zeroed) are set to NaN (integer buffers: their version counter is noted);
+# afterwards any still NaN somewhere (or, integer, never written) is an error naming the module
+# and the tensor and saying what to pass. One host sync per unit, for that check.
+
+
+_META_BUFFERS = "_memfit_meta_buffers"  # names of a module's buffers built on the meta device
+
+
 @torch.no_grad()
-def materialize(model: nn.Module, init: Callable[[nn.Module], None] | None = None, seed: int = 0) -> nn.Module:
-    """Give the parameters built on the meta device their initial values, one unit at a time:
-    the unit's full parameters are allocated, ``init(module)`` (default: the module's own
-    ``reset_parameters``) runs on each of its modules under the same seed on every rank, each
-    rank keeps its rows, and the full parameters are freed. No communication; the peak is the
-    local chunks plus one unit in full. Buffers built on the meta device start at zero unless
-    ``init`` or ``reset_parameters`` sets them (BatchNorm's do)."""
+def materialize(
+    model: nn.Module,
+    init: Callable[[nn.Module], None] | None = None,
+    seed: int = 0,
+    *,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
+) -> nn.Module:
+    """Give the parameters (and buffers) built on the meta device their initial values, one
+    unit at a time: the unit's full parameters are allocated, each module it manages is
+    initialised under the same seed on every rank, each rank keeps its rows, and the full
+    parameters are freed. No communication; the peak is the local chunks plus one unit in full.
+
+    A module is initialised by ``init(module)`` when given (``param_init_fn`` is FSDP1's name
+    for it), else by its ``reset_parameters()`` and, inside a transformers model, by that
+    model's own ``_init_weights(module)``. A parameter or buffer that nothing writes is an
+    error naming it (See [Note: What materialize initialises])."""
+    if param_init_fn is not None:
+        if init is not None:
+            raise TypeError("memfit.materialize: pass init= or param_init_fn= (the same thing), not both")
+        init = param_init_fn
+    hf = _hf_owners(model) if init is None else {}
+    paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
     for i, unit in enumerate(units_of(model)):
         todo = [sp for sp in unit.params if sp.deferred]
-        if not todo:
+        buffers = [(m, n) for m in unit.managed for n in getattr(m, _META_BUFFERS, ())]
+        if not todo and not buffers:
             continue
         torch.manual_seed(seed * 1_000_003 + i)  # the same values on every rank
         for sp in unit.params:
             sp.alloc_full()
             sp.register(sp.full)
         try:
-            for m in unit.managed:
+            marks = [_mark(sp.full) for sp in todo] + [_mark(m._buffers[n]) for m, n in buffers]
+            before = [m._buffers[n] for m, n in buffers]
+            for m in _children_first(unit):
                 if init is not None:
                     init(m)
-                elif hasattr(m, "reset_parameters") and (m._parameters or m._buffers):
+                    continue
+                if hasattr(m, "reset_parameters") and (m._parameters or m._buffers):
                     m.reset_parameters()
+                owner = hf.get(id(m))
+                if owner is not None:
+                    owner._init_weights(m)
+            replaced = _take_replaced(todo, buffers, before)
+            _refuse_unwritten(todo, buffers, marks, replaced, paths, init is not None, hf)
             for sp in todo:
                 sp.keep_rows(sp.full, unit.rank)
                 sp.deferred = False
+            for m, n in buffers:
+                getattr(m, _META_BUFFERS).discard(n)
         finally:
             for sp in unit.params:
                 sp.register(sp.sharded)
                 sp.free_full()
     return model
+
+
+def _hf_owners(model: nn.Module) -> dict[int, nn.Module]:
+    """id(module) -> the nearest transformers ``PreTrainedModel`` containing it (itself included),
+    for the modules inside one; {} when transformers is not in use."""
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None)
+    if pretrained is None:
+        return {}
+    owners: dict[int, nn.Module] = {}
+
+    def visit(m: nn.Module, owner: nn.Module | None) -> None:
+        if isinstance(m, pretrained):
+            owner = m
+        if owner is not None:
+            owners.setdefault(id(m), owner)
+        for child in m.children():
+            visit(child, owner)
+
+    visit(model, None)
+    return owners
+
+
+def _children_first(unit) -> list[nn.Module]:
+    """The unit's managed modules, each after its children (post-order, siblings in order)."""
+    managed = {id(m) for m in unit.managed}
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if id(child) in managed and id(child) not in seen:
+                visit(child)
+        if id(m) not in seen:
+            seen.add(id(m))
+            out.append(m)
+
+    visit(unit.module)
+    out.extend(m for m in unit.managed if id(m) not in seen)
+    return out
+
+
+def _mark(t: torch.Tensor) -> int:
+    """Make ``t`` recognisably unwritten: NaN when floating point; returns its version counter."""
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    return t._version
+
+
+def _take_replaced(todo: list, buffers: list[tuple[nn.Module, str]], before: list[torch.Tensor]) -> set[int]:
+    """Keep the values of parameters an init replaced (``module.weight = nn.Parameter(...)``) in
+    the full parameter, and put replaced buffers where the originals were; returns the indices
+    (parameters, then buffers) of the replaced ones."""
+    replaced = set()
+    for i, sp in enumerate(todo):
+        for m, name in sp.uses:
+            new = m._parameters.get(name)
+            if new is not None and new is not sp.full:
+                sp.full.copy_(new.detach())
+                replaced.add(i)
+                break
+    for j, ((m, name), old) in enumerate(zip(buffers, before)):
+        b = m._buffers[name]
+        if b is not old:
+            m._buffers[name] = b.to(device=old.device)
+            replaced.add(len(todo) + j)
+    return replaced
+
+
+def _refuse_unwritten(todo, buffers, marks, replaced: set[int], paths, custom: bool, hf: dict) -> None:
+    tensors = [sp.full for sp in todo] + [m._buffers[n] for m, n in buffers]
+    names = [(sp.uses[0][0], sp.uses[0][1], "parameter") for sp in todo] + [(m, n, "buffer") for m, n in buffers]
+    if any(t.is_meta for t in tensors):  # a unit computing on the meta device (tests): no values to check
+        return
+    floats = [i for i, t in enumerate(tensors) if t.is_floating_point() or t.is_complex()]
+    # One host sync for the unit: NaN anywhere survives the sum (the marks of unwritten elements).
+    nan = torch.stack([tensors[i].sum(dtype=torch.float32).isnan() for i in floats]).tolist() if floats else []
+    unwritten = [i for i, bad in zip(floats, nan) if bad]
+    unwritten += [i for i, t in enumerate(tensors) if i not in floats and t._version == marks[i]]
+    unwritten = [i for i in unwritten if i not in replaced]
+    if not unwritten:
+        return
+    where = []
+    for i in sorted(unwritten):
+        m, n, kind = names[i]
+        path = paths.get(id(m), "?")
+        where.append(f"{kind} '{f'{path}.{n}' if path else n}' of {user_class(m).__name__}")
+    if custom:
+        how = "the init function passed to materialize left them (or some of their elements) unset: make it fill them"
+    else:
+        hf_note = " and the transformers model's _init_weights does not set them" if hf else ""
+        how = (
+            f"their modules have no reset_parameters{hf_note}; pass memfit.materialize(model, init=fn) with "
+            "fn(module) filling every parameter and buffer of the modules it is given (in place), or give the "
+            "module classes a reset_parameters()"
+        )
+    raise RuntimeError(f"memfit.materialize: nothing initialised {', '.join(where[:10])}: {how}")
 
 
 @torch.no_grad()

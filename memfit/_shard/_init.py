@@ -17,6 +17,7 @@ from memfit._shard import _runtime
 from memfit._shard._device import moved, same_device
 from memfit._shard._layout import Layout
 from memfit._shard._mixed import MixedPrecision
+from memfit._shard._optim_state import install_optimizer_state_hooks, localize_loaded_state
 from memfit._shard._param import ShardedParam, shard_of, sharded_as
 from memfit._shard._unit import ShardedModule, Unit, user_class
 
@@ -237,6 +238,7 @@ def place_buffers(managed: list[tuple[str, nn.Module]], device: torch.device) ->
         for name, b in m._buffers.items():
             if b is not None and b.is_meta:
                 m._buffers[name] = torch.zeros_like(b, device=device)
+                m.__dict__.setdefault("_memfit_meta_buffers", set()).add(name)  # for materialize to fill
             elif b is not None and not same_device(b.device, device):
                 m._buffers[name] = b.to(device)
 
@@ -386,12 +388,18 @@ def ensure_optimizer_check() -> None:
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """Optimizer step pre-hook: refuse a step on parameters that sharding replaced."""
+    """Optimizer step pre-hook: refuse a step on parameters that sharding replaced; give an
+    optimizer of sharded parameters its state_dict hooks (See [Note: Optimizer state of a sharded model])."""
+    chunks = False
     for group in optimizer.param_groups:
         for p in group["params"]:
+            chunks = chunks or shard_of(p) is not None
             if sharded_as(p) is not None:
                 raise RuntimeError(
                     f"memfit sharding: {type(optimizer).__name__} holds parameter '{sharded_as(p).fqn}' as it was "
                     "before sharding; it would update a tensor the model no longer uses. Build the optimizer "
                     "after memfit.shard / FullyShardedDataParallel, from model.parameters()."
                 )
+    if chunks and not getattr(optimizer, "_memfit_state_hooks", False):
+        install_optimizer_state_hooks(optimizer)
+        localize_loaded_state(optimizer)
