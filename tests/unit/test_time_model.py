@@ -9,6 +9,8 @@ import memfit
 from memfit.testing import PROFILES, OpCost, device_profile
 
 FLAT = memfit.DeviceProfile("flat", {"float32": 1e9}, 1e9, 1e8, 1e-6)
+# pytest.approx (rel 1e-6) throughout: float64 prices, the model's sum and division in another
+# order than the expected expression's; the arithmetic is otherwise the same.
 
 
 def test_an_op_costs_its_roofline_plus_dispatch():
