@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/memfit bench --compare --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Strict: a broken link, anchor or API reference fails the build. Nothing is fetched.
 docs: $(DOCS_STAMP)
