@@ -45,7 +45,7 @@ class Streams:
         self.cuda = device.type == "cuda"
         if self.cuda:  # pragma: no cover (needs a GPU)
             compute = torch.cuda.current_stream(device)
-            high = torch.cuda.Stream.priority_range()[1]  # collectives first, as FSDP2 does
+            high = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]  # collectives first, as FSDP2 does
             self._streams = {
                 "compute": compute,
                 "gather": torch.cuda.Stream(device, priority=high),
