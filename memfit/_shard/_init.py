@@ -288,7 +288,7 @@ def new_unit(
     owned: Ownership,
     managed: list[tuple[str, nn.Module]],
     layout: Layout,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | int,
     mixed_precision: MixedPrecision | None,
 ) -> Unit:
     """The unit owning the new and adopted parameters, made the parent of the units directly below."""

@@ -451,6 +451,8 @@ class ShardedModule:
 
     The module's unit is its ``_memfit_unit`` attribute."""
 
+    _memfit_unit: Unit  # set on the instance by memfit.shard (see _api._install)
+
     def _units_below(self) -> list[Unit]:
         return [m._memfit_unit for m in self.modules() if isinstance(m, ShardedModule)]  # type: ignore[attr-defined]
 
