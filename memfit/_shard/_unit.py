@@ -470,7 +470,7 @@ class ShardedModule:
                 u.grad_sync = u.grad_sync.leaving_no_sync()
 
 
-def user_class(module: nn.Module) -> type:
+def user_class(module: object) -> type:
     """The module's own class, without memfit's mixins."""
     return next(c for c in type(module).__mro__ if not issubclass(c, ShardedModule))
 
