@@ -63,6 +63,7 @@ class Streams:
 
     def record(self, stream: str):
         """An event marking the work queued on ``stream`` so far (a unique stand-in on the CPU)."""
+        event: torch.cuda.Event | object
         if self.cuda:  # pragma: no cover (needs a GPU)
             event = torch.cuda.Event()
             event.record(self._streams[stream])
