@@ -71,8 +71,8 @@ def materialize(
             sp.alloc_full()
             sp.register(sp.full)
         try:
-            marks = [_mark(sp.full) for sp in todo] + [_mark(m._buffers[n]) for m, n in buffers]
-            before = [m._buffers[n] for m, n in buffers]
+            before = [cast(torch.Tensor, m._buffers[n]) for m, n in buffers]  # meta buffers: tensors
+            marks = [_mark(sp.full) for sp in todo] + [_mark(b) for b in before]
             for m in _children_first(unit):
                 if init is not None:
                     init(m)
@@ -81,7 +81,7 @@ def materialize(
                     m.reset_parameters()  # type: ignore[operator]
                 owner = hf.get(id(m))
                 if owner is not None:
-                    owner._init_weights(m)
+                    owner._init_weights(m)  # type: ignore[operator]
             replaced = _take_replaced(todo, buffers, before)
             _refuse_unwritten(todo, buffers, marks, replaced, paths, init is not None, hf)
             for sp in todo:
@@ -156,7 +156,7 @@ def _take_replaced(todo: list, buffers: list[tuple[nn.Module, str]], before: lis
                 replaced.add(i)
                 break
     for j, ((m, name), old) in enumerate(zip(buffers, before)):
-        b = m._buffers[name]
+        b = cast(torch.Tensor, m._buffers[name])
         if b is not old:
             m._buffers[name] = b.to(device=old.device)
             replaced.add(len(todo) + j)
