@@ -150,7 +150,7 @@ def sharded_as(p: nn.Parameter) -> ShardedParam | None:
     return getattr(p, "_memfit_sharded_as", None)
 
 
-def shard_of(p: nn.Parameter) -> ShardedParam | None:
+def shard_of(p: torch.Tensor) -> ShardedParam | None:
     """The sharded parameter whose local chunk ``p`` is (None: ``p`` is no chunk)."""
     ref = getattr(p, "_memfit_shard_of", None)
     return ref() if ref is not None else None
