@@ -5,8 +5,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memfit-installed
 DOCS_STAMP := $(VENV)/.memfit-docs-installed
+BARE := .venv-bare
 
-.PHONY: demo test docs gpu lint format clean
+.PHONY: demo test docs gpu lint typecheck no-extras format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,7 +26,7 @@ demo: $(STAMP)
 	$(VENV)/bin/memfit bench --compare --json out/bench.json --plot out/bench.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 # Strict: a broken link, anchor or API reference fails the build. Nothing is fetched.
 docs: $(DOCS_STAMP)
@@ -40,9 +41,22 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# mypy on memfit/ (settings in pyproject.toml [tool.mypy])
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+# `pip install .` with no extras into a fresh venv, then import memfit and a one-process
+# checkpoint + plan run: a dependency memfit needs but does not declare fails here.
+no-extras:
+	rm -rf $(BARE)
+	$(PYTHON) -m venv $(BARE)
+	$(BARE)/bin/python -m pip install --quiet -c constraints.txt .
+	cd $(BARE) && bin/python $(CURDIR)/.ci/no_extras.py
+	rm -rf $(BARE)
+
 format: $(STAMP)
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build site *.egg-info .pytest_cache
+	rm -rf $(VENV) $(BARE) build site *.egg-info .pytest_cache .mypy_cache

@@ -231,12 +231,12 @@ class MemoryMeter:
             meter._resized(st)
             return out
 
-        torch.UntypedStorage.resize_ = resize_
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc) -> None:
         assert self._mode is not None
-        torch.UntypedStorage.resize_ = self._orig_resize
+        torch.UntypedStorage.resize_ = self._orig_resize  # type: ignore[method-assign]
         self._mode.__exit__(*exc)
         self._mode = None
         if self._allocator is not None:
@@ -247,7 +247,7 @@ class MemoryMeter:
     def __repr__(self) -> str:
         parts = ", ".join(f"{k}={v / 2**20:.2f}MiB" for k, v in self.breakdown().items())
         alloc = ""
-        if self.allocator_peak_bytes is not None:
+        if self.allocator_peak_bytes is not None and self.allocator_reserved_peak_bytes is not None:
             alloc = (
                 f"; allocator peaks: allocated={self.allocator_peak_bytes / 2**20:.2f}MiB, "
                 f"reserved={self.allocator_reserved_peak_bytes / 2**20:.2f}MiB"

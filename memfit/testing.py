@@ -129,8 +129,9 @@ def offload_writer(
 def trace_streams() -> Iterator[Trace]:
     """Record the streams' records, waits and buffer notes (sharding and host offload) made
     inside into the yielded `Trace`; ``trace.violations()`` checks the ordering rules."""
-    with switched(trace=Trace()) as hooks:
-        yield hooks.trace
+    trace = Trace()
+    with switched(trace=trace):
+        yield trace
 
 
 def debug_collectives(on: bool = True) -> contextlib.AbstractContextManager[Hooks]:

@@ -125,9 +125,16 @@ def run_ranks(
     return [outs[r] for r in range(world_size)]
 
 
+# (world size, case name) -> seconds on rank 0, barrier included: pytest --durations sees one
+# spawned group as its first test, so conftest prints the slowest sub-cases from here.
+CASE_SECONDS: dict[tuple[int, str], float] = {}
+
+
 def _run_cases(rank: int, world_size: int, cases: list[Callable], args: tuple) -> dict[str, str | None]:
     report: dict[str, str | None] = {}
+    seconds: dict[str, float] = {}
     for case in cases:
+        start = time.perf_counter()
         try:
             case(rank, world_size, *args)
             report[case.__name__] = None
@@ -136,14 +143,18 @@ def _run_cases(rank: int, world_size: int, cases: list[Callable], args: tuple) -
         except BaseException:  # pytest.fail and pytest.raises' "did not raise" are BaseExceptions
             report[case.__name__] = traceback.format_exc()
         dist.barrier()
-    return report
+        seconds[case.__name__] = time.perf_counter() - start
+    return {"report": report, "seconds": seconds}
 
 
 def run_subtests(
     cases: list[Callable], world_size: int, *args, timeout: float = 300.0, on_test_device: bool = False
 ) -> dict[str, str | None]:
     """Run ``case(rank, world_size, *args)`` for each case in one group; {case name: failure or None}."""
-    reports = run_ranks(_run_cases, world_size, cases, args, timeout=timeout, on_test_device=on_test_device)
+    outs = run_ranks(_run_cases, world_size, cases, args, timeout=timeout, on_test_device=on_test_device)
+    reports = [out["report"] for out in outs]
+    for name, s in outs[0]["seconds"].items():
+        CASE_SECONDS[(world_size, name)] = CASE_SECONDS.get((world_size, name), 0.0) + s
     merged: dict[str, str | None] = {}
     for case in cases:
         errors = [f"rank {r}:\n{rep[case.__name__]}" for r, rep in enumerate(reports) if rep[case.__name__]]

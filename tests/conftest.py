@@ -13,3 +13,16 @@ if DEVICE not in ("cpu", "cuda"):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """With --durations=N: the N slowest sub-cases of the spawned groups (tests._dist.Subtests),
+    whose whole group's time pytest books to the group's first test."""
+    n = config.getoption("durations", None)
+    from tests._dist import CASE_SECONDS
+
+    if not n or not CASE_SECONDS:
+        return
+    terminalreporter.write_sep("=", f"slowest {n} sub-cases of spawned groups (rank 0, seconds)")
+    for (world, name), s in sorted(CASE_SECONDS.items(), key=lambda kv: -kv[1])[:n]:
+        terminalreporter.write_line(f"{s:8.2f}s  W={world}  {name}")

@@ -23,7 +23,7 @@ class DecisionKind(str, Enum):
     OFFLOAD = "offload"  # as FULL, with the inputs moved off the device (disk or host) until backward
 
     __str__ = str.__str__  # "full", not "DecisionKind.FULL"
-    __format__ = str.__format__
+    __format__ = str.__format__  # type: ignore[assignment]  # str's, as __str__
 
     @classmethod
     def parse(cls, name: str | DecisionKind) -> DecisionKind:

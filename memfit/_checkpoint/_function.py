@@ -76,12 +76,12 @@ class _SaveInputs(torch.autograd.Function):
     """Saves the block inputs as an autograd node would, so enclosing hooks apply to them."""
 
     @staticmethod
-    def forward(ctx, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(*tensors)
         return dummy.new_empty(0)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, grad: torch.Tensor):
         raise AssertionError("memfit: the input-saving node is never part of a backward pass")
 
 
@@ -166,7 +166,8 @@ class _Frame:
         objects unless offloaded), the others detached; Python attributes set on them kept."""
         assert self.saver is not None and self.saver.grad_fn is not None
         distinct = []
-        for saved, rg, attrs in zip(self.saver.grad_fn.saved_tensors, self.requires_grad, self.attrs):
+        saved_tensors = self.saver.grad_fn.saved_tensors  # type: ignore[attr-defined]  # a custom Function's node
+        for saved, rg, attrs in zip(saved_tensors, self.requires_grad, self.attrs):
             t = saved.detach().requires_grad_(True) if rg else saved
             if attrs:
                 t.__dict__.update(attrs)
@@ -291,7 +292,7 @@ def _checkpoint(
     check: bool = True,
     module: torch.nn.Module | None = None,
 ):
-    options = {
+    options: dict[str, Any] = {
         "preserve_rng_state": preserve_rng_state,
         "offload": offload,
         "save": save,

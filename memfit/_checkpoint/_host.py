@@ -10,6 +10,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from typing import cast
 
 import torch
 from torch import nn
@@ -105,7 +106,7 @@ def cpu_as_device() -> Iterator[Trace]:
     _offloaders.clear()
     try:
         with switched(trace=HOOKS.trace or Trace(), cpu_as_device=True) as hooks:
-            yield hooks.trace
+            yield cast(Trace, hooks.trace)
     finally:
         _offloaders.clear()
 
@@ -373,7 +374,7 @@ class _Group:
 def _region(t: torch.Tensor) -> tuple[int, int]:
     """(first element, number of elements) of the storage region ``t`` spans."""
     span = 1 + sum((n - 1) * s for n, s in zip(t.size(), t.stride()))
-    return t.storage_offset(), span
+    return cast(int, t.storage_offset()), span
 
 
 def _is_param(t: torch.Tensor) -> bool:
@@ -497,13 +498,14 @@ class _HostOffload:
             if entry.device_buf is None:  # on demand: the first group in backward order
                 self._fetch([entry, *group.entries], prefetch=False)
             self._prefetch_once(group)
-            if not entry.fetch.waited:
-                self.streams.wait("compute", entry.fetch.event)
-                entry.fetch.waited = True
+            fetch, buf = cast(_Fetch, entry.fetch), cast(torch.Tensor, entry.device_buf)  # _fetch set both
+            if not fetch.waited:
+                self.streams.wait("compute", fetch.event)
+                fetch.waited = True
             if entry.dense:
-                out = entry.device_buf.as_strided(saved.size, saved.stride, saved.offset - entry.start)
+                out = buf.as_strided(saved.size, saved.stride, saved.offset - entry.start)
             else:
-                out = entry.device_buf.view(saved.size)
+                out = buf.view(saved.size)
             self.streams.note("use", f"dev{entry.name}", "compute")
         entry.used.add(id(saved))
         if len(entry.used) >= entry.live:
@@ -538,7 +540,7 @@ class _HostOffload:
         s.after("side", "compute")  # the buffers' memory may have been in use on compute
         with s.on_side():
             for e, buf in zip(todo, bufs):
-                buf.copy_(e.host, non_blocking=True)
+                buf.copy_(cast(torch.Tensor, e.host), non_blocking=True)  # packed to the host before
                 s.note("use", f"host{e.name}", "side")
                 s.note("use", f"dev{e.name}", "side")
             fetch = _Fetch(s.record("side"))
@@ -556,9 +558,10 @@ class _HostOffload:
         """Every live handle of ``entry`` has its tensor: drop the device copy and the source
         (the unpacked tensors keep their memory as long as autograd needs them)."""
         if entry.device_buf is not None:
-            if not entry.fetch.waited:  # fetched but never used: compute must not reuse it early
-                self.streams.wait("compute", entry.fetch.event)
-                entry.fetch.waited = True
+            fetch = cast(_Fetch, entry.fetch)  # set with device_buf
+            if not fetch.waited:  # fetched but never used: compute must not reuse it early
+                self.streams.wait("compute", fetch.event)
+                fetch.waited = True
             entry.device_buf = None
             self.streams.note("free", f"dev{entry.name}", "compute")
         entry.used.clear()

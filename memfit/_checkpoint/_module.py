@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 from torch import nn
 
@@ -140,7 +141,7 @@ class every_nth:  # noqa: N801 (a policy that reads as a function call)
     """
 
     n: int
-    classes: type | tuple[type, ...]
+    classes: type[nn.Module] | tuple[type[nn.Module], ...]
 
     def __post_init__(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
@@ -163,7 +164,8 @@ def _selector(policy) -> Callable[[nn.Module], list[tuple[str, nn.Module]]]:
         return policy.select
     if isinstance(policy, type) or isinstance(policy, tuple):
         _check_classes(policy, "apply_activation_checkpointing")
-        return lambda model: [(n, m) for n, m in model.named_modules() if isinstance(m, policy)]
+        classes = cast("type[nn.Module] | tuple[type[nn.Module], ...]", policy)
+        return lambda model: [(n, m) for n, m in model.named_modules() if isinstance(m, classes)]
     if callable(policy):
         return lambda model: [(n, m) for n, m in model.named_modules() if policy(m)]
     raise TypeError(

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 import weakref
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, cast
 
 import torch
 from torch import nn
@@ -108,10 +108,11 @@ def offload_hooks(offload: Offload | None, module: nn.Module | None = None) -> c
     ``module``: the checkpointed module, if the block is one (its state is never offloaded)."""
     if offload is None:
         return contextlib.nullcontext()
+    min_bytes = cast(int, offload.min_bytes)  # Offload.__post_init__ fills it
     if offload.target == "cpu":
-        return HostHooks(offload.min_bytes, offload.stash, module)
+        return HostHooks(min_bytes, offload.stash, module)
     store = _DiskStore.for_directory(offload.directory or tempfile.gettempdir())
-    return torch.autograd.graph.saved_tensors_hooks(functools.partial(store.pack, offload.min_bytes), _unpack_disk)
+    return torch.autograd.graph.saved_tensors_hooks(functools.partial(store.pack, min_bytes), _unpack_disk)
 
 
 def _keep(t: torch.Tensor) -> bool:
@@ -152,7 +153,7 @@ def _remove(path: str) -> None:
 def _write(path: str, t: torch.Tensor) -> None:
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     with open(path, "wb") as f:
-        f.write(memoryview(data))
+        f.write(memoryview(data))  # type: ignore[arg-type]  # an ndarray is a buffer
 
 
 class _DiskStore:

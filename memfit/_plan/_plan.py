@@ -7,6 +7,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -97,6 +98,7 @@ class Plan:
         for path, kind in self.decisions.items():
             self.decision(kind).apply(model.get_submodule(path), name=path)
         if self.head == "chunked":
+            assert self.profile.head is not None  # a chunked head is chosen only for a profiled head
             chunk_head(model, self.profile.head)
         return model
 
@@ -115,7 +117,7 @@ class Plan:
     def table(self) -> str:
         """Per block (runs of 3 or more identical rows as one): decision, bytes kept and saved
         against keeping, extra time; then the verdict and the forecast's per-rank terms."""
-        rows = []
+        rows: list[tuple] = []
         for b in self.profile.blocks:
             d = self.decisions[b.path]
             key = (d, b.kept[d], b.kept["keep"], b.extra_time[d])
@@ -328,7 +330,7 @@ def plan(
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
     shard = _sharding(world_size, shard_size, sharding)
     device = _device_profile(device_profile, _device_type(model))
-    opts = {"decisions": decisions, "device": device}
+    opts: dict[str, Any] = {"decisions": decisions, "device": device}
     if profile is None:
         blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else find_candidates(model)
         opts["chunk_head"] = chunk_head is not False

@@ -153,7 +153,7 @@ def _signature(block: nn.Module, args, kwargs) -> tuple:
             return ("tensor", tuple(x.shape), x.dtype, x.requires_grad)
         return x if isinstance(x, (int, float, bool, str, type(None))) else type(x).__name__
 
-    tensors = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in block.named_parameters()]
+    tensors: list[tuple] = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in block.named_parameters()]
     tensors += [(n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()]
     flat, spec = tree_flatten((args, kwargs))
     return (type(block), repr(block), tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
@@ -276,7 +276,7 @@ def profile_model(
         skeleton.train()
         for m in skeleton.modules():  # an encoder-decoder's stacks have configs of their own
             config = getattr(m, "config", None)
-            if getattr(config, "use_cache", False):
+            if config is not None and getattr(config, "use_cache", False):
                 config.use_cache = False  # an HF key/value cache is for generation, and would grow per run
         blocks = [skeleton.get_submodule(p) for p in paths]
         whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
@@ -392,7 +392,7 @@ def _measure_step(
     None: forward and backward only, no optimizer)."""
     captured: dict[int, tuple] = {}
     marks: dict[str, int] = {}
-    meter_box: list[_Meter] = []
+    meter_box: list[MemoryMeter] = []
     recorder = CostRecorder()
 
     def capture(i):

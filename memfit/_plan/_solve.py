@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -163,7 +164,7 @@ class _Moments:
         )
 
 
-def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> dict[str, float]:
+def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> dict[str, Any]:
     """Predicted peak of a step under ``decisions``, with the moment that sets it and its terms."""
     m = _Moments.of(profile, sharding)
     kept = [b.kept[d] for b, d in zip(profile.blocks, decisions)]
@@ -175,7 +176,7 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
     if m.end_of_backward:
         moments["end of backward"] = m.end_of_backward
     moments["optimizer step"] = m.optimizer
-    where = max(moments, key=moments.get)
+    where = max(moments, key=moments.__getitem__)
     extra = sum(b.extra_time[d] for b, d in zip(profile.blocks, decisions))
     return {
         "peak": moments[where],

@@ -6,7 +6,9 @@ import contextlib
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -212,7 +214,7 @@ def _sdpa_cpu_backward(grad_out, query, key, value, *args, out_val=None, **kwarg
 
 
 # torch counts the CUDA attention kernels; the CPU one has the same arithmetic.
-_EXTRA_FLOPS = {
+_EXTRA_FLOPS: dict[Any, Callable[..., int]] = {
     getattr(aten, name): count
     for name, count in (
         ("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu),

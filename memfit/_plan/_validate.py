@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import gc
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -21,7 +22,7 @@ def measured_sharded_peak(
     last step (MemoryMeter; after the first step the optimizer state exists)."""
     model = plan.apply(copy.deepcopy(model))
     model.train()
-    model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer})
+    model = cast(nn.Module, memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer}))
     opt = _make_optimizer("adamw", model)
     for _ in range(steps):
         # Garbage in reference cycles is freed when Python's collector runs, which other threads

@@ -183,7 +183,7 @@ def _devices(
 
 def _install(module: nn.Module, unit: Unit) -> None:
     """Attach ``unit`` to ``module``: its class gains the sharded controls, its forward the hooks."""
-    module._memfit_unit = unit
+    module._memfit_unit = unit  # type: ignore[assignment]  # a Unit, not a Tensor or Module
     module.__class__ = _extended_class(type(module), ShardedModule)
     install_state_dict_hooks(module)  # See [Note: state_dict of a sharded model]
     module.register_forward_pre_hook(pre_forward_with_lazy_init, with_kwargs=True)

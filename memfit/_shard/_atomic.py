@@ -141,7 +141,7 @@ def is_no_space(e: BaseException) -> bool:
     """Whether ``e`` (or what caused it, or a rank's failure inside a torch CheckpointException)
     is a full disk or quota."""
     seen: set[int] = set()
-    todo = [e]
+    todo: list[BaseException | None] = [e]
     while todo:
         x = todo.pop()
         if x is None or id(x) in seen:
@@ -169,7 +169,7 @@ def no_space(where: str, path: str, needed: int | None, kept: str) -> OSError:
     )
 
 
-def _size(n: int) -> str:
+def _size(n: float) -> str:
     for unit in ("bytes", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"

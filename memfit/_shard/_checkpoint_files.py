@@ -11,7 +11,7 @@ import os
 import pickle
 import shutil
 import zlib
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,7 @@ from memfit._shard._dcp_files import is_dcp_checkpoint, load_dcp_checkpoint
 from memfit._shard._device import device_of_units, moved
 from memfit._shard._optim_state import install_optimizer_state_hooks
 from memfit._shard._param import ShardedParam
-from memfit._shard._unit import ShardedModule
+from memfit._shard._unit import ShardedModule, Unit
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -69,7 +69,9 @@ def _as_dtensor(local: torch.Tensor, sp: ShardedParam, meshes: dict[int, DeviceM
     stride = torch.empty(full, device="meta").stride()
     mesh = meshes[id(sp.owner)]
     place = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]  # See [Note: Hybrid sharding]
-    return DTensor.from_local(local.reshape(sp.local_rows, *full[1:]), mesh, place, shape=full, stride=stride)
+    return DTensor.from_local(
+        local.reshape(sp.local_rows, *full[1:]), mesh, place, shape=torch.Size(full), stride=stride
+    )
 
 
 def _meshes(shards: dict[int, ShardedParam]) -> dict[int, DeviceMesh]:
@@ -79,7 +81,7 @@ def _meshes(shards: dict[int, ShardedParam]) -> dict[int, DeviceMesh]:
     out: dict[int, DeviceMesh] = {}
     plain: dict[tuple[int, ...], DeviceMesh] = {}
     for sp in shards.values():
-        unit = sp.owner
+        unit = cast(Unit, sp.owner)  # every sharded parameter has its unit by now
         if id(unit) in out:
             continue
         if unit.layout.mesh is not None:

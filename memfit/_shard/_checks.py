@@ -43,7 +43,7 @@ class StepChecks:
         self.debug = HOOKS.debug_collectives or eager  # settle at once: debugging, or no step to wait for
         self._gathers: list[tuple[Unit, torch.Tensor]] = []  # (unit, the W gathered indices)
         self._reduces: list[tuple[Unit, list[ShardedParam], torch.Tensor, bool]] = []  # flags + check sums
-        self._fresh: dict[ShardedParam, torch.Tensor] = {}  # gradients this step created: None if unused
+        self._fresh: dict[ShardedParam, torch.Tensor | None] = {}  # gradients this step created: None if unused
 
     def gathered(self, unit: Unit, ids: torch.Tensor) -> None:
         """Check later that every rank sent ``unit``'s index (``ids``: one value per rank)."""

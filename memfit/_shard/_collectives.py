@@ -118,7 +118,8 @@ class _AddAfter:
     :func:`reduce_scatter`)."""
 
     def __init__(self, work: dist.Work, out: torch.Tensor, mine: torch.Tensor, add: bool) -> None:
-        self.work, self.out, self.mine, self.add = work, out, mine, add
+        self.work, self.out, self.add = work, out, add
+        self.mine: torch.Tensor | None = mine  # None once waited
 
     def wait(self) -> bool:
         if self.mine is None:  # waited already

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -45,7 +46,7 @@ def strategy_of(sharding_strategy, reshard_after_forward: bool | int | None) -> 
     if sharding_strategy is None:
         return (True if reshard_after_forward is None else reshard_after_forward), False
     name = sharding_strategy if isinstance(sharding_strategy, str) else getattr(sharding_strategy, "name", None)
-    wanted = _RESHARD.get(name)  # See [Note: Spellings from torch FSDP and FairScale]
+    wanted = _RESHARD.get(name) if name is not None else None  # See [Note: Spellings from torch FSDP and FairScale]
     if wanted is None:
         raise ValueError(
             f"memfit.FullyShardedDataParallel: unknown sharding_strategy {sharding_strategy!r}; expected FULL_SHARD, "
@@ -60,7 +61,7 @@ def strategy_of(sharding_strategy, reshard_after_forward: bool | int | None) -> 
             f"memfit.FullyShardedDataParallel: sharding_strategy={name} means reshard_after_forward={wanted}, "
             f"but reshard_after_forward={reshard_after_forward} was passed too; pass one of them."
         )
-    return (reshard_after_forward if partial else wanted), name in _HYBRID
+    return (cast(int, reshard_after_forward) if partial else wanted), name in _HYBRID
 
 
 def mesh_of(group, device_mesh, hybrid: bool, strategy=None):

@@ -80,6 +80,7 @@ class HostSyncCounter:
         return self
 
     def __exit__(self, *exc) -> None:
+        assert self._mode is not None  # entered
         self._mode.__exit__(*exc)
         for name, fn in self._saved.items():
             setattr(torch.Tensor, name, fn)

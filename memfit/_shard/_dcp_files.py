@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -45,7 +46,7 @@ def load_dcp_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Opti
         )
     opts = (optimizer,) if optimizer is not None else ()
     msd, osd = get_state_dict(model, opts)
-    state = {_MODEL: msd, **({optim_key: osd} if optimizer is not None else {})}
+    state: dict[str | None, Any] = {_MODEL: msd, **({optim_key: osd} if optimizer is not None else {})}
     dcp.load(state, storage_reader=reader)
     set_state_dict(
         model, opts, model_state_dict=state[_MODEL], optim_state_dict=state[optim_key] if optimizer is not None else {}

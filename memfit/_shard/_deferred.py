@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -12,7 +13,7 @@ from torch import nn
 
 from memfit._shard._collectives import free_now
 from memfit._shard._device import device_of_units, fill, moved
-from memfit._shard._unit import units_of, user_class
+from memfit._shard._unit import Unit, units_of, user_class
 
 __all__ = ["load_full_state_dict", "materialize"]
 
@@ -70,17 +71,17 @@ def materialize(
             sp.alloc_full()
             sp.register(sp.full)
         try:
-            marks = [_mark(sp.full) for sp in todo] + [_mark(m._buffers[n]) for m, n in buffers]
-            before = [m._buffers[n] for m, n in buffers]
+            before = [cast(torch.Tensor, m._buffers[n]) for m, n in buffers]  # meta buffers: tensors
+            marks = [_mark(sp.full) for sp in todo] + [_mark(b) for b in before]
             for m in _children_first(unit):
                 if init is not None:
                     init(m)
                     continue
                 if hasattr(m, "reset_parameters") and (m._parameters or m._buffers):
-                    m.reset_parameters()
+                    m.reset_parameters()  # type: ignore[operator]
                 owner = hf.get(id(m))
                 if owner is not None:
-                    owner._init_weights(m)
+                    owner._init_weights(m)  # type: ignore[operator]
             replaced = _take_replaced(todo, buffers, before)
             _refuse_unwritten(todo, buffers, marks, replaced, paths, init is not None, hf)
             for sp in todo:
@@ -155,7 +156,7 @@ def _take_replaced(todo: list, buffers: list[tuple[nn.Module, str]], before: lis
                 replaced.add(i)
                 break
     for j, ((m, name), old) in enumerate(zip(buffers, before)):
-        b = m._buffers[name]
+        b = cast(torch.Tensor, m._buffers[name])
         if b is not old:
             m._buffers[name] = b.to(device=old.device)
             replaced.add(len(todo) + j)
@@ -206,7 +207,8 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
     rank = dist.get_rank(group)
     names = list(model.state_dict(keep_vars=True).items())
     # Checked on rank 0 before any broadcast, and shared, so no rank waits in vain.
-    box = [_mismatch(names, state_dict, shards) if rank == 0 else None]
+    full = cast("dict[str, torch.Tensor]", state_dict)  # rank 0's, read only there (None elsewhere)
+    box = [_mismatch(names, full, shards) if rank == 0 else None]
     dist.broadcast_object_list(box, src=src, group=group)
     if box[0]:
         raise RuntimeError(f"memfit.load_full_state_dict: the state dict does not match the model: {box[0]}")
@@ -218,7 +220,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
         sp = shards.get(id(t))
         shape = sp.shape if sp is not None else t.shape
         if rank == 0:
-            buf = moved(state_dict[name].detach().to(t.dtype), device, copy=True)
+            buf = moved(full[name].detach().to(t.dtype), device, copy=True)
         else:
             buf = torch.empty(shape, dtype=t.dtype, device=device)
         if rank == 0 and tuple(buf.shape) != tuple(shape):
@@ -227,7 +229,7 @@ def load_full_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor] |
             )
         dist.broadcast(buf, src=src, group=group)
         if sp is not None:
-            sp.keep_rows(buf, sp.owner.rank)
+            sp.keep_rows(buf, cast(Unit, sp.owner).rank)
             sp.deferred = False
         else:
             fill(t, buf)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -144,9 +145,9 @@ def wait_host_copies() -> None:
             event.synchronize()
 
 
-def host_read(t: torch.Tensor) -> list | None:
-    """The values of ``t`` on the host (a host sync when ``t`` is on a device); None for a
-    tensor of the meta test device, which has none."""
+def host_read(t: torch.Tensor) -> Any:
+    """The values of ``t`` on the host, as ``t.tolist()`` (a number for a 0-d tensor; a host
+    sync when ``t`` is on a device); None for a tensor of the meta test device, which has none."""
     AUDIT.host_reads += AUDIT.active
     if t.is_meta:  # See [Note: Devices and the meta test device]
         return None

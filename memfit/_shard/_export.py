@@ -13,7 +13,7 @@ import os
 import re
 import shutil
 import uuid
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -232,6 +232,7 @@ def _gather_to_rank0(unit: Unit) -> list:
     dist.gather(send, slots, dst=root, group=unit.group)
     if unit.rank != 0:
         return []
+    assert slots is not None  # rank 0 gathered into them
     out, offset = [], 0
     for sp in unit.params:
         rows = [slots[r][offset : offset + sp.rows_of(r) * sp.row_numel] for r in range(unit.world)]
@@ -306,4 +307,4 @@ class SavePretrained(ShardedModule):
             )
         if push_to_hub:
             raise NotImplementedError("memfit: save_pretrained(push_to_hub=True) on a sharded model: save, then push")
-        export_safetensors(self, os.fspath(save_directory), dtype=dtype)
+        export_safetensors(cast(nn.Module, self), os.fspath(save_directory), dtype=dtype)

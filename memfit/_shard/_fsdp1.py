@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -75,7 +75,7 @@ def _apply(module: nn.Module, settings: StateDictSettings | None) -> None:
         return
     handle = None
     if settings.state_dict_type == StateDictType.FULL_STATE_DICT:
-        handle = module.register_state_dict_post_hook(_full_hook(settings.state_dict_config))
+        handle = module.register_state_dict_post_hook(_full_hook(cast(FullStateDictConfig, settings.state_dict_config)))
     module.__dict__[_SETTINGS] = (settings, handle)
 
 
@@ -84,6 +84,7 @@ def _checked(
     state_dict_config: StateDictConfig | None,
     optim_state_dict_config: OptimStateDictConfig | None,
 ) -> StateDictSettings:
+    kinds: tuple[type[StateDictConfig], type[OptimStateDictConfig]]
     if state_dict_type == StateDictType.FULL_STATE_DICT:
         kinds = (FullStateDictConfig, FullOptimStateDictConfig)
     elif state_dict_type == StateDictType.SHARDED_STATE_DICT:
@@ -219,7 +220,7 @@ class FSDP1API(ShardedModule):
                 "memfit.FullyShardedDataParallel.full_optim_state_dict: optim_input is not supported; the "
                 "parameters are read from the optimizer"
             )
-        osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+        osd: Any = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return {}
         ids = {n: i for i, n in enumerate(n for g in osd["param_groups"] for n in g["params"])}
@@ -250,7 +251,7 @@ class FSDP1API(ShardedModule):
             box = [tree_map_only(torch.Tensor, lambda t: t.cpu(), box[0])]
             dist.broadcast_object_list(box, src=0)
         install_optimizer_state_hooks(optim)
-        return from_dtensors_or_full(optim, box[0])
+        return from_dtensors_or_full(optim, cast("dict[str, Any]", box[0]))  # rank 0's, broadcast
 
     @staticmethod
     @contextlib.contextmanager

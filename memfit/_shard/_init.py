@@ -7,6 +7,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -93,9 +94,9 @@ def managed_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return out
 
 
-def _units_directly_below(module: nn.Module) -> list[nn.Module]:
+def _units_directly_below(module: nn.Module) -> list[ShardedModule]:
     """Sharded modules under ``module`` not inside another sharded module under it."""
-    found = []
+    found: list[ShardedModule] = []
 
     def visit(m: nn.Module) -> None:
         for child in m.children():
@@ -108,7 +109,7 @@ def _units_directly_below(module: nn.Module) -> list[nn.Module]:
     return found
 
 
-def _all_sharded_below(module: nn.Module) -> list[nn.Module]:
+def _all_sharded_below(module: nn.Module) -> list[ShardedModule]:
     """Every sharded module under ``module``, at any depth."""
     return [m for m in module.modules() if isinstance(m, ShardedModule) and m is not module]
 
@@ -134,7 +135,7 @@ def claim_parameters(module: nn.Module, managed: list[tuple[str, nn.Module]]) ->
         sp = sharded_as(p)
         if sp is not None:  # tied: an earlier unit sharded it, and it is also used here
             owner = sp.owner
-            if owner in below:
+            if owner is not None and owner in below:
                 _adopt(sp, owner, p_uses)
                 owned.adopted.append(sp)
             else:  # owned outside this module: a common ancestor must take it (checked at first forward)
@@ -173,8 +174,9 @@ def _adopt_ties_between(below: list[Unit], adopted: list[ShardedParam]) -> None:
         for tie in list(u.pending_ties):
             p, m, name = tie
             sp = sharded_as(p)
+            assert sp is not None  # a pending tie is to a parameter a unit sharded
             owner = sp.owner
-            if owner in below:
+            if owner is not None and owner in below:
                 if sp not in adopted:
                     _adopt(sp, owner, [])
                     adopted.append(sp)
@@ -288,7 +290,7 @@ def new_unit(
     owned: Ownership,
     managed: list[tuple[str, nn.Module]],
     layout: Layout,
-    reshard_after_forward: bool,
+    reshard_after_forward: bool | int,
     mixed_precision: MixedPrecision | None,
 ) -> Unit:
     """The unit owning the new and adopted parameters, made the parent of the units directly below."""
@@ -313,17 +315,18 @@ def new_unit(
 
 def pre_forward_with_lazy_init(module: nn.Module, args: tuple, kwargs: dict):
     """A unit's forward pre-hook: initialise its root on first use, then run the runtime's pre-forward."""
-    unit: Unit = module._memfit_unit
+    unit = cast(Unit, module._memfit_unit)
     if unit.root_state is None:
         _init_root(unit)
-        deferred = [sp.fqn for u in unit.root_state.units for sp in u.params if sp.deferred]
+        state = cast(_runtime.RootState, unit.root_state)  # _init_root set it
+        deferred = [sp.fqn for u in state.units for sp in u.params if sp.deferred]
         if deferred:
             unit.root_state = None
             raise RuntimeError(
                 f"memfit sharding: parameters {deferred[:5]} were built on the meta device and have no values; "
                 "call memfit.materialize(model) or memfit.load_full_state_dict(model, state_dict) first"
             )
-    return unit.root_state.pre_forward(unit, args, kwargs)
+    return cast(_runtime.RootState, unit.root_state).pre_forward(unit, args, kwargs)
 
 
 def _init_root(unit: Unit) -> None:
@@ -332,7 +335,7 @@ def _init_root(unit: Unit) -> None:
     root = unit
     while root.parent is not None:
         root = root.parent
-    units = []
+    units: list[Unit] = []
     for path, m in root.module.named_modules():
         if isinstance(m, ShardedModule):
             u = m._memfit_unit
@@ -341,9 +344,10 @@ def _init_root(unit: Unit) -> None:
             units.append(u)
             if u.pending_ties:
                 p, mod, name = u.pending_ties[0]
+                other = cast(ShardedParam, sharded_as(p)).owner  # a pending tie: sharded by another unit
                 raise ValueError(
                     f"memfit sharding: parameter registered as '{name}' in {type(mod).__name__} (unit '{u.name}') is "
-                    f"also owned by unit '{sharded_as(p).owner.name}'; shard a module that contains both uses."
+                    f"also owned by unit '{other.name if other else '?'}'; shard a module that contains both uses."
                 )
     state = _runtime.RootState(root, units)
     finish_hook = _finish_hook(state)
@@ -394,9 +398,9 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             chunks = chunks or shard_of(p) is not None
-            if sharded_as(p) is not None:
+            if (sp := sharded_as(p)) is not None:
                 raise RuntimeError(
-                    f"memfit sharding: {type(optimizer).__name__} holds parameter '{sharded_as(p).fqn}' as it was "
+                    f"memfit sharding: {type(optimizer).__name__} holds parameter '{sp.fqn}' as it was "
                     "before sharding; it would update a tensor the model no longer uses. Build the optimizer "
                     "after memfit.shard / FullyShardedDataParallel, from model.parameters()."
                 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -54,9 +55,9 @@ class _Made:
 
     def __init__(self) -> None:
         self.world: weakref.ref | None = None  # the default group these were made under
-        self.groups: dict[tuple[int, ...], weakref.ref | Callable[[], object]] = {}
+        self.groups: dict[tuple[int, ...], Callable[[], Any]] = {}  # weak references, or the marker
 
-    def get(self, key: tuple[int, ...], make: Callable[[], object]) -> object:
+    def get(self, key: tuple[int, ...], make: Callable[[], Any]) -> Any:
         if self.world is None or self.world() is not dist.group.WORLD:
             self.world, self.groups = weakref.ref(dist.group.WORLD), {}
         ref = self.groups.get(key)
@@ -64,7 +65,7 @@ class _Made:
         if group is None:
             group = make()
             # new_group's answer to a rank outside the group is a marker, not a group
-            self.groups[key] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else lambda g=group: g
+            self.groups[key] = weakref.ref(group) if isinstance(group, dist.ProcessGroup) else lambda: group
         return group
 
 
@@ -76,7 +77,7 @@ def _group_over(ranks: list[int], local: bool = False) -> dist.ProcessGroup:
     ``local``: only those ranks take part in making it."""
     key = tuple(sorted(ranks))
     if key == tuple(range(dist.get_world_size())):
-        return dist.group.WORLD
+        return cast(dist.ProcessGroup, dist.group.WORLD)
     return _GROUPS.get(key, lambda: dist.new_group(list(key), use_local_synchronization=local))
 
 

@@ -3,13 +3,14 @@ sharded model: each state tensor shaped like a parameter's chunk is a DTensor sh
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
 from memfit._shard._param import ShardedParam, shard_of
 from memfit._shard._state_dict import as_dtensor
+from memfit._shard._unit import Unit
 
 __all__ = ["from_dtensors_or_full", "install_optimizer_state_hooks", "localize_loaded_state"]
 
@@ -63,16 +64,15 @@ def _to_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
     state = dict(state_dict["state"])  # the inner dicts are the optimizer's own: replace, never write
     for key, st in state.items():
         p = by_key.get(key)
-        sp = shard_of(p) if p is not None else None
-        if sp is None:
+        if p is None or (sp := shard_of(p)) is None:
             continue
-        state[key] = {k: as_dtensor(sp, sp.owner, v) if _is_state_of(v, p) else v for k, v in st.items()}
+        state[key] = {k: as_dtensor(sp, cast(Unit, sp.owner), v) if _is_state_of(v, p) else v for k, v in st.items()}
     return {**state_dict, "state": state}
 
 
 def _local(value: torch.Tensor, sp: ShardedParam, chunk: torch.Tensor, where: str) -> torch.Tensor:
     """This rank's rows of a loaded state tensor (a DTensor or a full tensor) of ``sp``."""
-    unit = sp.owner
+    unit = cast(Unit, sp.owner)  # a sharded parameter has its unit
     if isinstance(value, DTensor):
         same = value.placements == (Shard(0),) and value.device_mesh.size() == unit.world
         if same and value.to_local().shape == chunk.shape:
@@ -103,8 +103,7 @@ def from_dtensors_or_full(optimizer: torch.optim.Optimizer, state_dict: dict) ->
     state = dict(state_dict["state"])
     for key, st in state.items():
         p = by_key.get(key)
-        sp = shard_of(p) if p is not None else None
-        if sp is None:
+        if p is None or (sp := shard_of(p)) is None:
             continue
         state[key] = {k: _local(v, sp, p, f"{key}.{k}") if _loads_as_rows(v, sp, p) else v for k, v in st.items()}
     return {**state_dict, "state": state}

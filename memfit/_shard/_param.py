@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import math
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from memfit._shard._device import fill, moved
+
+if TYPE_CHECKING:
+    from memfit._shard._unit import Unit
 
 # [Note: Sharded parameter layout]
 # A parameter of shape (d0, ...) is split like torch.chunk(p, W, dim=0): every rank's chunk has
@@ -74,9 +78,9 @@ class ShardedParam:
             src = (values if values is not None else param).detach().reshape(self.rows, self.row_numel)
             local = moved(src[start : start + self.local_rows], home, copy=True).reshape(local_shape)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
-        self.owner = None  # the Unit that gathers this parameter; set when a unit takes it
-        param._memfit_sharded_as = self  # the replaced parameter knows what replaced it
-        self.sharded._memfit_shard_of = weakref.ref(self)
+        self.owner: Unit | None = None  # the Unit that gathers this parameter; set when a unit takes it
+        param._memfit_sharded_as = self  # type: ignore[attr-defined]  # the replaced parameter knows what replaced it
+        self.sharded._memfit_shard_of = weakref.ref(self)  # type: ignore[attr-defined]
         # Mixed precision: the full parameter computes in `compute_dtype`.
         self.full = nn.Parameter(
             self._padded_full(compute_dtype or param.dtype, device), requires_grad=param.requires_grad
@@ -146,7 +150,7 @@ def sharded_as(p: nn.Parameter) -> ShardedParam | None:
     return getattr(p, "_memfit_sharded_as", None)
 
 
-def shard_of(p: nn.Parameter) -> ShardedParam | None:
+def shard_of(p: torch.Tensor) -> ShardedParam | None:
     """The sharded parameter whose local chunk ``p`` is (None: ``p`` is no chunk)."""
     ref = getattr(p, "_memfit_shard_of", None)
     return ref() if ref is not None else None

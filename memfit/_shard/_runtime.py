@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from collections.abc import Mapping
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -16,7 +17,7 @@ from memfit._instrument import HOOKS
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
-from memfit._shard._unit import GradSync, TrainingState, Unit
+from memfit._shard._unit import GradSync, PendingReduce, TrainingState, Unit
 
 # [Note: One sharded training step]
 # Forward, per unit: the pre-forward hook finishes the unit's all-gather (started early by
@@ -53,11 +54,12 @@ class RootState:
         self.forward_order: list[Unit] = []  # recorded in the first step, used to prefetch
         self.order_done = False
         self.callback_queued = False
-        self.pending_reduce = None  # the last reduce-scatter, finished when the next starts
+        self.pending_reduce: PendingReduce | None = None  # the last reduce-scatter, finished when the next starts
         device = next((sp.full.device for u in units for sp in u.params), torch.device("cpu"))
         self.streams = Streams(device)  # See [Note: Streams and buffer lifetimes]
         self.checks = StepChecks(root.rank)  # See [Note: Divergence detection]
-        self.gather_held = None  # (name, the last all-gather output, its copy-out event): CUDA only
+        # (name, the last all-gather output, its copy-out event): CUDA only
+        self.gather_held: tuple[str, torch.Tensor, Any] | None = None
 
     def next_in_forward(self, unit: Unit) -> Unit | None:
         if not self.order_done or unit not in self.forward_order:
@@ -210,25 +212,25 @@ class _PostBackward(torch.autograd.Function):
     """Identity on the unit's inputs; its backward runs once the unit's backward is done."""
 
     @staticmethod
-    def forward(ctx, unit: Unit, *tensors: torch.Tensor):  # type: ignore[override]
+    def forward(ctx, unit: Unit, *tensors: torch.Tensor):
         ctx.unit = weakref.ref(unit)
         return tensors
 
     @staticmethod
-    def backward(ctx, *grads: torch.Tensor):  # type: ignore[override]
+    def backward(ctx, *grads: torch.Tensor):
         unit: Unit | None = ctx.unit()
         if unit is None:
             return (None, *grads)
         unit.pending_backward -= 1
         if unit.pending_backward == 0 and unit.grad_sync is not GradSync.SYNC_AT_END:
-            unit.root_state.post_backward(unit)
+            cast(RootState, unit.root_state).post_backward(unit)
         return (None, *grads)
 
 
 def post_forward(module: nn.Module, args: tuple, kwargs: dict, output):
     """The module's forward hook: the root state's post-forward for the module's unit."""
-    unit: Unit = module._memfit_unit
-    unit.root_state.post_forward(unit, output)
+    unit = cast(Unit, module._memfit_unit)
+    cast(RootState, unit.root_state).post_forward(unit, output)
 
 
 def _tensors_in(obj) -> list[torch.Tensor]:

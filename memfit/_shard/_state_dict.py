@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -65,7 +67,7 @@ def as_dtensor(sp: ShardedParam, unit: Unit, local: torch.Tensor) -> DTensor:
 
 
 def _to_dtensors(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
-    unit: Unit = module._memfit_unit
+    unit = cast(Unit, module._memfit_unit)
     for key, sp in _keys(module, unit, prefix):
         value = state_dict.get(key)
         if value is None or value is sp.sharded or isinstance(value, DTensor):  # keep_vars=True, or done
@@ -76,7 +78,7 @@ def _to_dtensors(module: nn.Module, state_dict: dict, prefix: str, local_metadat
 def _from_dtensors_or_full(
     module: nn.Module, state_dict: dict, prefix: str, local_metadata, strict, missing, unexpected, errors
 ) -> None:
-    unit: Unit = module._memfit_unit
+    unit = cast(Unit, module._memfit_unit)
     for key, _ in _keys(module, unit, prefix, full=True):
         if isinstance(state_dict.get(key), DTensor):
             state_dict[key] = state_dict[key].full_tensor()

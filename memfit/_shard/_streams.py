@@ -45,7 +45,7 @@ class Streams:
         self.cuda = device.type == "cuda"
         if self.cuda:  # pragma: no cover (needs a GPU)
             compute = torch.cuda.current_stream(device)
-            high = torch.cuda.Stream.priority_range()[1]  # collectives first, as FSDP2 does
+            high = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]  # collectives first, as FSDP2 does
             self._streams = {
                 "compute": compute,
                 "gather": torch.cuda.Stream(device, priority=high),
@@ -63,6 +63,7 @@ class Streams:
 
     def record(self, stream: str):
         """An event marking the work queued on ``stream`` so far (a unique stand-in on the CPU)."""
+        event: torch.cuda.Event | object
         if self.cuda:  # pragma: no cover (needs a GPU)
             event = torch.cuda.Event()
             event.record(self._streams[stream])

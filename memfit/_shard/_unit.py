@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from enum import Enum, auto
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.distributed as dist
@@ -137,7 +137,7 @@ class Unit:
             out = torch.empty(self.world * layout.slot, dtype=layout.wire, device=layout.device)
             streams.note("alloc", f"{self.name}:gather-out", "gather")
             if self.shard_state is ShardState.PARTIAL:  # See [Note: Partial reshard after forward]
-                send, group = self._piece, self.post_forward_group
+                send, group = cast(torch.Tensor, self._piece), self.post_forward_group  # kept at reshard
             else:  # in place, as FSDP2: this rank's slot of the output is the input
                 send, group = out.view(self.world, -1)[self.rank], self.group
                 copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
@@ -152,6 +152,7 @@ class Unit:
             self.unshard()
         if self.shard_state is not ShardState.GATHERING:
             return
+        assert self._gather is not None  # GATHERING: unshard set it
         work, out, _send = self._gather
         self._gather = None
         streams = self._streams()
@@ -227,11 +228,11 @@ class Unit:
 
     def _release_held(self, streams: Streams) -> None:
         """Free the last all-gather output once the gather stream waited for its copy-out."""
-        held = self.root_state.gather_held if self.root_state is not None else None
-        if held is not None:
+        state = self.root_state
+        if state is not None and (held := state.gather_held) is not None:
             streams.wait("gather", held[2])
             streams.note("free", held[0], "gather")
-            self.root_state.gather_held = None
+            state.gather_held = None
 
     def _streams(self) -> Streams:
         return self.root_state.streams if self.root_state is not None else self._own_streams
@@ -386,7 +387,8 @@ class PendingReduce:
     """A reduce-scatter in flight; `finish` waits and writes the gradient shards."""
 
     def __init__(self, unit: Unit, layout: ReduceLayout, work, inputs: tuple, out: torch.Tensor):
-        self.unit, self.layout, self.work, self.inputs, self.out = unit, layout, work, inputs, out
+        self.unit, self.layout, self.work, self.out = unit, layout, work, out
+        self.inputs: tuple | None = inputs  # dropped once finished
 
     def finish(self) -> None:
         """Wait; the gradient shards are views of the reduced buffer (added where they exist).
@@ -414,7 +416,7 @@ class PendingReduce:
                 streams.note("use", f"{unit.name}:grad-shards", "reduce")
                 torch._foreach_add_(olds, news)
             done = streams.record("reduce")
-        _send, grads, copied = self.inputs
+        _send, grads, copied = cast(tuple, self.inputs)
         if not streams.holds:
             comm.free_now(_send)
         if grads:
@@ -451,6 +453,8 @@ class ShardedModule:
 
     The module's unit is its ``_memfit_unit`` attribute."""
 
+    _memfit_unit: Unit  # set on the instance by memfit.shard (see _api._install)
+
     def _units_below(self) -> list[Unit]:
         return [m._memfit_unit for m in self.modules() if isinstance(m, ShardedModule)]  # type: ignore[attr-defined]
 
@@ -468,7 +472,7 @@ class ShardedModule:
                 u.grad_sync = u.grad_sync.leaving_no_sync()
 
 
-def user_class(module: nn.Module) -> type:
+def user_class(module: object) -> type:
     """The module's own class, without memfit's mixins."""
     return next(c for c in type(module).__mro__ if not issubclass(c, ShardedModule))
 

@@ -95,7 +95,7 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         if action.default is None or "default" in (action.help or ""):
             return action.help or ""
-        return super()._get_help_string(action)
+        return super()._get_help_string(action) or ""
 
 
 def _device_flag(p: argparse.ArgumentParser) -> None:

@@ -102,6 +102,7 @@ def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     device = choose_device(cfg.device, where="memfit bench").device
     batch = {k: v.to(device) for k, v in batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0).items()}
     base = preset.build().to(device)
+    assert cfg.strategies is not None  # __post_init__ fills it
     names = [x for x in cfg.strategies if x != "planned"] + (list(COMPARE) if cfg.compare else [])
     if "keep" not in names:
         names.insert(0, "keep")
@@ -115,7 +116,9 @@ def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
         results = run(models, batch, cfg.warmup, cfg.repeats, progress=advance)
     rows = []
     for r in results:
-        planned = {"budget": plan.budget, "predicted_peak": plan.predicted_peak} if r.name == "planned" else {}
+        planned = {}
+        if r.name == "planned" and plan is not None:
+            planned = {"budget": plan.budget, "predicted_peak": plan.predicted_peak}
         rows.append(_row(r, activation_bytes_at_peak=r.breakdown["activations_and_other"], **planned))
     return _with_ratios(rows, next(row for row in rows if row["strategy"] == "keep"))
 
@@ -125,7 +128,7 @@ def _prepare(strategy: str, base: nn.Module, preset: Preset) -> nn.Module:
     if strategy == "torch.utils.checkpoint":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     else:
         memfit.Decision.parse(strategy).apply_to(model, preset.layer_class())
     model.train()

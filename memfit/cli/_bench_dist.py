@@ -14,6 +14,7 @@ tensors), the maximum over ranks.
 from __future__ import annotations
 
 import copy
+from typing import cast
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -36,8 +37,8 @@ def _wrap(strategy: str, model: torch.nn.Module, layer: type, device: torch.devi
         for m in model.modules():
             if isinstance(m, layer):
                 fully_shard(m)
-        return fully_shard(model)
-    return memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer})
+        return cast(torch.nn.Module, fully_shard(model))
+    return cast(torch.nn.Module, memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer}))
 
 
 def _worker(rank: int, world: int, preset: Preset, strategies: tuple[str, ...], warmup: int, repeats: int, device: str):

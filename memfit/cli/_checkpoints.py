@@ -140,6 +140,7 @@ def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
     loads and verifies, naming those skipped and why. The step to start at, and the run."""
     step, run = 0, None  # run: what the loaded checkpoint recorded (None: it recorded none)
     if dist.get_rank() == 0 and cfg.overwrite:
+        assert cfg.checkpoint_dir is not None  # TrainConfig requires one with --overwrite
         remove_all(cfg.checkpoint_dir)
     if cfg.resume != "no":
         step, run = _load_newest(cfg, model, opt, log)
@@ -157,6 +158,7 @@ def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
 
 
 def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict | None]:
+    assert cfg.checkpoint_dir is not None  # TrainConfig requires one with --resume
     found = complete(cfg.checkpoint_dir)
     if not found:
         if cfg.resume == "yes":

@@ -14,13 +14,15 @@ def read(path: str) -> dict:
     """The key-value pairs of a ``.toml``, ``.yaml`` or ``.yml`` file."""
     try:
         if path.endswith(".toml"):
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
 
-            with open(path, "rb") as f:
-                return tomllib.load(f)
+                with open(path, "rb") as f:
+                    return tomllib.load(f)
+            raise ValueError("memfit: a TOML --config needs Python 3.11 or later (tomllib), or use YAML")
         if path.endswith((".yaml", ".yml")):
             try:
-                import yaml
+                import yaml  # type: ignore[import-untyped]
             except ImportError:
                 raise ValueError("memfit: a YAML --config needs PyYAML (pip install pyyaml), or use TOML") from None
             with open(path) as f:

@@ -93,6 +93,6 @@ def run(
     if across_ranks:
         peaks: list[dict[str, int]] = [{}] * dist.get_world_size()
         dist.all_gather_object(peaks, {n: r.peak for n, r in results.items()})
-        for n, r in results.items():
-            r.peak = max(p[n] for p in peaks)
+        for n, result in results.items():
+            result.peak = max(p[n] for p in peaks)
     return list(results.values())

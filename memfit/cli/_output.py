@@ -38,11 +38,14 @@ class Output:
     """Rich output when rich is installed (the `cli` extra), plain text otherwise."""
 
     def __init__(self, console=None) -> None:
-        try:
-            from rich.console import Console
-        except ImportError:  # pragma: no cover - rich is in the cli extra
-            Console = None  # noqa: N806
-        self.console = console or (Console(width=None if os.isatty(1) else 120) if Console else None)
+        if console is None:
+            try:
+                from rich.console import Console
+            except ImportError:  # pragma: no cover - rich is in the cli extra
+                pass
+            else:
+                console = Console(width=None if os.isatty(1) else 120)
+        self.console = console
 
     def say(self, text: str) -> None:
         if self.console:

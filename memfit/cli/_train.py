@@ -20,6 +20,7 @@ import shutil
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -179,7 +180,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     block = layer_class(model)
     memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
     options = memfit.ShardOptions(auto_wrap_policy={block}, mesh=_hybrid_mesh(cfg, world))
-    model = memfit.FullyShardedDataParallel(model, options=options)
+    model = cast(torch.nn.Module, memfit.FullyShardedDataParallel(model, options=options))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
@@ -225,7 +226,7 @@ def _step(run: _Run, step: int, measure: bool) -> dict:
     total = 0.0
     with meter if meter else contextlib.nullcontext():
         for i, mb in enumerate(micro):
-            with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():
+            with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():  # type: ignore[operator]
                 loss = loss_of(model, mb) / cfg.accumulate
                 loss.backward()
             total += loss.item()
@@ -263,6 +264,7 @@ def _evaluate(run: _Run, step: int) -> dict:
 
 
 def _save(run: _Run, step: int) -> None:
+    assert run.cfg.checkpoint_dir is not None and run.identity is not None  # --save-every needs a dir; resume set it
     path = _checkpoints.path_at(run.cfg.checkpoint_dir, step)
     extra = {"step": step, "run": run.identity, "saved_at": time.time()}
     memfit.save_checkpoint(path, run.model, run.opt, extra=extra)

@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
+from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
@@ -98,28 +99,29 @@ class MemfitStrategy(DDPStrategy):
                         if isinstance(v, torch.Tensor):
                             state[k] = v.to(self.root_device)
 
-    def _setup_model(self, model: nn.Module) -> nn.Module:
+    def _setup_model(self, model: nn.Module) -> nn.Module:  # type: ignore[override]  # sharded, not DDP
         """Apply activation checkpointing, then shard ``model`` in place (See [Note: The Lightning strategy])."""
         if isinstance(self._checkpointing, memfit.Plan):
             self._checkpointing.apply(model)
         elif self._checkpointing is not None:
             memfit.apply_activation_checkpointing(model, self._checkpointing)
         options, kwargs = self._shard_options
-        return memfit.FullyShardedDataParallel(model, options=options, **kwargs)
+        return cast(nn.Module, memfit.FullyShardedDataParallel(model, options=options, **kwargs))
 
     def _clip_with_memfit(self) -> None:
         plugin = self.precision_plugin
 
         def clip_grad_by_norm(optimizer, clip_val: float) -> None:
-            memfit.clip_grad_norm_(self.model, clip_val)
+            memfit.clip_grad_norm_(cast(nn.Module, self.model), clip_val)
 
-        plugin.clip_grad_by_norm = clip_grad_by_norm
+        plugin.clip_grad_by_norm = clip_grad_by_norm  # type: ignore[method-assign]  # memfit's norm, over the shards
 
     # -- steps: through the module's __call__, so the root unit's hooks run ----------------------
 
     def _redirect(self, context, name: str, *args: Any, **kwargs: Any):
         with context():
-            return self._forward_redirection(self.model, self.lightning_module, name, *args, **kwargs)
+            model, module = cast(nn.Module, self.model), cast(LightningModule, self.lightning_module)  # set up
+            return self._forward_redirection(model, module, name, *args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any):
         return self._redirect(self.precision_plugin.train_step_context, "training_step", *args, **kwargs)
@@ -179,7 +181,7 @@ class MemfitStrategy(DDPStrategy):
         checkpoint = dict(checkpoint)
         checkpoint.pop("state_dict", None)
         optimizer = self._optimizer() if checkpoint.pop("optimizer_states", None) is not None else None
-        memfit.save_checkpoint(path, self.model, optimizer)
+        memfit.save_checkpoint(path, cast(nn.Module, self.model), optimizer)
         if self.is_global_zero:
             torch.save(checkpoint, os.path.join(path, _LIGHTNING_FILE))
         self.barrier()
@@ -190,8 +192,8 @@ class MemfitStrategy(DDPStrategy):
             raise ValueError(
                 f"MemfitStrategy: {path!r} is not a checkpoint MemfitStrategy saved (no {_LIGHTNING_FILE})"
             )
-        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        memfit.load_checkpoint(path, self.model, self._optimizer() if fitting else None)
+        fitting = cast(LightningModule, self.lightning_module).trainer.state.fn == TrainerFn.FITTING
+        memfit.load_checkpoint(path, cast(nn.Module, self.model), self._optimizer() if fitting else None)
         return torch.load(os.path.join(path, _LIGHTNING_FILE), weights_only=weights_only)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -81,7 +82,7 @@ def shard_pretrained_model(
         memfit.apply_activation_checkpointing(model, checkpointing)
     if options.auto_wrap_policy is None:
         options = dataclasses.replace(options, auto_wrap_policy=_block_classes(model))
-    return memfit.FullyShardedDataParallel(model, options=options)
+    return cast(nn.Module, memfit.FullyShardedDataParallel(model, options=options))
 
 
 def _block_classes(model: nn.Module) -> set[type] | None:

@@ -84,6 +84,7 @@ def case_matches_single_process_on_concatenated_batch(rank, world):
         if q.grad is None:  # the unused parameter
             assert g is None
         else:
+            # per-rank gradients all-reduced vs one process on the whole batch: fp32 sum order
             torch.testing.assert_close(g, q.grad, rtol=1e-6, atol=1e-7)
 
 

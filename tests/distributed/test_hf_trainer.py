@@ -23,6 +23,7 @@ def test_trainer_matches_ddp_and_resumes(tmp_path):
     out = json.loads(result.read_text())
     for rank, (ddp, mf, resumed) in enumerate(out["losses"]):
         assert len(ddp) == len(mf) == 4 and len(resumed) == 2, (rank, ddp, mf, resumed)
+        # 4 steps in fp32, DDP's all-reduce vs memfit's reduce-scatter: sum order only
         assert mf == pytest.approx(ddp, rel=1e-5), rank
         assert resumed == mf[2:], rank
     assert out["resumed_params_equal"] and out["exported_params_equal"]

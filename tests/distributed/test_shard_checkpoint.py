@@ -97,6 +97,7 @@ def case_load_and_continue(rank, world, root):
         assert state[k] == v, k  # exact: the same bytes, re-chunked
     again = train(model, opt, 2, rank, world, first=2)
     for a, b in zip(again, losses):
+        # saved at W=2, continued at this W: the gradient sums run over other ranks, fp32 order
         assert abs(a - b) <= 1e-6 * abs(b), (again, losses)
 
 

@@ -118,7 +118,7 @@ def case_gloo_reduce_without_gloos_clone(rank, world):
     assert "clone" not in ops.ops
     slots = [world * (sum(p.slot_numel + 1 for p in u.params) + 2) for u in memfit.testing.sharded_units(model)]
     reduced = (1 if world == 2 else 2) * 4 * sum(slots) * (world - 1) / world
-    assert ops.wire_bytes == pytest.approx(stats.all_gather_bytes + reduced)
+    assert ops.wire_bytes == pytest.approx(stats.all_gather_bytes + reduced)  # counts through float (W-1)/W
 
 
 def case_unused_parameter_still_keeps_no_grad(rank, world):

@@ -24,6 +24,7 @@ def test_parity_with_the_plain_loss(chunk, with_bias):
     ref_grads = torch.autograd.grad(ref, [t for t in (h, w, b) if t is not None])
     got = memfit.chunked_cross_entropy(h, w, y, bias=b, chunk_size=chunk)
     got_grads = torch.autograd.grad(got, [t for t in (h, w, b) if t is not None])
+    # float64, default tolerance: the same sums in chunks of rows, rounding order only
     torch.testing.assert_close(got, ref)
     for a, r in zip(got_grads, ref_grads):
         torch.testing.assert_close(a, r)

@@ -30,6 +30,7 @@ def test_chunked_head_has_the_plain_loss_and_gradients(arch):
     # Same arithmetic in a different order (chunks of rows; the logsumexp kept): float rounding.
     torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
     for (name, p), q in zip(plain.named_parameters(), chunked.parameters()):
+        # gradients sum over the rows of each chunk then over chunks: more terms reordered
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
@@ -75,6 +76,7 @@ def test_chunked_model_copies_pickles_and_indexes_as_a_model_output():
     twin = copy.deepcopy(chunked)  # the closure forward computed with the original's modules
     with torch.no_grad():
         twin.transformer.wte.weight.zero_()  # tied: the logits are all zero, the loss log(V)
+    # zero logits: logsumexp of 512 zeros against log(512), fp32 rounding apart (default tolerance)
     torch.testing.assert_close(twin(**batch).loss, torch.log(torch.tensor(512.0)))
     assert chunked(**batch).loss > 0 and not torch.equal(chunked(**batch).loss, twin(**batch).loss)
     out = pickle.loads(pickle.dumps(chunked))(**batch)
@@ -113,4 +115,5 @@ def test_chunked_model_trains_under_the_hf_trainer_as_the_plain_one(tmp_path):
         Trainer(model=m, args=args, train_dataset=data).train()
         trained.append(m)
     for (name, p), q in zip(trained[0].named_parameters(), trained[1].parameters()):
+        # 2 SGD steps at lr 1.0 carry the gradients' chunk-order rounding into the parameters
         torch.testing.assert_close(q, p, rtol=1e-5, atol=1e-6, msg=name)
