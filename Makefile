@@ -7,7 +7,7 @@ STAMP := $(VENV)/.memfit-installed
 DOCS_STAMP := $(VENV)/.memfit-docs-installed
 BARE := .venv-bare
 
-.PHONY: demo test docs gpu lint typecheck no-extras format clean
+.PHONY: demo test test-slow docs gpu lint typecheck no-extras format clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,12 @@ demo: $(STAMP)
 	mkdir -p out
 	$(VENV)/bin/memfit bench --compare --json out/bench.json --plot out/bench.png
 
+# `make test`: all but the slow tier (tests/conftest.py: [Note: The slow tier]); CI runs both.
 test: $(STAMP)
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -m "not slow" --durations=25
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow --durations=25
 
 # Strict: a broken link, anchor or API reference fails the build. Nothing is fetched.
 docs: $(DOCS_STAMP)

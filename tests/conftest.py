@@ -10,6 +10,39 @@ if DEVICE not in ("cpu", "cuda"):
     raise pytest.UsageError(f"MEMFIT_TEST_DEVICE={DEVICE!r}: use cpu (default) or cuda")
 
 
+# [Note: The slow tier]
+# `make test` (the README's command) runs everything but the tests below, in at most 10 minutes
+# on 2 quiet cores; `make test-slow` runs these, and CI (.ci/run) runs both. Each entry is
+# end-to-end or a larger world size of a case the fast tier already runs at W=2 or 3; the
+# seconds are wall times of one quiet `make test --durations` on 2 cores.
+SLOW_MODULES = {
+    "tests/distributed/test_train_multinode.py",  # two torchrun launchers, a node killed (~110 s)
+    "tests/distributed/test_train.py",  # memfit train resumed, killed mid-save, restarted (~130 s)
+    "tests/distributed/test_train_checkpoint_dirs.py",  # 4 real memfit train runs (~30 s)
+    "tests/distributed/test_train_inputs.py",  # memfit train on a factory model and .bin data (~30 s)
+    "tests/distributed/test_shard_compile.py",  # inductor compiles of sharded blocks (~45 s)
+}
+SLOW_TESTS = {
+    "tests/distributed/test_dist_helper.py::test_stuck_rank_is_killed_and_named",  # waits out a 45 s timeout
+    "tests/unit/test_time_model.py::test_a_calibration_round_trips_through_its_cache",  # calibrates (~35 s)
+    "tests/integration/test_cli.py::test_calibrate_caches_the_rates_the_planner_uses_when_asked",  # (~35 s)
+}
+SLOW_WORLD = 4  # test_shard / test_plan_sharded at W=4 (the same cases run at W=1-3 in the fast tier)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path, _, _ = item.nodeid.partition("::")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        by_world = path in ("tests/distributed/test_shard.py", "tests/distributed/test_plan_sharded.py")
+        if (
+            path in SLOW_MODULES
+            or item.nodeid.split("[")[0] in SLOW_TESTS
+            or (by_world and params.get("world") == SLOW_WORLD)
+        ):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
