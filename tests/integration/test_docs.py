@@ -122,6 +122,13 @@ def test_readme_is_a_front_door():
     assert first < 40, f"the first python block starts at line {first + 1}"
 
 
+def test_api_reference_lists_every_public_name():
+    page = (ROOT / "docs" / "api.md").read_text()
+    listed = set(re.findall(r"^::: memfit\.(\w+)$", page, re.M))
+    missing = sorted(set(memfit.__all__) - listed)
+    assert not missing, f"docs/api.md has no '::: memfit.NAME' for {missing}"
+
+
 def test_design_notes_index_matches_the_code():
     in_code = {}
     for path in sorted((ROOT / "memfit").rglob("*.py")):
