@@ -11,9 +11,10 @@ if DEVICE not in ("cpu", "cuda"):
 
 
 # [Note: The slow tier]
-# `make test` (the README's command) runs everything but the tests below (13 minutes on 2 quiet
-# cores when this was written; the goal is 10); `make test-slow` runs these, and CI (.ci/run) runs both. Each entry is
-# end-to-end or a larger world size of a case the fast tier already runs at W=2 or 3; the
+# `make test` (the README's command) runs everything but the tests below, to stay within 10
+# minutes on 2 quiet cores; `make test-slow` runs these, and CI (.ci/run) runs both. Each entry is
+# end-to-end, a larger world size of a case the fast tier already runs at W=1 and 2, or a code
+# block of a docs page (the README's blocks stay in the fast tier: they are the front door); the
 # seconds are wall times of one quiet `make test --durations` on 2 cores.
 SLOW_MODULES = {
     "tests/distributed/test_train_multinode.py",  # two torchrun launchers, a node killed (~110 s)
@@ -25,9 +26,11 @@ SLOW_MODULES = {
 SLOW_TESTS = {
     "tests/distributed/test_dist_helper.py::test_stuck_rank_is_killed_and_named",  # waits out a 45 s timeout
     "tests/unit/test_time_model.py::test_a_calibration_round_trips_through_its_cache",  # calibrates (~35 s)
+    "tests/integration/test_gpu_script.py::test_smoke_runs_every_part",  # every part of the GPU script (~46 s)
     "tests/integration/test_cli.py::test_calibrate_caches_the_rates_the_planner_uses_when_asked",  # (~35 s)
 }
-SLOW_WORLD = 4  # test_shard / test_plan_sharded at W=4 (the same cases run at W=1-3 in the fast tier)
+SLOW_WORLDS = (3, 4)  # test_shard / test_plan_sharded at W=3, 4 (the same cases run at W=1, 2 in the fast tier)
+DOCS_BLOCKS = ("tests/integration/test_docs.py::test_python_block", "tests/integration/test_docs.py::test_shell_block")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -38,7 +41,8 @@ def pytest_collection_modifyitems(config, items):
         if (
             path in SLOW_MODULES
             or item.nodeid.split("[")[0] in SLOW_TESTS
-            or (by_world and params.get("world") == SLOW_WORLD)
+            or (by_world and params.get("world") in SLOW_WORLDS)
+            or (item.nodeid.split("[")[0] in DOCS_BLOCKS and params.get("page") != "README.md")
         ):
             item.add_marker(pytest.mark.slow)
 
