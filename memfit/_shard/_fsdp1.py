@@ -263,19 +263,22 @@ class FSDP1API(ShardedModule):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        """FSDP1's spelling of :func:`memfit.summon_full_params`: every rank holds the full
-        parameters inside (``rank0_only`` and ``offload_to_cpu`` are memory savings FSDP1
-        makes; memfit gathers on the compute device on every rank)."""
-        del recurse, rank0_only, offload_to_cpu
+        """FSDP1's spelling of :func:`memfit.summon_full_params`, with its flags: ``rank0_only``
+        (the other ranks keep their shards inside; with ``writeback=True`` refused, as in
+        FSDP1) and ``offload_to_cpu`` (host copies, gathered a unit at a time; written back
+        from them with ``writeback``). ``recurse=False`` gathers the units below too (memfit
+        summons the whole model); ``with_grads=True`` is refused."""
+        del recurse
         if with_grads:
             raise NotImplementedError(
                 "memfit.FullyShardedDataParallel.summon_full_params: with_grads=True is not supported; "
                 "read the sharded gradients from model.parameters() (each rank's rows)"
             )
-        with _utils.summon_full_params(module, writeback=writeback):
+        with _utils.summon_full_params(module, writeback, rank0_only, offload_to_cpu):
             yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; returns that norm
-        (before clipping) as a tensor, as FSDP1's ``clip_grad_norm_`` does."""
-        return torch.tensor(_utils.clip_grad_norm_(self, max_norm, norm_type))  # type: ignore[arg-type]
+        (before clipping) as a tensor on the gradients' device, in their dtype, as FSDP1's
+        ``clip_grad_norm_`` does."""
+        return _utils.clip_grad_norm_tensor(cast(nn.Module, self), max_norm, norm_type)[0]
