@@ -211,23 +211,19 @@ class FSDP1API(ShardedModule):
         rank0_only: bool = True,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        """FSDP1's older API: the full optimizer state keyed by parameter ids, in the order of
-        ``optim``'s groups (as ``optim.state_dict()`` of the unsharded model); with ``rank0_only``
-        the other ranks get {}. Every rank must call it."""
+        """FSDP1's older API: the full optimizer state keyed by parameter names, as torch FSDP1's
+        (``param_groups`` list the names too); with ``rank0_only`` the other ranks get {}. Every
+        rank must call it."""
         del group
         if optim_input is not None:
             raise NotImplementedError(
                 "memfit.FullyShardedDataParallel.full_optim_state_dict: optim_input is not supported; the "
                 "parameters are read from the optimizer"
             )
-        osd: Any = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+        osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return {}
-        ids = {n: i for i, n in enumerate(n for g in osd["param_groups"] for n in g["params"])}
-        return {
-            "state": {ids[n]: st for n, st in osd["state"].items()},
-            "param_groups": [{**g, "params": [ids[n] for n in g["params"]]} for g in osd["param_groups"]],
-        }
+        return cast("dict[str, Any]", osd)
 
     @staticmethod
     def scatter_full_optim_state_dict(
