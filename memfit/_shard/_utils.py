@@ -63,8 +63,9 @@ def clip_grad_norm_tensor(model: nn.Module, max_norm: float, norm_type: float = 
         for part in _by_device(grads):
             torch._foreach_mul_(part, coef)
     homes = {g.device for g in grads}
-    dtype = functools.reduce(torch.promote_types, [g.dtype for g in grads], grads[0].dtype) if grads else None
-    return total.to(homes.pop() if len(homes) == 1 else device, dtype or torch.float32), total_f
+    dtypes = {g.dtype for g in grads}  # a few: promoted once per distinct dtype, not per gradient
+    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+    return total.to(homes.pop() if len(homes) == 1 else device, dtype), total_f
 
 
 def _counts(unit) -> bool:
