@@ -30,7 +30,11 @@ from memfit._shard._mixed import MixedPrecision
 #     shard(mesh=<2-D mesh>) (_HYBRID_SHARD_ZERO2: reshard_after_forward=False), the mesh from
 #     device_mesh=, process_group=(shard_group, replicate_group), or LOCAL_WORLD_SIZE.
 #   mixed_precision: torch's MixedPrecision and FSDP2's MixedPrecisionPolicy become memfit's
-#     (param_dtype None: fp32); FairScale's `mixed_precision=True` is fp16 compute.
+#     (param_dtype None: fp32); FairScale's `mixed_precision=True` is fp16 compute. Where FSDP1's
+#     differs: buffer_dtype=None casts buffers to param_dtype (FSDP1 leaves them), every norm
+#     layer keeps fp32 (FSDP1: BatchNorm, its _module_classes_to_ignore), every unit's floating
+#     inputs are cast (cast_forward_inputs=True); keep_low_precision_grads=True is not
+#     available (the gradients reach the fp32 shards in fp32): a warning, once, says so.
 #   process_group (torch) is group; cpu_offload=CPUOffload(offload_params=True) (torch) or
 #     move_params_to_cpu=True (FairScale) is offload="cpu"; device_id is where the module is
 #     moved (or, on the meta device, its chunks allocated).
@@ -52,6 +56,7 @@ from memfit._shard._mixed import MixedPrecision
 #   ignored_modules, ignored_states (torch) are refused for now, naming the argument.
 
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_WARNED: set[str] = set()  # the warnings given in this process (once each)
 _RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True, _HYBRID[1]: False}
 
 
@@ -122,6 +127,13 @@ def mixed_precision_of(spec, where: str = "memfit.FullyShardedDataParallel") -> 
         return MixedPrecision(param_dtype=torch.float16)
     fields = ("param_dtype", "reduce_dtype")
     if all(hasattr(spec, f) for f in fields):  # torch.distributed.fsdp.MixedPrecision / MixedPrecisionPolicy
+        if getattr(spec, "keep_low_precision_grads", False) and "keep_low_precision_grads" not in _WARNED:
+            _WARNED.add("keep_low_precision_grads")
+            warnings.warn(
+                f"{where}: MixedPrecision(keep_low_precision_grads=True) is not available; the gradients reach "
+                "the fp32 shards in fp32 (See [Note: Mixed precision])",
+                stacklevel=5,
+            )
         if spec.param_dtype is None and spec.reduce_dtype is None and getattr(spec, "buffer_dtype", None) is None:
             return None
         return MixedPrecision(
@@ -144,9 +156,6 @@ def offload_of(offload: str | None, cpu_offload, move_params_to_cpu: bool) -> st
             raise ValueError(f"memfit.FullyShardedDataParallel: cpu offload asked for, but offload={offload!r}")
         return "cpu"
     return offload
-
-
-_WARNED: set[str] = set()  # the prefetch warnings given in this process
 
 
 def check_prefetch(backward_prefetch, forward_prefetch, limit_all_gathers) -> None:

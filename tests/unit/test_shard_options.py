@@ -246,6 +246,18 @@ def test_prefetch_and_rate_limit_are_accepted_and_checked(monkeypatch):
         ShardOptions.from_kwargs(backward_prefetch=None)
 
 
+def test_fsdp1_mixed_precision_keep_low_precision_grads_warns(monkeypatch):
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+
+    from memfit._shard import _compat
+
+    monkeypatch.setattr(_compat, "_WARNED", set())
+    spec = TorchMixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    with pytest.warns(UserWarning, match=r"keep_low_precision_grads=True\) is not available"):
+        opts = ShardOptions.from_kwargs(mixed_precision=spec)
+    assert opts.mixed_precision == MixedPrecision(torch.bfloat16)
+
+
 def test_ignored_modules_and_states_are_named_as_not_supported_yet():
     for name in ("ignored_modules", "ignored_states"):
         with pytest.raises(TypeError, match=f"{name}= is not supported yet"):
