@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -181,25 +182,79 @@ def apply_activation_checkpointing(
     offload: str | Offload | None = None,
     save: str | Callable | None = None,
     check_fn: Callable[[nn.Module], bool] | None = None,
+    checkpoint_wrapper_fn: Callable[[nn.Module], nn.Module] | None = None,
+    auto_wrap_policy=None,
 ) -> list[str]:
     """Checkpoint, in place, the submodules of ``model`` that ``policy`` selects.
 
     ``policy``: a module class, a tuple of classes, ``every_nth(n, classes)`` or a
     ``callable(module) -> bool``; or, in torch's spelling, ``check_fn=callable(module) ->
-    bool``. When a selected module contains other selected modules only the outermost is
-    checkpointed (a nested checkpoint would recompute the same work twice). ``offload`` and
-    ``save`` are passed to :func:`checkpoint_module`. Returns the paths of the modules
-    checkpointed (``""`` is the model itself).
+    bool`` or ``auto_wrap_policy=`` (torch's wrap policies). When a selected module contains
+    other selected modules only the outermost is checkpointed (a nested checkpoint would
+    recompute the same work twice). ``offload`` and ``save`` are passed to
+    :func:`checkpoint_module`. Returns the paths of the modules checkpointed (``""`` is the
+    model itself).
+
+    ``checkpoint_wrapper_fn`` (torch's argument; default: memfit's in-place checkpointing):
+    torch's ``checkpoint_wrapper`` / ``offload_wrapper`` (or a ``functools.partial`` of
+    them) and memfit's :func:`checkpoint_wrapper` checkpoint in place, names unchanged
+    (``offload_wrapper``: ``offload="cpu"``; torch's ``checkpoint_impl`` is moot: memfit's
+    checkpoint is non-reentrant); any other ``fn(module) -> module`` is called on each selected
+    module, and a module it returns in its place replaces it in its parent, as torch does.
     """
+    if policy is None and check_fn is None and auto_wrap_policy is not None:
+        from memfit._shard._compat import wrap_policy_of  # torch's policy objects and callables
+
+        policy = wrap_policy_of(auto_wrap_policy, model)
+    elif auto_wrap_policy is not None:
+        raise TypeError("memfit.apply_activation_checkpointing: pass auto_wrap_policy= alone, without policy/check_fn")
     if (policy is None) == (check_fn is None):
         raise TypeError("memfit.apply_activation_checkpointing: pass a policy or check_fn= (exactly one)")
     select = _selector(policy if check_fn is None else check_fn)
-    offload, save = resolve_offload(offload), resolve_save(save)
+    wrap = _wrapper(checkpoint_wrapper_fn, offload, save)
     chosen: list[str] = []
     for path, module in select(model):
         if any(path == c or path.startswith(c + ".") or c == "" for c in chosen):
             continue
-        label = f"{path or '<root>'} ({type(module).__name__})"
-        checkpoint_module(module, offload=offload, save=save, name=label)
+        wrap(model, path, module, f"{path or '<root>'} ({type(module).__name__})")
         chosen.append(path)
     return chosen
+
+
+def _wrapper(fn, offload, save) -> Callable[[nn.Module, str, nn.Module, str], None]:
+    """How apply_activation_checkpointing checkpoints one selected module (See its docstring)."""
+    inner, kwargs = (fn.func, dict(fn.keywords)) if isinstance(fn, functools.partial) else (fn, {})
+    torch_fns = _torch_wrappers()
+    if fn is None or inner is checkpoint_wrapper or inner in torch_fns.values():
+        if (inner is checkpoint_wrapper and kwargs.get("offload_to_cpu")) or inner is torch_fns.get("offload"):
+            offload = offload or "cpu"
+        off, sv = resolve_offload(offload), resolve_save(save)
+
+        def in_place(model: nn.Module, path: str, module: nn.Module, label: str) -> None:
+            checkpoint_module(module, offload=off, save=sv, name=label)
+
+        return in_place
+    if offload is not None or save is not None:
+        raise TypeError(
+            "memfit.apply_activation_checkpointing: offload= and save= apply to memfit's checkpointing; a custom "
+            f"checkpoint_wrapper_fn ({fn!r}) does its own: pass one or the other"
+        )
+
+    def replace(model: nn.Module, path: str, module: nn.Module, label: str) -> None:
+        new = fn(module)
+        if new is not module and isinstance(new, nn.Module):
+            if not path:
+                raise ValueError(f"memfit.apply_activation_checkpointing: {label} is the model; it cannot be replaced")
+            parent, _, name = path.rpartition(".")
+            setattr(model.get_submodule(parent), name, new)
+
+    return replace
+
+
+def _torch_wrappers() -> dict:
+    """torch's checkpoint_wrapper and offload_wrapper, when torch has them."""
+    try:
+        from torch.distributed.algorithms._checkpoint import checkpoint_wrapper as ckpt
+    except ImportError:  # torch built without distributed
+        return {}
+    return {"checkpoint": ckpt.checkpoint_wrapper, "offload": ckpt.offload_wrapper}

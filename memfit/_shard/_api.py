@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from memfit._shard import _runtime
 from memfit._shard._compat import wrap_policy_of
+from memfit._shard._deferred import materialize
 from memfit._shard._device import compute_device, resolved
 from memfit._shard._export import SavePretrained
 from memfit._shard._fsdp1 import FSDP1API
@@ -64,13 +65,15 @@ class FullyShardedDataParallel(FSDP1API, ShardedModule):
     def __new__(cls, module: nn.Module, *, options: ShardOptions | None = None, **kwargs) -> FullyShardedDataParallel:
         """Shard ``module`` as described in the class docstring and return it."""
         options = ShardOptions.from_kwargs(options, **kwargs)  # once: one mesh for every unit
-        unit = dataclasses.replace(options, auto_wrap_policy=None)
+        unit = dataclasses.replace(options, auto_wrap_policy=None, param_init_fn=None)
         select = wrap_selector(wrap_policy_of(options.auto_wrap_policy, module))
         for sub in post_order(module):
             if sub is not module and select(sub):
                 shard(sub, options=unit)
         shard(module, options=unit)
         module.__class__ = _extended_class(type(module), FullyShardedDataParallel)
+        if options.param_init_fn is not None:  # See [Note: What materialize initialises]
+            materialize(module, init=options.param_init_fn)
         return module  # type: ignore[return-value]
 
     def __init__(self, *args, **kwargs) -> None:
@@ -116,7 +119,8 @@ def shard(module: nn.Module, *, options: ShardOptions | None = None, **kwargs) -
     Args:
         options: a :class:`ShardOptions`: the process group (``group``) or ``mesh`` (hybrid
             sharding), ``reshard_after_forward``, ``sync_module_states``, the compute
-            ``device``, ``mixed_precision``, ``offload`` (default: ``ShardOptions()``).
+            ``device``, ``mixed_precision``, ``offload``, ``param_init_fn`` (default:
+            ``ShardOptions()``).
         **kwargs: any field of :class:`ShardOptions` (it replaces that field of ``options``;
             ``shard(m, reshard_after_forward=False)`` is ``shard(m, options=ShardOptions(
             reshard_after_forward=False))``), or torch FSDP's spellings of them.
@@ -148,6 +152,8 @@ def shard(module: nn.Module, *, options: ShardOptions | None = None, **kwargs) -
     unit = new_unit(module, params, owned, managed, layout, opts.reshard_after_forward, mp)
     ensure_optimizer_check()
     _install(module, unit)  # See [Note: One sharded training step]
+    if opts.param_init_fn is not None:  # See [Note: What materialize initialises]
+        materialize(module, init=opts.param_init_fn)
     return module
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from collections.abc import Callable
 from typing import cast
 
@@ -29,15 +30,33 @@ from memfit._shard._mixed import MixedPrecision
 #     shard(mesh=<2-D mesh>) (_HYBRID_SHARD_ZERO2: reshard_after_forward=False), the mesh from
 #     device_mesh=, process_group=(shard_group, replicate_group), or LOCAL_WORLD_SIZE.
 #   mixed_precision: torch's MixedPrecision and FSDP2's MixedPrecisionPolicy become memfit's
-#     (param_dtype None: fp32); FairScale's `mixed_precision=True` is fp16 compute.
+#     (param_dtype None: fp32); FairScale's `mixed_precision=True` is fp16 compute. Where FSDP1's
+#     differs: buffer_dtype=None casts buffers to param_dtype (FSDP1 leaves them), every norm
+#     layer keeps fp32 (FSDP1: BatchNorm, its _module_classes_to_ignore), every unit's floating
+#     inputs are cast (cast_forward_inputs=True); keep_low_precision_grads=True is not
+#     available (the gradients reach the fp32 shards in fp32): a warning, once, says so.
 #   process_group (torch) is group; cpu_offload=CPUOffload(offload_params=True) (torch) or
 #     move_params_to_cpu=True (FairScale) is offload="cpu"; device_id is where the module is
 #     moved (or, on the meta device, its chunks allocated).
 #   use_orig_params (torch) and flatten_parameters (FairScale) are accepted and change nothing:
 #     memfit always keeps the original parameters (their names, param groups, freezing) and
 #     always communicates one flat buffer per unit.
+#   backward_prefetch, forward_prefetch, limit_all_gathers (torch) are accepted and change
+#     nothing: memfit's schedule is fixed (See [Note: One sharded training step]): it gathers
+#     the next unit in forward order before the current one computes (forward_prefetch=True)
+#     and, in backward, at the first gradient of a unit's outputs, the unit before it
+#     (BACKWARD_PRE), so at most one gather is in flight beside the unit computing (the bound
+#     limit_all_gathers=True sets). backward_prefetch=BACKWARD_POST or None asks for less
+#     overlap to save memory, which memfit cannot do: a warning, once per process, says so.
+#   param_init_fn (torch) is ShardOptions.param_init_fn: parameters built on the meta device
+#     get their values from it through memfit.materialize(model, init=param_init_fn) once
+#     sharded (See [Note: What materialize initialises]).
+#   sync_module_states defaults to True, unlike torch FSDP1's False: ranks that built the
+#     model from different seeds start equal (a broadcast per parameter at sharding time).
+#   ignored_modules, ignored_states (torch) are refused for now, naming the argument.
 
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+_WARNED: set[str] = set()  # the warnings given in this process (once each)
 _RESHARD = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "NO_SHARD": False, "HYBRID_SHARD": True, _HYBRID[1]: False}
 
 
@@ -108,6 +127,13 @@ def mixed_precision_of(spec, where: str = "memfit.FullyShardedDataParallel") -> 
         return MixedPrecision(param_dtype=torch.float16)
     fields = ("param_dtype", "reduce_dtype")
     if all(hasattr(spec, f) for f in fields):  # torch.distributed.fsdp.MixedPrecision / MixedPrecisionPolicy
+        if getattr(spec, "keep_low_precision_grads", False) and "keep_low_precision_grads" not in _WARNED:
+            _WARNED.add("keep_low_precision_grads")
+            warnings.warn(
+                f"{where}: MixedPrecision(keep_low_precision_grads=True) is not available; the gradients reach "
+                "the fp32 shards in fp32 (See [Note: Mixed precision])",
+                stacklevel=5,
+            )
         if spec.param_dtype is None and spec.reduce_dtype is None and getattr(spec, "buffer_dtype", None) is None:
             return None
         return MixedPrecision(
@@ -130,6 +156,43 @@ def offload_of(offload: str | None, cpu_offload, move_params_to_cpu: bool) -> st
             raise ValueError(f"memfit.FullyShardedDataParallel: cpu offload asked for, but offload={offload!r}")
         return "cpu"
     return offload
+
+
+def check_prefetch(backward_prefetch, forward_prefetch, limit_all_gathers) -> None:
+    """Validate torch FSDP1's prefetch and rate-limit arguments, which memfit's fixed schedule
+    makes moot; warn once when the value asks for less prefetching than memfit does (See
+    [Note: Spellings from torch FSDP and FairScale])."""
+    where = "memfit.FullyShardedDataParallel"
+    for name, value in (("forward_prefetch", forward_prefetch), ("limit_all_gathers", limit_all_gathers)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{where}: {name} must be True or False, got {value!r}")
+    asked: str | None = "None"
+    if backward_prefetch is not None:
+        asked = backward_prefetch if isinstance(backward_prefetch, str) else getattr(backward_prefetch, "name", None)
+        if asked not in ("BACKWARD_PRE", "BACKWARD_POST"):
+            raise ValueError(
+                f"{where}: unknown backward_prefetch {backward_prefetch!r}; expected BACKWARD_PRE, BACKWARD_POST "
+                "or None (torch.distributed.fsdp.BackwardPrefetch or its name)"
+            )
+    if asked is not None and asked != "BACKWARD_PRE" and asked not in _WARNED:
+        _WARNED.add(asked)
+        warnings.warn(
+            f"{where}: backward_prefetch={asked} is not available; memfit prefetches as BACKWARD_PRE (the "
+            "previous unit's all-gather starts when a unit's backward begins: one unit of full parameters "
+            "more in memory than without prefetching). Pass BACKWARD_PRE, or leave it out, to silence this.",
+            stacklevel=4,
+        )
+
+
+def refuse_ignored(kwargs: dict) -> None:
+    """torch FSDP1's ignored_modules / ignored_states: not supported yet, named."""
+    for name in ("ignored_modules", "ignored_states"):
+        value = kwargs.get(name)
+        if value is not None and not (isinstance(value, (list, tuple, set, frozenset)) and not value):
+            raise TypeError(
+                f"memfit.FullyShardedDataParallel: {name}= is not supported yet (memfit shards every parameter "
+                f"of the modules it shards); pass {name}=None or leave it out."
+            )
 
 
 def device_of(device_id) -> torch.device:

@@ -144,11 +144,17 @@ def _mark(t: torch.Tensor) -> int:
 
 
 def _take_replaced(todo: list, buffers: list[tuple[nn.Module, str]], before: list[torch.Tensor]) -> set[int]:
-    """Keep the values of parameters an init replaced (``module.weight = nn.Parameter(...)``) in
-    the full parameter, and put replaced buffers where the originals were; returns the indices
+    """Keep the values of parameters an init replaced (``module.weight = nn.Parameter(...)``, or
+    its ``.data``) in the full parameter, and put replaced buffers where the originals were; returns the indices
     (parameters, then buffers) of the replaced ones."""
     replaced = set()
     for i, sp in enumerate(todo):
+        if sp.full.untyped_storage().data_ptr() != sp._padded.untyped_storage().data_ptr():
+            # `module.to_empty(recurse=False)` (FSDP1's usual param_init_fn) set `.data`: the
+            # values go back into the storage the gathers fill (See [Note: Sharded parameter layout]).
+            values = sp.full.data
+            sp.full.data = sp._padded[: values.numel()].view(sp.shape)
+            sp.full.copy_(values.to(sp.full.device))
         for m, name in sp.uses:
             new = m._parameters.get(name)
             if new is not None and new is not sp.full:

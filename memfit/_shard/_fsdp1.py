@@ -211,23 +211,19 @@ class FSDP1API(ShardedModule):
         rank0_only: bool = True,
         group: dist.ProcessGroup | None = None,
     ) -> dict[str, Any]:
-        """FSDP1's older API: the full optimizer state keyed by parameter ids, in the order of
-        ``optim``'s groups (as ``optim.state_dict()`` of the unsharded model); with ``rank0_only``
-        the other ranks get {}. Every rank must call it."""
+        """FSDP1's older API: the full optimizer state keyed by parameter names, as torch FSDP1's
+        (``param_groups`` list the names too); with ``rank0_only`` the other ranks get {}. Every
+        rank must call it."""
         del group
         if optim_input is not None:
             raise NotImplementedError(
                 "memfit.FullyShardedDataParallel.full_optim_state_dict: optim_input is not supported; the "
                 "parameters are read from the optimizer"
             )
-        osd: Any = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
+        osd = get_optimizer_state_dict(model, optim, options=StateDictOptions(full_state_dict=True))
         if rank0_only and dist.is_initialized() and dist.get_rank() != 0:
             return {}
-        ids = {n: i for i, n in enumerate(n for g in osd["param_groups"] for n in g["params"])}
-        return {
-            "state": {ids[n]: st for n, st in osd["state"].items()},
-            "param_groups": [{**g, "params": [ids[n] for n in g["params"]]} for g in osd["param_groups"]],
-        }
+        return cast("dict[str, Any]", osd)
 
     @staticmethod
     def scatter_full_optim_state_dict(
@@ -263,19 +259,22 @@ class FSDP1API(ShardedModule):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> Iterator[None]:
-        """FSDP1's spelling of :func:`memfit.summon_full_params`: every rank holds the full
-        parameters inside (``rank0_only`` and ``offload_to_cpu`` are memory savings FSDP1
-        makes; memfit gathers on the compute device on every rank)."""
-        del recurse, rank0_only, offload_to_cpu
+        """FSDP1's spelling of :func:`memfit.summon_full_params`, with its flags: ``rank0_only``
+        (the other ranks keep their shards inside; with ``writeback=True`` refused, as in
+        FSDP1) and ``offload_to_cpu`` (host copies, gathered a unit at a time; written back
+        from them with ``writeback``). ``recurse=False`` gathers the units below too (memfit
+        summons the whole model); ``with_grads=True`` is refused."""
+        del recurse
         if with_grads:
             raise NotImplementedError(
                 "memfit.FullyShardedDataParallel.summon_full_params: with_grads=True is not supported; "
                 "read the sharded gradients from model.parameters() (each rank's rows)"
             )
-        with _utils.summon_full_params(module, writeback=writeback):
+        with _utils.summon_full_params(module, writeback, rank0_only, offload_to_cpu):
             yield
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of the whole model by their global norm; returns that norm
-        (before clipping) as a tensor, as FSDP1's ``clip_grad_norm_`` does."""
-        return torch.tensor(_utils.clip_grad_norm_(self, max_norm, norm_type))  # type: ignore[arg-type]
+        (before clipping) as a tensor on the gradients' device, in their dtype, as FSDP1's
+        ``clip_grad_norm_`` does."""
+        return _utils.clip_grad_norm_tensor(cast(nn.Module, self), max_norm, norm_type)[0]

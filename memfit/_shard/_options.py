@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from memfit._shard._compat import device_of, mesh_of, mixed_precision_of, offload_of, strategy_of
+from memfit._shard._compat import (
+    check_prefetch,
+    device_of,
+    mesh_of,
+    mixed_precision_of,
+    offload_of,
+    refuse_ignored,
+    strategy_of,
+)
 from memfit._shard._mixed import MixedPrecision
 
 __all__ = ["ShardOptions"]
@@ -34,7 +44,13 @@ _SPELLINGS = (
     "move_params_to_cpu",
     "use_orig_params",
     "flatten_parameters",
+    "backward_prefetch",
+    "forward_prefetch",
+    "limit_all_gathers",
+    "ignored_modules",
+    "ignored_states",
 )
+_MOOT = ("use_orig_params", "flatten_parameters", "backward_prefetch", "forward_prefetch", "limit_all_gathers")
 
 
 @dataclass(frozen=True)
@@ -86,6 +102,14 @@ class ShardOptions:
             back to the host after the reduce-scatter. With an accelerator that saves its
             memory; on a CPU-only machine the compute device is the CPU too, so the copies are
             host-to-host: the logic is tested here, the savings need a GPU.
+        param_init_fn: for parameters and buffers built on the meta device (torch FSDP1's
+            argument): once sharded, ``memfit.materialize(model, init=param_init_fn)`` gives
+            them values, one unit at a time: ``param_init_fn(module)`` is called on every
+            module of a unit with deferred tensors, children first, with that unit's full
+            parameters allocated, and must fill them in place (``reset_parameters()``, or
+            ``to_empty(device=..., recurse=False)`` then an init). Modules with values are
+            left alone. None: meta-built tensors wait for :func:`materialize` or
+            :func:`load_full_state_dict`.
     """
 
     auto_wrap_policy: Any = None
@@ -96,6 +120,7 @@ class ShardOptions:
     device: torch.device | None = None
     mixed_precision: MixedPrecision | None = None
     offload: str | None = None
+    param_init_fn: Callable[[nn.Module], None] | None = None
 
     def __post_init__(self) -> None:
         where = "memfit.ShardOptions"
@@ -125,6 +150,8 @@ class ShardOptions:
                 raise ValueError(f"{where}: device={self.device!r} is not a device (e.g. 'cuda:0', 'cpu')") from None
         object.__setattr__(self, "mixed_precision", mixed_precision_of(self.mixed_precision, where))
         _check_policy(self.auto_wrap_policy, where)
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise TypeError(f"{where}: param_init_fn must be a callable(module), got {self.param_init_fn!r}")
 
     @classmethod
     def from_kwargs(cls, options: ShardOptions | None = None, /, **kwargs: Any) -> ShardOptions:
@@ -150,6 +177,14 @@ class ShardOptions:
                 FairScale's ``True``; both mean ``offload="cpu"``.
             use_orig_params, flatten_parameters: accepted; memfit always keeps the original
                 parameters and always communicates one flat buffer per unit.
+            backward_prefetch, forward_prefetch, limit_all_gathers: accepted (validated);
+                memfit's schedule is fixed: one unit prefetched ahead in forward and in backward
+                (BACKWARD_PRE), at most one gather in flight beside the unit computing.
+                ``backward_prefetch=BACKWARD_POST`` or ``None`` warns once: not available.
+            ignored_modules, ignored_states: None (or empty) only, for now; anything else is
+                a TypeError naming the argument.
+
+        ``sync_module_states`` is True by default, unlike torch FSDP1's False.
         """
         native = {k: kwargs.pop(k) for k in FIELDS if k in kwargs}
         unknown = sorted(set(kwargs) - set(_SPELLINGS))
@@ -160,6 +195,12 @@ class ShardOptions:
             )
         if options is not None and not isinstance(options, ShardOptions):
             raise TypeError(f"memfit: options must be a memfit.ShardOptions, got {type(options).__name__}")
+        refuse_ignored(kwargs)
+        check_prefetch(
+            kwargs.get("backward_prefetch", "BACKWARD_PRE"),
+            kwargs.get("forward_prefetch", False),
+            kwargs.get("limit_all_gathers", True),
+        )
         _torch_spellings(native, kwargs)
         return dataclasses.replace(options or cls(), **native)
 
@@ -177,7 +218,7 @@ def split_kwargs(kwargs: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
 def _torch_spellings(native: dict[str, Any], spelt: dict[str, Any]) -> None:
     """Put torch FSDP's and FairScale's spellings in ``spelt`` into ``native``, memfit's names."""
     where = "memfit.FullyShardedDataParallel"
-    spelt = {k: v for k, v in spelt.items() if k not in ("use_orig_params", "flatten_parameters")}
+    spelt = {k: v for k, v in spelt.items() if k not in _MOOT}
     group = native.get("group")
     if spelt.get("process_group") is not None:
         if group is not None and spelt["process_group"] is not group:

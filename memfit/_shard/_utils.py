@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -15,7 +16,6 @@ from memfit._shard._unit import ShardState, units_of
 __all__ = ["clip_grad_norm_", "summon_full_params"]
 
 
-@torch.no_grad()
 def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> float:
     """Clip the gradients of a sharded model by their global norm over all ranks and units.
 
@@ -24,6 +24,14 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     on the compute device (where NCCL takes it, even when the shards are offloaded) and read
     on the host once: the call's one host sync (the inf-norm included).
     """
+    return clip_grad_norm_tensor(model, max_norm, norm_type)[1]
+
+
+@torch.no_grad()
+def clip_grad_norm_tensor(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> tuple[torch.Tensor, float]:
+    """:func:`clip_grad_norm_`'s norm as a tensor too, as torch FSDP1 returns it: on the
+    gradients' device (the compute device when they have several or none), in the dtype their
+    dtypes promote to (fp32 when this rank has none)."""
     units = units_of(model)
     grads = [sp.sharded.grad for u in units for sp in u.params if sp.sharded.grad is not None]
     counted = [g for u in units if _counts(u) for sp in u.params if (g := sp.sharded.grad) is not None]
@@ -54,7 +62,10 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     if coef < 1.0:
         for part in _by_device(grads):
             torch._foreach_mul_(part, coef)
-    return total_f
+    homes = {g.device for g in grads}
+    dtypes = {g.dtype for g in grads}  # a few: promoted once per distinct dtype, not per gradient
+    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
+    return total.to(homes.pop() if len(homes) == 1 else device, dtype), total_f
 
 
 def _counts(unit) -> bool:
@@ -86,18 +97,44 @@ def _by_device(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
 
 
 @contextlib.contextmanager
-def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[None]:
+def summon_full_params(
+    model: nn.Module, writeback: bool = True, rank0_only: bool = False, offload_to_cpu: bool = False
+) -> Iterator[None]:
     """All parameters of a sharded model, full, under their names, inside this context (all
-    ranks must enter it). With ``writeback`` changes made to them are written to the shards."""
+    ranks must enter it). With ``writeback`` changes made to them are written to the shards.
+
+    torch FSDP1's memory savings: ``rank0_only``, only rank 0 (of each shard group) holds them;
+    the other ranks gather a unit at a time (rank 0 needs them to) and keep their shards
+    inside; ``offload_to_cpu``, they are host copies, gathered on the compute device a unit at
+    a time (at most one unit's full parameters there). ``writeback`` with ``rank0_only`` is
+    refused, as in FSDP1: the ranks' parameters would differ."""
+    if writeback and rank0_only:
+        raise NotImplementedError(
+            "memfit.summon_full_params: writeback=True with rank0_only=True is not supported (only rank 0 holds "
+            "the full parameters, the others could not write theirs back); pass writeback=False"
+        )
     units = units_of(model)
+    keep = not rank0_only or units[0].rank == 0
+    copies: dict[int, list[nn.Parameter]] = {}  # id(unit) -> its parameters' host copies
     with torch.no_grad():
         for u in units:
             u.wait_unshard()
+            if keep and offload_to_cpu:
+                values = [sp.full.detach().to("cpu", copy=True) for sp in u.params]
+                copies[id(u)] = [nn.Parameter(v, sp.full.requires_grad) for v, sp in zip(values, u.params)]
+            if not keep or offload_to_cpu:
+                u.reshard()
+            for sp, host in zip(u.params, copies.get(id(u), ())):
+                sp.register(host)
     try:
         yield
     finally:
         with torch.no_grad():
             for u in units:
+                for sp, host in zip(u.params, copies.get(id(u), ())):
+                    if writeback:
+                        sp.keep_rows(host, u.rank)
+                    sp.register(sp.sharded)
                 if writeback and u.shard_state is ShardState.UNSHARDED:
                     for sp in u.params:
                         full = sp.full.detach().reshape(sp.rows, sp.row_numel)

@@ -22,6 +22,7 @@ from torch.utils._pytree import tree_map_only
 
 import memfit
 from memfit import FullyShardedDataParallel as FSDP
+from memfit._shard._unit import units_of
 from tests._dist import Subtests, case_id
 from tests.distributed.test_shard_dcp import assert_same, build, train
 
@@ -83,10 +84,10 @@ def case_optim_state_dict_full_and_rank0_only(rank, world, root):
 
 def case_full_optim_state_dict_and_scatter(rank, world, root):
     for kind in ("adam", "sgd"):
-        model, opt, _, ref_opt = trained(kind)
+        model, opt, ref, ref_opt = trained(kind)
         full = FSDP.full_optim_state_dict(model, opt)  # rank0_only by default
-        if rank == 0:
-            assert_same(full, ref_opt.state_dict(), f"{kind} full optim state by ids", **TOL)
+        if rank == 0:  # keyed by names, as torch FSDP1's
+            assert_same(full, get_optimizer_state_dict(ref, ref_opt), f"{kind} full optim state", **TOL)
         else:
             assert full == {}
         full = tree_map_only(torch.Tensor, torch.clone, full)
@@ -145,12 +146,116 @@ def case_summon_full_params_and_clip_grad_norm(rank, world, root):
         torch.nn.functional.cross_entropy(logits.reshape(-1, VOCAB), part[:, 1:].reshape(-1)).backward()
     norm = model.clip_grad_norm_(0.1)
     want = torch.nn.utils.clip_grad_norm_([p for p in ref.parameters() if p.grad is not None], 0.1)
-    assert isinstance(norm, torch.Tensor)
+    assert isinstance(norm, torch.Tensor) and norm.dtype == want.dtype and norm.device == want.device
     torch.testing.assert_close(norm, want, **TOL)
     opt.step()
     ref_opt.step()
     with FSDP.summon_full_params(model, writeback=False):
         assert_same(dict(model.named_parameters()), dict(ref.named_parameters()), "after a clipped step", **TOL)
+
+
+def case_fsdp1_constructor_arguments(rank, world, root):
+    """Every FSDP1 argument a real script passes, FSDP1's spellings, trains as memfit's own
+    options do (bitwise: the same options, so the same arithmetic)."""
+    from torch.distributed.fsdp import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    from tests.distributed.test_shard_dcp import LM, Block, make_opt
+
+    torch.manual_seed(0)
+    spelt = FSDP(
+        LM(VOCAB),
+        process_group=dist.group.WORLD,
+        sharding_strategy=ShardingStrategy.FULL_SHARD,
+        cpu_offload=CPUOffload(offload_params=False),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        backward_prefetch=BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision=MixedPrecision(),  # no dtype given: full precision, as in FSDP1
+        ignored_modules=None,
+        param_init_fn=None,
+        device_id=torch.device("cpu"),
+        sync_module_states=True,
+        forward_prefetch=True,
+        limit_all_gathers=True,
+        use_orig_params=False,
+        ignored_states=None,
+        device_mesh=None,
+    )
+    model, opt = build("adam", VOCAB)
+    assert train(spelt, make_opt(spelt, "adam"), 2, 0, rank, world, VOCAB) == train(
+        model, opt, 2, 0, rank, world, VOCAB
+    )
+    with pytest.raises(TypeError, match=r"ignored_modules= is not supported yet"):
+        FSDP(LM(VOCAB), ignored_modules=[torch.nn.Linear(2, 2)])
+
+
+def case_param_init_fn_on_the_meta_device(rank, world, root):
+    """FSDP1's param_init_fn for a model built on the meta device: `to_empty(recurse=False)` and
+    a fill in place, or a fill alone; the full state equals the fn applied to a plain model."""
+    from tests.distributed.test_shard_dcp import LM, Block
+
+    def fill(m):
+        for name, t in [*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)]:
+            t.copy_(torch.linspace(-1, 1, t.numel()).reshape(t.shape) * (len(name) + 1))
+
+    def to_empty_then_fill(m):
+        m.to_empty(device=torch.device("cpu"), recurse=False)
+        with torch.no_grad():
+            fill(m)
+
+    want = LM(VOCAB)
+    with torch.no_grad():
+        for m in want.modules():
+            fill(m)
+    for fn in (to_empty_then_fill, fill):
+        with torch.device("meta"):
+            model = LM(VOCAB)
+        model = FSDP(model, auto_wrap_policy={Block}, param_init_fn=fn)
+        with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig()):
+            assert_same(model.state_dict(), want.state_dict(), fn.__name__)
+        x = torch.randint(VOCAB, (2, 5))
+        torch.testing.assert_close(model(x), want(x), **TOL)  # the gathers read what was filled
+
+
+def case_summon_rank0_only_and_offload_to_cpu(rank, world, root):
+    model, _, ref, _ = trained()
+    full = {n: p.detach().clone() for n, p in ref.named_parameters()}
+    chunks = {n: p.shape for n, p in model.named_parameters()}
+    with FSDP.summon_full_params(model, writeback=False, rank0_only=True, offload_to_cpu=True):
+        params = dict(model.named_parameters())
+        if rank == 0:
+            assert_same(params, full, "rank 0's host copies", **TOL)
+            fulls = {id(sp.full) for u in units_of(model) for sp in u.params}
+            assert not any(id(p) in fulls for p in params.values()), "host copies, not the gathered tensors"
+            assert all(u.shard_state.name == "SHARDED" for u in units_of(model)), "gathered a unit at a time, freed"
+        else:
+            assert {n: p.shape for n, p in params.items()} == chunks, "the other ranks keep their shards"
+    assert {n: p.shape for n, p in model.named_parameters()} == chunks
+    with FSDP.summon_full_params(model, offload_to_cpu=True):  # every rank; written back from the copies
+        model.head.weight.data.mul_(0.5)
+    with FSDP.summon_full_params(model, writeback=False):
+        torch.testing.assert_close(model.head.weight, full["head.weight"] * 0.5, **TOL)
+    with pytest.raises(NotImplementedError, match="writeback=True with rank0_only=True is not supported"):
+        with FSDP.summon_full_params(model, rank0_only=True):
+            pass
+    with pytest.raises(NotImplementedError, match="with_grads=True is not supported"):
+        with FSDP.summon_full_params(model, with_grads=True):
+            pass
+
+
+def case_clip_grad_norm_keeps_the_gradients_dtype(rank, world, root):
+    """torch FSDP1 returns the norm on the gradients' device in their dtype: fp64 here."""
+    torch.manual_seed(0)
+    model = FSDP(torch.nn.Linear(5, 3).double())
+    ref = torch.nn.Linear(5, 3).double()
+    ref.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    x = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model(x[rank * 2 : rank * 2 + 2]).sum().mul(0.5).backward()
+    ref(x).sum().mul(0.5 / world).backward()  # the ranks' gradients are averaged, as DDP's
+    norm = model.clip_grad_norm_(0.01)
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.01)
+    assert norm.dtype == torch.float64 and norm.device == model.weight.grad.device
+    torch.testing.assert_close(norm, want)
 
 
 CASES = [
@@ -160,6 +265,10 @@ CASES = [
     case_sharded_state_dict_through_dcp,
     case_settings_and_refusals,
     case_summon_full_params_and_clip_grad_norm,
+    case_fsdp1_constructor_arguments,
+    case_param_init_fn_on_the_meta_device,
+    case_summon_rank0_only_and_offload_to_cpu,
+    case_clip_grad_norm_keeps_the_gradients_dtype,
 ]
 GROUP = Subtests(CASES, timeout=600)
 

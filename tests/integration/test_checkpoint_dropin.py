@@ -1,6 +1,7 @@
 """memfit.checkpoint as a drop-in for torch.utils.checkpoint: the inputs recompute sees, and
 torch's keywords. Each case compares with plain torch (bitwise: the arithmetic is the same)."""
 
+import copy
 import functools
 import typing
 
@@ -138,3 +139,48 @@ def test_apply_activation_checkpointing_check_fn():
     assert paths == ["0", "2"]
     with pytest.raises(TypeError, match="exactly one"):
         memfit.apply_activation_checkpointing(model, nn.Linear, check_fn=lambda m: True)
+
+
+def test_apply_activation_checkpointing_takes_torchs_signature():
+    """torch's call, checkpoint_wrapper_fn included, checkpoints in place: the same gradients
+    as torch's own wrappers (bitwise), parameter names unchanged."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        apply_activation_checkpointing,
+        checkpoint_wrapper,
+        offload_wrapper,
+    )
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4), nn.Tanh())
+    x = torch.randn(3, 4)
+    ref = copy.deepcopy(base)
+    fn = functools.partial(checkpoint_wrapper, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+    apply_activation_checkpointing(ref, checkpoint_wrapper_fn=fn, check_fn=lambda m: isinstance(m, nn.Linear))
+    for kwargs in (
+        {"checkpoint_wrapper_fn": fn, "check_fn": lambda m: isinstance(m, nn.Linear)},
+        {"checkpoint_wrapper_fn": checkpoint_wrapper, "auto_wrap_policy": ModuleWrapPolicy({nn.Linear})},
+        {"checkpoint_wrapper_fn": memfit.checkpoint_wrapper, "check_fn": lambda m: isinstance(m, nn.Linear)},
+    ):
+        model = copy.deepcopy(base)
+        assert memfit.apply_activation_checkpointing(model, **kwargs) == ["0", "2"]
+        assert [n for n, _ in model.named_parameters()] == [n for n, _ in base.named_parameters()]
+        assert_same(grads_of(model, x, model), grads_of(ref, x, ref))
+    model = copy.deepcopy(base)
+    first = model[0]
+    memfit.apply_activation_checkpointing(model, checkpoint_wrapper_fn=offload_wrapper, check_fn=lambda m: m is first)
+    assert model[0].forward.offload is not None  # offload_wrapper: the kept tensors go to the host
+    assert_same(grads_of(model, x, model), grads_of(ref, x, ref))
+
+
+def test_apply_activation_checkpointing_custom_wrapper_replaces_the_module():
+    """Any other checkpoint_wrapper_fn is called, and what it returns takes the module's place
+    (torch's behaviour); memfit's offload=/save= do not combine with it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    paths = memfit.apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=nn.Sequential, check_fn=lambda m: isinstance(m, nn.Linear)
+    )
+    assert paths == ["0"] and isinstance(model[0], nn.Sequential) and isinstance(model[0][0], nn.Linear)
+    with pytest.raises(TypeError, match="offload= and save= apply to memfit's checkpointing"):
+        memfit.apply_activation_checkpointing(model, checkpoint_wrapper_fn=lambda m: m, check_fn=bool, save="all")

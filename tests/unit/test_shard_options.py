@@ -201,3 +201,74 @@ def test_shard_refuses_a_wrap_policy_and_unknown_keywords():
         memfit.shard(nn.Linear(2, 2), reshard=False)
     with pytest.raises(TypeError, match=r"unknown sharding option\(s\) \['reshard'\]"):
         memfit.FullyShardedDataParallel(nn.Linear(2, 2), reshard=False)
+
+
+# -- torch FSDP1's constructor arguments ---------------------------------------------------------
+
+
+def test_every_fsdp1_constructor_argument_is_a_keyword():
+    """A script written for torch FSDP1 passes any of its constructor's arguments: each is a
+    sharding option (mapped, validated, or documented as moot), none is an unknown keyword."""
+    import inspect
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    names = set(inspect.signature(TorchFSDP.__init__).parameters) - {"self", "module"}
+    assert names <= KEYWORDS, sorted(names - KEYWORDS)
+    defaults = {
+        n: p.default for n, p in inspect.signature(TorchFSDP.__init__).parameters.items() if n in names
+    }  # FSDP1's own defaults are accepted as they are, except sync_module_states (memfit keeps True)
+    assert ShardOptions.from_kwargs(**defaults) == ShardOptions(sync_module_states=False)
+
+
+def test_prefetch_and_rate_limit_are_accepted_and_checked(monkeypatch):
+    from torch.distributed.fsdp import BackwardPrefetch
+
+    from memfit._shard import _compat
+
+    moot = {"backward_prefetch": BackwardPrefetch.BACKWARD_PRE, "forward_prefetch": True, "limit_all_gathers": False}
+    assert ShardOptions.from_kwargs(**moot, use_orig_params=True) == ShardOptions()
+    with pytest.raises(TypeError, match="forward_prefetch must be True or False, got 'yes'"):
+        ShardOptions.from_kwargs(forward_prefetch="yes")
+    with pytest.raises(TypeError, match="limit_all_gathers must be True or False"):
+        ShardOptions.from_kwargs(limit_all_gathers=None)
+    with pytest.raises(ValueError, match="unknown backward_prefetch 'SOON'"):
+        ShardOptions.from_kwargs(backward_prefetch="SOON")
+    monkeypatch.setattr(_compat, "_WARNED", set())
+    for value in (None, BackwardPrefetch.BACKWARD_POST):
+        name = getattr(value, "name", "None")
+        with pytest.warns(UserWarning, match=f"backward_prefetch={name} is not available; memfit prefetches as"):
+            assert ShardOptions.from_kwargs(backward_prefetch=value) == ShardOptions()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process: no second warning
+        ShardOptions.from_kwargs(backward_prefetch=None)
+
+
+def test_fsdp1_mixed_precision_keep_low_precision_grads_warns(monkeypatch):
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+
+    from memfit._shard import _compat
+
+    monkeypatch.setattr(_compat, "_WARNED", set())
+    spec = TorchMixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    with pytest.warns(UserWarning, match=r"keep_low_precision_grads=True\) is not available"):
+        opts = ShardOptions.from_kwargs(mixed_precision=spec)
+    assert opts.mixed_precision == MixedPrecision(torch.bfloat16)
+
+
+def test_ignored_modules_and_states_are_named_as_not_supported_yet():
+    for name in ("ignored_modules", "ignored_states"):
+        with pytest.raises(TypeError, match=f"{name}= is not supported yet"):
+            ShardOptions.from_kwargs(**{name: [nn.Linear(2, 2)]})
+        assert ShardOptions.from_kwargs(**{name: None}) == ShardOptions.from_kwargs(**{name: []}) == ShardOptions()
+
+
+def test_param_init_fn_is_a_field():
+    def init(m):
+        pass
+
+    assert ShardOptions.from_kwargs(param_init_fn=init) == ShardOptions(param_init_fn=init)
+    with pytest.raises(TypeError, match=r"^memfit.ShardOptions: param_init_fn must be a callable\(module\)"):
+        ShardOptions(param_init_fn="reset")
