@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
+import functools
 import io
 import json
 import math
@@ -23,6 +25,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from memfit._instrument import HOOKS
 from memfit._shard import _atomic
+from memfit._shard._async_save import SAVES
 from memfit._shard._dcp_files import is_dcp_checkpoint, load_dcp_checkpoint
 from memfit._shard._device import device_of_units, moved
 from memfit._shard._optim_state import install_optimizer_state_hooks
@@ -137,29 +140,58 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, Any] | None = None,
-) -> None:
+    async_: bool = False,
+) -> concurrent.futures.Future | None:
     """Write a sharded checkpoint of ``model`` (and ``optimizer``) to directory ``path``,
     atomically; every rank must call it. ``extra`` holds what else resuming needs, by name:
     JSON values (step, data position) and tensors (saved once, from rank 0);
     :func:`load_checkpoint` returns it. Each rank writes its own chunks; :func:`load_checkpoint`
     reads them back at any world size. A kill at any moment of the save, or a full disk, leaves
     the checkpoint already at ``path`` whole and loadable (See [Note: Atomic directory
-    replacement])."""
+    replacement]).
+
+    ``async_=True`` returns once this rank's state is copied to host memory and writes it in the
+    background: it returns a ``concurrent.futures.Future`` whose ``result()`` waits for the write
+    and raises its error. At most one save is in flight: the next save (or load) waits for it
+    first. Call ``result()`` before ``destroy_process_group`` (See [Note: Asynchronous
+    checkpoints])."""
     # See [Note: Sharded checkpoints]
+    SAVES.wait()
     extra = {} if extra is None else extra
     if not isinstance(extra, dict) or not all(isinstance(k, str) for k in extra):
         raise TypeError(f"memfit.save_checkpoint: extra= takes a dict with str keys, not {type(extra).__name__}")
     shards, group = _shard_params(model)
-    rank = dist.get_rank(group)
     path = os.path.abspath(path)
     plain = {k: v for k, v in extra.items() if not torch.is_tensor(v)}
     bad = [k for k, v in plain.items() if not _jsonable(v)]
     if bad:
         raise TypeError(f"memfit.save_checkpoint: extra values {bad} are neither tensors nor JSON-serialisable")
-    # Rank 0 picks the temporary directory and checks that it can be created, before anything
-    # else happens; every rank learns the outcome (no rank is left waiting in a collective).
+    tmp = _begin(path, group)
+    meshes = _meshes(shards)
+    state = _model_state(model, meshes, shards)
+    groups: list[dict] = []
+    if optimizer is not None:
+        opt_state, groups = _optim_state(optimizer, model, meshes, shards)
+        state.update(opt_state)
+    state.update({f"extra/{k}": v for k, v in extra.items() if torch.is_tensor(v)})
+    # Tensors of `extra` saved from an accelerator load onto the compute device, the others
+    # (an RNG state) into host memory.
+    on_device = sorted(k for k, v in extra.items() if torch.is_tensor(v) and v.device.type != "cpu")
+    info = {"version": _VERSION, "optimizer_groups": groups, "extra": plain, "on_device": on_device}
+    if not async_:
+        _finish(path, tmp, state, info, group)
+        return None
+    # See [Note: Asynchronous checkpoints]
+    staged, writers = SAVES.stage(state), SAVES.writer_group(group)
+    return SAVES.submit(path, functools.partial(_finish, path, tmp, staged, info, writers))
+
+
+def _begin(path: str, group) -> str:
+    """The temporary directory a save writes into. Rank 0 picks it and checks that it can be
+    created, before anything else happens; every rank learns the outcome (no rank is left
+    waiting in a collective)."""
     box: list[Any] = [None]
-    if rank == 0:
+    if dist.get_rank(group) == 0:
         try:
             if os.path.lexists(path) and not os.path.isdir(path):
                 raise OSError(errno.ENOTDIR, "it exists and is not a directory")
@@ -172,17 +204,12 @@ def save_checkpoint(
     dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
     if isinstance(box[0], Exception):
         raise box[0]
-    tmp = box[0]
-    meshes = _meshes(shards)
-    state = _model_state(model, meshes, shards)
-    groups: list[dict] = []
-    if optimizer is not None:
-        opt_state, groups = _optim_state(optimizer, model, meshes, shards)
-        state.update(opt_state)
-    state.update({f"extra/{k}": v for k, v in extra.items() if torch.is_tensor(v)})
-    # Tensors of `extra` saved from an accelerator load onto the compute device, the others
-    # (an RNG state) into host memory.
-    on_device = sorted(k for k, v in extra.items() if torch.is_tensor(v) and v.device.type != "cpu")
+    return box[0]
+
+
+def _finish(path: str, tmp: str, state: dict[str, Any], info: dict[str, Any], group) -> None:
+    """Write ``state`` into ``tmp`` with DCP, checksum it, and swap it in at ``path``."""
+    rank = dist.get_rank(group)
     try:
         meta = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
         _atomic.step("save:written")
@@ -194,10 +221,9 @@ def save_checkpoint(
         if not isinstance(e, (KeyboardInterrupt, SystemExit)) and _atomic.is_no_space(e):
             raise _write_error(e, path, _nbytes(state)) from None
         raise
-    box = [None]
+    box: list[Any] = [None]
     if rank == 0:
         try:
-            info = {"version": _VERSION, "optimizer_groups": groups, "extra": plain, "on_device": on_device}
             with open(os.path.join(tmp, _JSON), "w") as f:
                 json.dump({**info, "checksums": checksums} if checksums is not None else info, f)
                 f.flush()
@@ -430,6 +456,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     files, bytes that differ from the checksums written at save (naming file and tensor),
     unreadable files ("corrupt or not a memfit checkpoint"), and metadata that would unpickle
     anything but checkpoint metadata."""
+    SAVES.wait()  # a load of what an asynchronous save is writing reads it whole
     path = whole_copy(os.path.abspath(path))
     if is_dcp_checkpoint(path):  # See [Note: memfit's checkpoint files and DCP's]
         return load_dcp_checkpoint(path, model, optimizer)

@@ -117,6 +117,10 @@ def two_versions(path: str, expected: str, kill: str | None, what: str, fallback
         with save_steps(kill_at(kill) if version == 2 else None):
             if what == "save":
                 memfit.save_checkpoint(path, model, opt, extra={"step": version})
+            elif what == "async-save":  # the write runs on memfit's thread while training goes on
+                future = memfit.save_checkpoint(path, model, opt, extra={"step": version}, async_=True)
+                train_step(model, opt, 10 + version)
+                future.result()
             else:
                 memfit.export_safetensors(model, path)
     raise AssertionError(f"the step {kill!r} was never reached")
@@ -140,7 +144,7 @@ def check_after(path: str, expected: str, want: int, what: str) -> None:
     with open(expected) as f:
         versions = {int(k): v for k, v in json.load(f).items()}
     model, opt = build()
-    if what == "save":
+    if what != "export":
         step = memfit.load_checkpoint(path, model, opt)["step"]  # verifies every chunk's checksum
         assert step == want, f"found version {step}, expected {want}"
         assert full(model) == versions[want]
@@ -161,7 +165,7 @@ def check_after(path: str, expected: str, want: int, what: str) -> None:
 def kill_trial(root: str, what: str, kill: str, fallback: bool, steps: list[str]) -> str | None:
     where = os.path.join(root, f"{what}-{'fallback-' if fallback else ''}{kill.replace(':', '-')}")
     os.makedirs(where)
-    path = os.path.join(where, "ckpt" if what == "save" else "export")
+    path = os.path.join(where, "export" if what == "export" else "ckpt")
     if what == "export":
         os.makedirs(path)
         with open(os.path.join(path, "tokenizer.json"), "w") as f:
@@ -243,6 +247,34 @@ def failing_fsync(where: str) -> None:
     assert exported(export) == one
 
 
+def failing_async_write(where: str) -> None:
+    """An asynchronous save whose writer fails (ENOSPC from fsync, on memfit's thread): the
+    future raises it, version 1 loads, and the next save works."""
+    model, opt = build()
+    train_step(model, opt, 1)
+    ckpt = os.path.join(where, "ckpt")
+    memfit.save_checkpoint(ckpt, model, opt, extra={"step": 1}, async_=True).result()
+    one = full(model)
+    train_step(model, opt, 2)
+    real = os.fsync
+
+    def fsync(fd):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    os.fsync = fsync
+    try:
+        future = memfit.save_checkpoint(ckpt, model, opt, extra={"step": 2}, async_=True)
+        error = future.exception()
+    finally:
+        os.fsync = real
+    assert isinstance(error, OSError) and "no space left" in str(error), repr(error)
+    assert sorted(os.listdir(where)) == ["ckpt"], os.listdir(where)
+    model2, opt2 = build()
+    assert memfit.load_checkpoint(ckpt, model2, opt2)["step"] == 1 and full(model2) == one
+    memfit.save_checkpoint(ckpt, model, opt, extra={"step": 2})  # the failure was read: no error again
+    assert memfit.load_checkpoint(ckpt, *build())["step"] == 2
+
+
 def read_only(disk: str) -> None:
     """A directory that became read-only: the error names the path and the reason; version 1 loads."""
     model, opt = build()
@@ -261,6 +293,7 @@ def main(root: str) -> None:
     for what, steps, fallback in (
         ("save", SAVE_STEPS, False),
         ("save", FALLBACK_STEPS, True),
+        ("async-save", SAVE_STEPS, False),
         ("export", EXPORT_STEPS, False),
     ):
         for kill in steps:
@@ -270,6 +303,9 @@ def main(root: str) -> None:
     where = os.path.join(root, "enospc")
     os.makedirs(where)
     report["writer-fails-with-enospc"] = _fork(root, failing_fsync, where)
+    where = os.path.join(root, "async-enospc")
+    os.makedirs(where)
+    report["async-writer-fails"] = _fork(root, failing_async_write, where)
     disk = os.path.join(root, "tmpfs")
     os.makedirs(disk)
     command = ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", disk]

@@ -21,8 +21,9 @@ from tests.distributed import _checkpoint_kills as kills
 TRIALS = (
     [f"save-killed-at-{s}" for s in kills.SAVE_STEPS]
     + [f"save-fallback-killed-at-{s}" for s in kills.FALLBACK_STEPS]
+    + [f"async-save-killed-at-{s}" for s in kills.SAVE_STEPS]
     + [f"export-killed-at-{s}" for s in kills.EXPORT_STEPS]
-    + ["writer-fails-with-enospc", "full-tmpfs", "read-only"]
+    + ["writer-fails-with-enospc", "async-writer-fails", "full-tmpfs", "read-only"]
 )
 
 

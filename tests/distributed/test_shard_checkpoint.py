@@ -114,6 +114,29 @@ def case_saving_over_a_checkpoint_replaces_it(rank, world, root):
         assert sorted(os.listdir(os.path.dirname(path))) == ["ckpt"]
 
 
+def case_async_save_while_training(rank, world, root):
+    path = os.path.join(root, "async", "ckpt")
+    model, opt = build()
+    train(model, opt, 2, rank, world)
+    saved = full_state(model, opt)
+    future = memfit.save_checkpoint(path, model, opt, extra={"step": 2}, async_=True)
+    train(model, opt, 2, rank, world, first=2)  # the model's collectives while memfit's thread writes
+    assert future.result() is None
+    model2, opt2 = build()
+    assert memfit.load_checkpoint(path, model2, opt2)["step"] == 2
+    assert full_state(model2, opt2) == saved  # exact: the state at the call, not the steps after it
+    later = memfit.save_checkpoint(path, model, opt, extra={"step": 4}, async_=True)
+    memfit.save_checkpoint(path, model, opt, extra={"step": 4})  # waits for the one in flight first
+    assert later.done() and later.exception() is None
+    assert full_state(model, opt) == full_state(*_loaded(path))
+
+
+def _loaded(path):
+    model, opt = build()
+    memfit.load_checkpoint(path, model, opt)
+    return model, opt
+
+
 def case_errors_name_what_differs(rank, world, root):
     root = os.path.join(root, "errors")
     if rank == 0:
@@ -262,6 +285,7 @@ CASES = {  # world size -> its group's cases; the group of 2 saves what the othe
     2: [
         case_save_at_two,
         case_saving_over_a_checkpoint_replaces_it,
+        case_async_save_while_training,
         case_errors_name_what_differs,
         case_export_hf_bert_loads_with_from_pretrained,
     ],

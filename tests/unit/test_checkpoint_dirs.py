@@ -87,8 +87,6 @@ def test_overwrite_and_resume_are_exclusive():
 
 def test_save_checkpoint_takes_extra_explicitly():
     # Refused when the call binds, before anything is written (no process group needed)
-    with pytest.raises(TypeError, match="async_"):
-        memfit.save_checkpoint("ck", None, None, async_=True)  # not swallowed as an extra value
     with pytest.raises(TypeError, match="step"):
         memfit.save_checkpoint("ck", None, None, step=3)  # extra={"step": 3}
     with pytest.raises(TypeError, match="extra= takes a dict"):
