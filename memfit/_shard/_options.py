@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from memfit._shard._compat import device_of, mesh_of, mixed_precision_of, offload_of, strategy_of
@@ -96,6 +97,7 @@ class ShardOptions:
     device: torch.device | None = None
     mixed_precision: MixedPrecision | None = None
     offload: str | None = None
+    ignored_params: frozenset[nn.Parameter] = frozenset()
 
     def __post_init__(self) -> None:
         where = "memfit.ShardOptions"
@@ -124,6 +126,7 @@ class ShardOptions:
             except (RuntimeError, TypeError):
                 raise ValueError(f"{where}: device={self.device!r} is not a device (e.g. 'cuda:0', 'cpu')") from None
         object.__setattr__(self, "mixed_precision", mixed_precision_of(self.mixed_precision, where))
+        object.__setattr__(self, "ignored_params", _ignored(self.ignored_params, where))
         _check_policy(self.auto_wrap_policy, where)
 
     @classmethod
@@ -203,6 +206,18 @@ def _torch_spellings(native: dict[str, Any], spelt: dict[str, Any]) -> None:
         native["offload"] = offload_of(
             native.get("offload"), spelt.get("cpu_offload"), bool(spelt.get("move_params_to_cpu"))
         )
+
+
+def _ignored(params: Any, where: str) -> frozenset[nn.Parameter]:
+    """``ignored_params`` as a frozenset; refuses anything but a collection of parameters."""
+    if params is None:
+        return frozenset()
+    if isinstance(params, torch.Tensor) or not isinstance(params, (set, frozenset, list, tuple)):
+        raise TypeError(f"{where}: ignored_params must be a set of nn.Parameters, got {type(params).__name__}")
+    odd = [type(p).__name__ for p in params if not isinstance(p, nn.Parameter)]
+    if odd:
+        raise TypeError(f"{where}: ignored_params must hold nn.Parameters only, got {odd[:3]}")
+    return frozenset(params)
 
 
 def _check_policy(policy: Any, where: str) -> None:
