@@ -87,6 +87,12 @@ class ShardOptions:
             back to the host after the reduce-scatter. With an accelerator that saves its
             memory; on a CPU-only machine the compute device is the CPU too, so the copies are
             host-to-host: the logic is tested here, the savings need a GPU.
+        ignored_params: parameters left out of sharding (FSDP2's ``ignored_params``): each
+            stays a full, plain parameter on every rank, is not moved to the compute device,
+            and its gradient is not reduced across ranks (each rank keeps its own; average it
+            yourself if the ranks must agree). It applies to the module this call shards, not
+            to the units below it. A set, frozenset, list or tuple of ``nn.Parameter``s, kept
+            as a frozenset. ``memfit.clip_grad_norm_`` counts the sharded parameters only.
     """
 
     auto_wrap_policy: Any = None

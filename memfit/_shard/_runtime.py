@@ -186,6 +186,7 @@ class RootState:
             if unit.grad_sync is GradSync.HELD:
                 unit.grad_sync = GradSync.SYNC
         else:
+            unit.accumulate_grads()  # in the reduce dtype, if wider
             unit.grad_sync = GradSync.ACCUMULATED  # full gradients wait for the next synced backward
         unit.training_state = TrainingState.REDUCED
 

@@ -260,6 +260,22 @@ class Unit:
 
     # -- reduce-scatter -----------------------------------------------------------------------
 
+    def accumulate_grads(self) -> None:
+        """A backward without gradient sync, with a reduce dtype wider than the gradients'
+        (bf16 compute, fp32 reduce): add the full gradients to accumulators of the reduce dtype,
+        as FSDP2 does, so that the micro-batches' sum is not rounded to bf16 between them;
+        the next synced reduce-scatter sends it (:func:`_with_accumulated`)."""
+        dtype = self.reduce_dtype
+        for p in self.params:
+            grad = p.full.grad
+            if dtype is None or grad is None or grad.dtype == dtype:
+                continue
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+            p.full.grad = None
+
     def reduce_grads(self) -> None:
         """Reduce-scatter the gradients and wait for it (see :meth:`start_reduce`)."""
         pending = self.start_reduce()
@@ -283,7 +299,7 @@ class Unit:
         layout = self._reduce_plans.get(key)
         if layout is None:
             layout = self._reduce_plans[key] = ReduceLayout(self, trainable)
-        grads = [p.full.grad for p in trainable]
+        grads = [_with_accumulated(p) for p in trainable]
         have = tuple(g is not None for g in grads)
         streams = self._streams()
         streams.note("alloc", f"{self.name}:full-grads", "compute")  # autograd wrote them on compute
@@ -307,6 +323,15 @@ class Unit:
             streams.note("free", f"{self.name}:full-grads", "compute")
             grads, copied = [], None
         return PendingReduce(self, layout, work, (send, grads, copied), out)
+
+
+def _with_accumulated(p: ShardedParam) -> torch.Tensor | None:
+    """``p``'s full gradient plus what :meth:`Unit.accumulate_grads` set aside (in its dtype)."""
+    acc, grad = p.accumulated_grad, p.full.grad
+    if acc is None:
+        return grad
+    p.accumulated_grad = None
+    return acc if grad is None else acc.add_(grad)
 
 
 class GatherLayout:
