@@ -4,6 +4,7 @@ from memfit._shard._api import FullyShardedDataParallel, shard
 from memfit._shard._checkpoint_files import load_checkpoint, save_checkpoint
 from memfit._shard._deferred import load_full_state_dict, materialize
 from memfit._shard._export import export_safetensors
+from memfit._shard._fully_shard import fully_shard
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._options import ShardOptions
 from memfit._shard._utils import clip_grad_norm_, summon_full_params
@@ -14,6 +15,7 @@ __all__ = [
     "ShardOptions",
     "clip_grad_norm_",
     "export_safetensors",
+    "fully_shard",
     "load_checkpoint",
     "load_full_state_dict",
     "materialize",

@@ -139,7 +139,7 @@ def shard(module: nn.Module, *, options: ShardOptions | None = None, **kwargs) -
         )
     layout = _checked_layout(module, opts.group, opts.mesh)
     managed = managed_modules(module)
-    owned = claim_parameters(module, managed)
+    owned = claim_parameters(module, managed, opts.ignored_params)
     compute, host = _devices(opts.device, check_one_device_and_dtype(module, owned), opts.offload, layout.shard)
     check_adopted_homes(module, owned, compute, host)
     place_buffers(managed, compute)  # See [Note: Devices and the meta test device]

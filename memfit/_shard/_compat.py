@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import cast
 
 import torch
@@ -184,15 +184,30 @@ def check_prefetch(backward_prefetch, forward_prefetch, limit_all_gathers) -> No
         )
 
 
-def refuse_ignored(kwargs: dict) -> None:
-    """torch FSDP1's ignored_modules / ignored_states: not supported yet, named."""
+def ignored_of(kwargs: dict) -> frozenset[nn.Parameter]:
+    """torch FSDP1's ``ignored_modules`` / ``ignored_states`` as memfit's ``ignored_params``:
+    every parameter of the ignored modules (and their submodules), and the parameters given."""
+    out: set[nn.Parameter] = set()
     for name in ("ignored_modules", "ignored_states"):
         value = kwargs.get(name)
-        if value is not None and not (isinstance(value, (list, tuple, set, frozenset)) and not value):
+        if value is None:
+            continue
+        if isinstance(value, (nn.Module, nn.Parameter)) or not isinstance(value, Iterable):
             raise TypeError(
-                f"memfit.FullyShardedDataParallel: {name}= is not supported yet (memfit shards every parameter "
-                f"of the modules it shards); pass {name}=None or leave it out."
+                f"memfit.FullyShardedDataParallel: {name}= takes a list or set of modules"
+                f"{' or parameters' if name == 'ignored_states' else ''}, got {type(value).__name__}"
             )
+        for item in value:
+            if isinstance(item, nn.Parameter) and name == "ignored_states":
+                out.add(item)
+            elif isinstance(item, nn.Module):
+                out.update(item.parameters())
+            else:
+                raise TypeError(
+                    f"memfit.FullyShardedDataParallel: {name}= holds a {type(item).__name__}; it takes modules"
+                    f"{' and parameters' if name == 'ignored_states' else ''}"
+                )
+    return frozenset(out)
 
 
 def device_of(device_id) -> torch.device:

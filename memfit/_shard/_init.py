@@ -125,13 +125,18 @@ class Ownership:
     pending: list[tuple[nn.Parameter, nn.Module, str]] = field(default_factory=list)  # tied to a unit outside
 
 
-def claim_parameters(module: nn.Module, managed: list[tuple[str, nn.Module]]) -> Ownership:
-    """Sort the parameters of the managed modules into new ones, ties to adopt, and ties left pending."""
+def claim_parameters(
+    module: nn.Module, managed: list[tuple[str, nn.Module]], ignored: frozenset[nn.Parameter] = frozenset()
+) -> Ownership:
+    """Sort the parameters of the managed modules into new ones, ties to adopt, and ties left
+    pending; those in ``ignored`` (ShardOptions.ignored_params) stay where they are."""
     # See [Note: Units, roots and tied parameters]
     uses, paths = _parameter_uses(managed)
     owned = Ownership(paths)
     below = [m._memfit_unit for m in _all_sharded_below(module)]
     for p, p_uses in uses.items():
+        if p in ignored:
+            continue
         sp = sharded_as(p)
         if sp is not None:  # tied: an earlier unit sharded it, and it is also used here
             owner = sp.owner

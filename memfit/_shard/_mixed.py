@@ -78,14 +78,15 @@ def _to_fp32(module: nn.Module, args: tuple):
     return _cast(args, torch.float32)
 
 
-def gradient_divide_factors(reduce_dtype: torch.dtype, world: int) -> tuple[float, float]:
+def gradient_divide_factors(reduce_dtype: torch.dtype, world: float) -> tuple[float, float]:
     """(pre, post): a unit's gradients are divided by ``pre`` before the sum over the ``world``
     ranks and by ``post`` after it (``pre * post == world``), so that a 16-bit sum does not
     overflow (fp16 tops out at 65504) nor the quotient underflow. ``pre`` is FSDP2's
     (``_get_gradient_divide_factors``): the first power of two that is at least sqrt(world) or
     no longer divides it (W=6: 4, then 1.5). FSDP2 splits only fp16 sums (it averages bf16 ones
     in the collective); here bf16 is split too, which changes only the rounding of the
-    quotients. In fp32 and fp64 the sum comes first, whole, as without mixed precision."""
+    quotients. In fp32 and fp64 the sum comes first, whole, as without mixed precision.
+    ``world`` may be FSDP2's ``set_gradient_divide_factor`` instead of the rank count."""
     if reduce_dtype in (torch.float32, torch.float64) or world <= 1:
         return 1.0, float(world)
     factor = 1

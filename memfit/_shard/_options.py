@@ -18,7 +18,7 @@ from memfit._shard._compat import (
     mesh_of,
     mixed_precision_of,
     offload_of,
-    refuse_ignored,
+    ignored_of,
     strategy_of,
 )
 from memfit._shard._mixed import MixedPrecision
@@ -110,6 +110,12 @@ class ShardOptions:
             ``to_empty(device=..., recurse=False)`` then an init). Modules with values are
             left alone. None: meta-built tensors wait for :func:`materialize` or
             :func:`load_full_state_dict`.
+        ignored_params: parameters left out of sharding (FSDP2's ``ignored_params``): each
+            stays a full, plain parameter on every rank, is not moved to the compute device,
+            and its gradient is not reduced across ranks (each rank keeps its own; average it
+            yourself if the ranks must agree). It applies to the module this call shards, not
+            to the units below it. A set, frozenset, list or tuple of ``nn.Parameter``s, kept
+            as a frozenset. ``memfit.clip_grad_norm_`` counts the sharded parameters only.
     """
 
     auto_wrap_policy: Any = None
@@ -121,6 +127,7 @@ class ShardOptions:
     mixed_precision: MixedPrecision | None = None
     offload: str | None = None
     param_init_fn: Callable[[nn.Module], None] | None = None
+    ignored_params: frozenset[nn.Parameter] = frozenset()
 
     def __post_init__(self) -> None:
         where = "memfit.ShardOptions"
@@ -149,6 +156,7 @@ class ShardOptions:
             except (RuntimeError, TypeError):
                 raise ValueError(f"{where}: device={self.device!r} is not a device (e.g. 'cuda:0', 'cpu')") from None
         object.__setattr__(self, "mixed_precision", mixed_precision_of(self.mixed_precision, where))
+        object.__setattr__(self, "ignored_params", _ignored(self.ignored_params, where))
         _check_policy(self.auto_wrap_policy, where)
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(f"{where}: param_init_fn must be a callable(module), got {self.param_init_fn!r}")
@@ -181,8 +189,8 @@ class ShardOptions:
                 memfit's schedule is fixed: one unit prefetched ahead in forward and in backward
                 (BACKWARD_PRE), at most one gather in flight beside the unit computing.
                 ``backward_prefetch=BACKWARD_POST`` or ``None`` warns once: not available.
-            ignored_modules, ignored_states: None (or empty) only, for now; anything else is
-                a TypeError naming the argument.
+            ignored_modules, ignored_states: torch FSDP1's; every parameter of those modules
+                (and the parameters ``ignored_states`` lists) joins ``ignored_params``.
 
         ``sync_module_states`` is True by default, unlike torch FSDP1's False.
         """
@@ -195,7 +203,8 @@ class ShardOptions:
             )
         if options is not None and not isinstance(options, ShardOptions):
             raise TypeError(f"memfit: options must be a memfit.ShardOptions, got {type(options).__name__}")
-        refuse_ignored(kwargs)
+        if ignored := ignored_of(kwargs):
+            native["ignored_params"] = frozenset(native.get("ignored_params") or ()) | ignored
         check_prefetch(
             kwargs.get("backward_prefetch", "BACKWARD_PRE"),
             kwargs.get("forward_prefetch", False),
@@ -244,6 +253,18 @@ def _torch_spellings(native: dict[str, Any], spelt: dict[str, Any]) -> None:
         native["offload"] = offload_of(
             native.get("offload"), spelt.get("cpu_offload"), bool(spelt.get("move_params_to_cpu"))
         )
+
+
+def _ignored(params: Any, where: str) -> frozenset[nn.Parameter]:
+    """``ignored_params`` as a frozenset; refuses anything but a collection of parameters."""
+    if params is None:
+        return frozenset()
+    if isinstance(params, torch.Tensor) or not isinstance(params, (set, frozenset, list, tuple)):
+        raise TypeError(f"{where}: ignored_params must be a set of nn.Parameters, got {type(params).__name__}")
+    odd = [type(p).__name__ for p in params if not isinstance(p, nn.Parameter)]
+    if odd:
+        raise TypeError(f"{where}: ignored_params must hold nn.Parameters only, got {odd[:3]}")
+    return frozenset(params)
 
 
 def _check_policy(policy: Any, where: str) -> None:

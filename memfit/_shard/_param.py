@@ -86,6 +86,8 @@ class ShardedParam:
             self._padded_full(compute_dtype or param.dtype, device), requires_grad=param.requires_grad
         )
         self.full.untyped_storage().resize_(0)
+        # no_sync with a wider reduce dtype: the micro-batches' full gradients summed in it
+        self.accumulated_grad: torch.Tensor | None = None
         self.register(self.sharded)
 
     def _padded_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

@@ -17,7 +17,7 @@ from memfit._instrument import HOOKS
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
-from memfit._shard._unit import GradSync, PendingReduce, TrainingState, Unit
+from memfit._shard._unit import GradSync, PendingReduce, ShardState, TrainingState, Unit
 
 # [Note: One sharded training step]
 # Forward, per unit: the pre-forward hook finishes the unit's all-gather (started early by
@@ -73,6 +73,21 @@ class RootState:
         i = self.forward_order.index(unit)
         return self.forward_order[i - 1] if i > 0 else None
 
+    def forward_prefetch(self, unit: Unit) -> list[Unit]:
+        """The units to gather once ``unit``'s forward gather is done: FSDP2's
+        set_modules_to_forward_prefetch, else the next unit of the recorded order."""
+        if unit.forward_prefetch is not None:
+            return unit.forward_prefetch
+        nxt = self.next_in_forward(unit)
+        return [nxt] if nxt is not None else []
+
+    def backward_prefetch(self, unit: Unit) -> list[Unit]:
+        """The units to gather once ``unit``'s backward gather is done (as forward_prefetch)."""
+        if unit.backward_prefetch is not None:
+            return unit.backward_prefetch
+        prev = self.prev_in_forward(unit)
+        return [prev] if prev is not None else []
+
     # -- forward ------------------------------------------------------------------------------
 
     def pre_forward(self, unit: Unit, args: tuple, kwargs: dict):
@@ -96,9 +111,9 @@ class RootState:
         if not self.order_done and unit not in self.forward_order:
             self.forward_order.append(unit)
         unit.wait_unshard()
-        nxt = self.next_in_forward(unit)
-        if nxt is not None and nxt.training_state is not TrainingState.FORWARD:
-            nxt.unshard()
+        for nxt in self.forward_prefetch(unit):
+            if nxt.training_state is not TrainingState.FORWARD:
+                nxt.unshard()
         flat, spec = tree_flatten((args, kwargs))
         if unit.input_dtype is not None:  # mixed precision: floating inputs in the compute dtype
             cast = unit.input_dtype
@@ -154,22 +169,24 @@ class RootState:
         self.ensure_finish_queued()
         unit.training_state = TrainingState.BACKWARD
         unit.wait_unshard()
-        prev = self.prev_in_forward(unit)
-        if prev is not None and prev.training_state is TrainingState.FORWARD:
-            prev.unshard()
+        for prev in self.backward_prefetch(unit):
+            if prev.training_state is TrainingState.FORWARD:
+                prev.unshard()
 
     def post_backward(self, unit: Unit) -> None:
         """Free the unit's parameters and start reducing its gradients; the reduce-scatter runs
         while the next unit computes its backward, and finishes when that unit's starts."""
         if unit.training_state is TrainingState.REDUCED:
             return
-        unit.reshard()  # the parameters are no longer needed: free them before the reduce buffers
+        if unit.reshard_after_backward:
+            unit.reshard()  # the parameters are no longer needed: free them before the reduce buffers
         if unit.grad_sync.syncs:
             self.finish_pending_reduce()
             self.pending_reduce = unit.start_reduce()
             if unit.grad_sync is GradSync.HELD:
                 unit.grad_sync = GradSync.SYNC
         else:
+            unit.accumulate_grads()  # in the reduce dtype, if wider
             unit.grad_sync = GradSync.ACCUMULATED  # full gradients wait for the next synced backward
         unit.training_state = TrainingState.REDUCED
 
@@ -191,7 +208,8 @@ class RootState:
             if ran or unit.grad_sync is GradSync.HELD:  # incl. gradients left by no_sync steps
                 unit.training_state = TrainingState.BACKWARD
                 self.post_backward(unit)
-            unit.reshard()
+            if unit.reshard_after_backward or unit.shard_state is not ShardState.UNSHARDED:
+                unit.reshard()  # and prefetched gathers nothing used
         self.finish_pending_reduce()
         self.streams.after("compute", "reduce")  # the gradient shards are written
         for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next

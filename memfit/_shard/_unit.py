@@ -6,6 +6,7 @@ which a sharded module holds its unit.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from enum import Enum, auto
 from typing import TYPE_CHECKING, cast
@@ -113,6 +114,11 @@ class Unit:
         # Tied uses of parameters a unit outside this module owns: a common ancestor takes them.
         self.pending_ties = pending_ties or []
         self.parent: Unit | None = None  # the unit directly above, once it is sharded
+        # FSDP2's module setters (See [Note: fully_shard on memfit]):
+        self.reshard_after_backward = True  # False: stay gathered after backward (until the shards change)
+        self.forward_prefetch: list[Unit] | None = None  # None: the next unit in the recorded order
+        self.backward_prefetch: list[Unit] | None = None  # None: the unit before it in that order
+        self.divide_factor: float | None = None  # None: the gradients are averaged over the ranks
         self.root_state: RootState | None = None  # shared under the root, set at its first forward
 
     def __repr__(self) -> str:
@@ -148,6 +154,8 @@ class Unit:
 
     def wait_unshard(self) -> None:
         """Finish the all-gather; the modules then compute with the full parameters."""
+        if self.shard_state is ShardState.UNSHARDED and self._stale():
+            self.reshard()  # kept after backward (reshard_after_backward=False), then an optimizer step
         if self.shard_state in (ShardState.SHARDED, ShardState.PARTIAL):
             self.unshard()
         if self.shard_state is not ShardState.GATHERING:
@@ -205,6 +213,10 @@ class Unit:
             p.free_full()
         self.shard_state = ShardState.PARTIAL if keep else ShardState.SHARDED
 
+    def _stale(self) -> bool:
+        """Have the shards changed since the full parameters were gathered from them?"""
+        return [p.sharded._version for p in self.params] != self._gathered_versions
+
     def _keeps_piece(self) -> bool:
         """Partial reshard: does this gather (a forward's, not the root's) leave a piece to keep?"""
         forward = self.training_state is TrainingState.FORWARD and self._piece is None
@@ -248,6 +260,22 @@ class Unit:
 
     # -- reduce-scatter -----------------------------------------------------------------------
 
+    def accumulate_grads(self) -> None:
+        """A backward without gradient sync, with a reduce dtype wider than the gradients'
+        (bf16 compute, fp32 reduce): add the full gradients to accumulators of the reduce dtype,
+        as FSDP2 does, so that the micro-batches' sum is not rounded to bf16 between them;
+        the next synced reduce-scatter sends it (:func:`_with_accumulated`)."""
+        dtype = self.reduce_dtype
+        for p in self.params:
+            grad = p.full.grad
+            if dtype is None or grad is None or grad.dtype == dtype:
+                continue
+            if p.accumulated_grad is None:
+                p.accumulated_grad = grad.to(dtype)
+            else:
+                p.accumulated_grad.add_(grad)
+            p.full.grad = None
+
     def reduce_grads(self) -> None:
         """Reduce-scatter the gradients and wait for it (see :meth:`start_reduce`)."""
         pending = self.start_reduce()
@@ -271,7 +299,7 @@ class Unit:
         layout = self._reduce_plans.get(key)
         if layout is None:
             layout = self._reduce_plans[key] = ReduceLayout(self, trainable)
-        grads = [p.full.grad for p in trainable]
+        grads = [_with_accumulated(p) for p in trainable]
         have = tuple(g is not None for g in grads)
         streams = self._streams()
         streams.note("alloc", f"{self.name}:full-grads", "compute")  # autograd wrote them on compute
@@ -295,6 +323,15 @@ class Unit:
             streams.note("free", f"{self.name}:full-grads", "compute")
             grads, copied = [], None
         return PendingReduce(self, layout, work, (send, grads, copied), out)
+
+
+def _with_accumulated(p: ShardedParam) -> torch.Tensor | None:
+    """``p``'s full gradient plus what :meth:`Unit.accumulate_grads` set aside (in its dtype)."""
+    acc, grad = p.accumulated_grad, p.full.grad
+    if acc is None:
+        return grad
+    p.accumulated_grad = None
+    return acc if grad is None else acc.add_(grad)
 
 
 class GatherLayout:
@@ -351,15 +388,19 @@ class ReduceLayout:
         self.flags = sum(p.slot_numel for p in trainable)
         self.slot = self.flags + len(trainable) + 2
         self._tails: dict[tuple[bool, ...], torch.Tensor] = {}
-        self.exact = self.dtype in (torch.float32, torch.float64)  # sums of squares round in 16-bit floats
-        # by the data-parallel ranks (replicas x shards), before and after the sum
-        self.pre, self.post = gradient_divide_factors(self.dtype, unit.layout.data_parallel)
+        # by the data-parallel ranks (replicas x shards), before and after the sum, or by FSDP2's
+        # set_gradient_divide_factor; the check values are scaled to come out of it as i and i*i
+        world = unit.layout.data_parallel
+        self.pre, self.post = gradient_divide_factors(self.dtype, unit.divide_factor or world)
+        self.check_scale = (unit.divide_factor or world) / world
+        # sums of squares round in 16-bit floats, and a scale other than a power of two rounds
+        self.exact = self.dtype in (torch.float32, torch.float64) and math.frexp(self.check_scale)[0] == 0.5
 
     def tail(self, have: tuple[bool, ...]) -> torch.Tensor:
         """The flags and check values every rank's slot ends with, for this pattern of gradients."""
         if have not in self._tails:
             i = self.unit.index % 64
-            values = [float(h) for h in have] + [i, i * i]
+            values = [float(h) for h in have] + [i * self.check_scale, i * i * self.check_scale]
             self._tails[have] = torch.tensor(values, dtype=self.dtype, device=self.device)
         return self._tails[have]
 

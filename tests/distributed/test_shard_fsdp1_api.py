@@ -185,8 +185,9 @@ def case_fsdp1_constructor_arguments(rank, world, root):
     assert train(spelt, make_opt(spelt, "adam"), 2, 0, rank, world, VOCAB) == train(
         model, opt, 2, 0, rank, world, VOCAB
     )
-    with pytest.raises(TypeError, match=r"ignored_modules= is not supported yet"):
-        FSDP(LM(VOCAB), ignored_modules=[torch.nn.Linear(2, 2)])
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    FSDP(mlp, ignored_modules=[mlp[0]])  # FSDP1's ignored_modules: left full, as ignored_params
+    assert mlp[0].weight.shape == (4, 4) and mlp[1].weight.shape == (4 // world, 4)
 
 
 def case_param_init_fn_on_the_meta_device(rank, world, root):

@@ -258,11 +258,17 @@ def test_fsdp1_mixed_precision_keep_low_precision_grads_warns(monkeypatch):
     assert opts.mixed_precision == MixedPrecision(torch.bfloat16)
 
 
-def test_ignored_modules_and_states_are_named_as_not_supported_yet():
+def test_ignored_modules_and_states_become_ignored_params():
+    seq, extra = nn.Sequential(nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2))), nn.Parameter(torch.zeros(3))
+    assert ShardOptions.from_kwargs(ignored_modules=[seq[1]]).ignored_params == frozenset(seq[1].parameters())
+    both = ShardOptions.from_kwargs(ignored_states=[extra, seq[0]], ignored_params={seq[1][0].bias})
+    assert both.ignored_params == frozenset([extra, seq[1][0].bias, *seq[0].parameters()])
     for name in ("ignored_modules", "ignored_states"):
-        with pytest.raises(TypeError, match=f"{name}= is not supported yet"):
-            ShardOptions.from_kwargs(**{name: [nn.Linear(2, 2)]})
         assert ShardOptions.from_kwargs(**{name: None}) == ShardOptions.from_kwargs(**{name: []}) == ShardOptions()
+        with pytest.raises(TypeError, match=f"{name}= takes a list"):
+            ShardOptions.from_kwargs(**{name: seq})
+    with pytest.raises(TypeError, match="ignored_modules= holds a Parameter; it takes modules"):
+        ShardOptions.from_kwargs(ignored_modules=[extra])
 
 
 def test_param_init_fn_is_a_field():
