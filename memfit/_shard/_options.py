@@ -15,10 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from memfit._shard._compat import (
     check_prefetch,
     device_of,
+    ignored_of,
     mesh_of,
     mixed_precision_of,
     offload_of,
-    ignored_of,
     strategy_of,
 )
 from memfit._shard._mixed import MixedPrecision
