@@ -1,4 +1,18 @@
 """Preemption of `memfit train`: SIGTERM or SIGINT ends the run at a step boundary, checkpointed.
+See [Note: Stopping on a signal].
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import threading
+import time
+from types import FrameType
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # in the order of the agreed vote's slots
+ECHO_S = 1.0  # a repeat within this many seconds is the same preemption delivered twice
 
 # [Note: Stopping on a signal]
 # A scheduler preempts a job with SIGTERM (SLURM, Kubernetes; torchrun's agent passes on the
@@ -15,19 +29,6 @@
 # in memfit/_shard/_atomic.py). One preemption often arrives twice within milliseconds (SLURM
 # signals every process of the job, and torchrun's agent forwards its own copy), so a repeat
 # within ECHO_S seconds of the first counts as the same signal.
-"""
-
-from __future__ import annotations
-
-import os
-import shlex
-import signal
-import threading
-import time
-from types import FrameType
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)  # in the order of the agreed vote's slots
-ECHO_S = 1.0  # a repeat within this many seconds is the same preemption delivered twice
 
 
 def exit_status(signum: int) -> int:
