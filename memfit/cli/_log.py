@@ -66,13 +66,12 @@ class RunLog:
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(k, v, entry["step"])
 
-    def step_line(self, e: dict, steps: int, eta: float, world: int = 1) -> None:
+    def step_line(self, e: dict, steps: int, eta: float) -> None:
         """A step's line: loss, lr, norm, throughput, the slowest rank's step time, ETA and,
         on the step measured, the peak memory (per rank: the highest and lowest)."""
-        slowest = f" (rank {e['slowest_rank']})" if world > 1 else ""
         self.say(
             f"step {e['step']}/{steps} | loss {e['loss']:.4f} | lr {e['lr']:.2e} | grad norm {e['grad_norm']:.3f} | "
-            f"{e['tokens_per_s']:.0f} tok/s | {e['step_s_slowest']:.3f} s/step{slowest} | ETA {duration(eta)}"
+            f"{e['tokens_per_s']:.0f} tok/s | {e['step_s_slowest']:.3f} s/step | ETA {duration(eta)}"
             f"{_peaks(e.get('peak_bytes_per_rank'))}"
         )
 

@@ -279,6 +279,11 @@ def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict
 # last one), so the loss, the slowest rank's time and the peaks ride in that read for nothing.
 # The vector is filled with `fill_` (a kernel with a scalar argument, no host-to-device copy,
 # which on CUDA would wait for the stream). memfit.clip_grad_norm_ reads its norm once itself.
+# A rank's time runs from its step's start to its arrival at this all-reduce; the step's own
+# collectives (the backward's reduce-scatters, the norm's all-reduce) make the ranks wait for
+# each other, so the times differ by less than the ranks' work does: the slowest is the step's
+# time, and `slowest_rank` (in --metrics) a hint only. On an accelerator the norm's read has
+# waited for the backward, so only the optimizer's kernels may still be queued (not testable here).
 
 
 def _agree(run: _Run, total: torch.Tensor, votes: list[float], seconds: float, peak: int):
@@ -384,7 +389,7 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
         done = step + 1
         if done % cfg.log_every == 0 or done == cfg.steps or measure or stopped:
             eta = (time.perf_counter() - t_run) / (done - start) * (cfg.steps - done)
-            run.log.step_line(entry, cfg.steps, eta, run.world)
+            run.log.step_line(entry, cfg.steps, eta)
             global_batch = run.batch * cfg.accumulate * run.world
             run.log.record({**entry, "world_size": run.world, "global_batch": global_batch, "params": run.params})
         if can_eval and not stopped and (done % cfg.eval_every == 0 or done == cfg.steps):
