@@ -28,7 +28,8 @@ ECHO_S = 1.0  # a repeat within this many seconds is the same preemption deliver
 # is atomic, so the previous checkpoint stays whole (See [Note: Atomic directory replacement]
 # in memfit/_shard/_atomic.py). One preemption often arrives twice within milliseconds (SLURM
 # signals every process of the job, and torchrun's agent forwards its own copy), so a repeat
-# within ECHO_S seconds of the first counts as the same signal.
+# within ECHO_S seconds of the first counts as the same signal. A stop agreed after the last
+# step changes nothing: the run ends as usual (its export included) with status 0.
 
 
 def exit_status(signum: int) -> int:

@@ -387,6 +387,7 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
         measured |= measure
         log.append(entry)
         done = step + 1
+        stopped = stopped if done < cfg.steps else None  # a stop after the last step: the run ends as usual
         if done % cfg.log_every == 0 or done == cfg.steps or measure or stopped:
             eta = (time.perf_counter() - t_run) / (done - start) * (cfg.steps - done)
             run.log.step_line(entry, cfg.steps, eta)
