@@ -256,6 +256,31 @@ def whole_copy(path: str) -> str:
     return next((os.path.join(parent, n) for n in reversed(olds) if _whole(os.path.join(parent, n))), path)
 
 
+def _not_a_checkpoint(path: str) -> str:
+    """Why ``path`` is no memfit checkpoint, for the error: missing, a file, a directory of
+    checkpoints (naming them), a Hugging Face Trainer checkpoint, or an incomplete save."""
+    if not os.path.exists(path):
+        return f"{path!r} does not exist"
+    if not os.path.isdir(path):
+        return f"{path!r} is a file; a memfit checkpoint is a directory (what memfit.save_checkpoint wrote)"
+    names = sorted(os.listdir(path))
+    inside = [n for n in names if _whole(os.path.join(path, n))]
+    if "trainer_state.json" in names:
+        within = f"; the memfit checkpoint in it is {os.path.join(path, inside[0])!r}" if inside else ""
+        return (
+            f"{path!r} is a Hugging Face Trainer checkpoint (trainer_state.json), not a memfit one{within}; "
+            "resume it with Trainer.train(resume_from_checkpoint=...), or load its weights with from_pretrained"
+        )
+    if inside:
+        shown = ", ".join(inside[-5:]) + (f" and {len(inside) - 5} more" if len(inside) > 5 else "")
+        newest = os.path.join(path, inside[-1])
+        return (
+            f"{path!r} is a directory of checkpoints ({shown}), not one checkpoint; "
+            f"pass one of them, e.g. the last: {newest!r}"
+        )
+    return f"{path!r} is not a complete memfit checkpoint (no .metadata and memfit.json: an unfinished save?)"
+
+
 def _nbytes(state: dict[str, Any]) -> int:
     """The bytes of the tensors a save writes, over all ranks."""
     return sum(math.prod(v.shape) * v.element_size() for v in state.values() if torch.is_tensor(v))
@@ -460,6 +485,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     path = whole_copy(os.path.abspath(path))
     if is_dcp_checkpoint(path):  # See [Note: memfit's checkpoint files and DCP's]
         return load_dcp_checkpoint(path, model, optimizer)
+    if not _whole(path):
+        raise FileNotFoundError(f"memfit.load_checkpoint: {_not_a_checkpoint(path)}")
     shards, group = _shard_params(model)
     meta = _read_metadata(path)
     _check_files(path, meta)

@@ -248,11 +248,19 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _write(save_file, tensors: dict[str, torch.Tensor], path: str, name: str, weight_map: dict[str, str]) -> int:
     file = os.path.join(path, name)
     save_file(tensors, file, metadata={"format": "pt"})
+    os.chmod(file, 0o666 & ~_umask())  # safetensors writes 0600; as config.json and any new file
     with open(file, "rb") as f:
         os.fsync(f.fileno())
     for key in tensors:
         weight_map[key] = name
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _umask() -> int:
+    """The process's umask (read by setting it back at once; there is no other way to read it)."""
+    mask = os.umask(0o22)
+    os.umask(mask)
+    return mask
 
 
 def _write_hf_configs(model: nn.Module, path: str, dtype: torch.dtype) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import signal
 import sys
 from collections.abc import Callable
 
@@ -19,6 +20,7 @@ from memfit.cli._config_file import with_config_file
 from memfit.cli._flags import DEVICE_HELP, DEVICES, add_flags
 from memfit.cli._launch import end_process_group, leave_now
 from memfit.cli._plan import CalibrateConfig, PlanConfig, calibrate_command, plan_command
+from memfit.cli._preempt import Preempted, exit_status
 from memfit.cli._train import TrainConfig, train
 from memfit.models import PRESETS
 
@@ -138,7 +140,8 @@ def program() -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; the exit status. The
+    """Run the command that ``argv`` (default: ``sys.argv[1:]``) names; the exit status (0; 2
+    for a wrong flag or value; 128 + the signal's number when SIGTERM or SIGINT stopped it). The
     caller's process groups are left as they are (the program ends them: :func:`program`)."""
     try:
         args = _parse(argv)
@@ -147,4 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Preempted as e:  # stopped cleanly by a signal, its line printed (See [Note: Stopping on a signal])
+        return e.status
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (starting up, a bench, a plan)
+        print(f"memfit: interrupted (Ctrl-C); exit status {exit_status(signal.SIGINT)}", file=sys.stderr)
+        return exit_status(signal.SIGINT)
     return 0

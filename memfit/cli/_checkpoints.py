@@ -11,6 +11,7 @@ directory holding another run's checkpoints, and pruning keeps the newest of the
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -154,7 +155,31 @@ def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
         was = run["config"]
         diff = ", ".join(f"{k} {was[k]!r} -> {getattr(cfg, k)!r}" for k in changed)
         log.say(f"the config differs from the run's: {diff}")
+        warning = schedule_change(cfg, was, step)
+        if warning:
+            log.say(warning)
     return step, run_identity
+
+
+_SCHEDULE = ("steps", "warmup", "lr")  # the flags TrainConfig.lr_at reads
+
+
+def schedule_change(cfg: TrainConfig, was: dict, step: int) -> str | None:
+    """A warning when the flags of the learning-rate schedule differ from those the checkpoint's
+    run saved (None when they agree): what changes, and the flags that keep the saved schedule."""
+    if all(was.get(k, getattr(cfg, k)) == getattr(cfg, k) for k in _SCHEDULE):
+        return None
+    saved = dataclasses.replace(cfg, **{k: was.get(k, getattr(cfg, k)) for k in _SCHEDULE})
+    now, before = (
+        ", ".join(f"--{k} {getattr(cfg, k)}" for k in _SCHEDULE),
+        ", ".join(f"--{k} {getattr(saved, k)}" for k in _SCHEDULE),
+    )
+    keep = " ".join(f"--{k} {getattr(saved, k)}" for k in _SCHEDULE if getattr(saved, k) != getattr(cfg, k))
+    return (
+        f"warning: the learning-rate schedule changes from step {step}: the run saved {before}, this one has "
+        f"{now} (the lr of step {step + 1}: {saved.lr_at(step):.3e} -> {cfg.lr_at(step):.3e}); "
+        f"to keep the saved schedule, pass {keep}"
+    )
 
 
 def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict | None]:

@@ -12,6 +12,11 @@ import warnings
 MIB = 2**20
 
 
+def plural(n: int, word: str) -> str:
+    """``1 step``, ``2 steps``."""
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
 def duration(seconds: float) -> str:
     """``seconds`` as 1h02m, 3m05s or 12s."""
     s = int(seconds)
@@ -62,10 +67,20 @@ class RunLog:
                     self.tb.add_scalar(k, v, entry["step"])
 
     def step_line(self, e: dict, steps: int, eta: float) -> None:
-        peak = f" | peak {e['peak_bytes'] / MIB:.1f} MiB" if "peak_bytes" in e else ""
+        """A step's line: loss, lr, norm, throughput, the slowest rank's step time, ETA and,
+        on the step measured, the peak memory (per rank: the highest and lowest)."""
         self.say(
             f"step {e['step']}/{steps} | loss {e['loss']:.4f} | lr {e['lr']:.2e} | grad norm {e['grad_norm']:.3f} | "
-            f"{e['tokens_per_s']:.0f} tok/s | ETA {duration(eta)}{peak}"
+            f"{e['tokens_per_s']:.0f} tok/s | {e['step_s_slowest']:.3f} s/step | ETA {duration(eta)}"
+            f"{_peaks(e.get('peak_bytes_per_rank'))}"
+        )
+
+    def summary(self, steps: int, tokens: int, seconds: float, saved: list[str]) -> None:
+        """The run's last line: what it did."""
+        last = f" (the last: {saved[-1]})" if saved else ""
+        self.say(
+            f"trained {plural(steps, 'step')}, {plural(tokens, 'token')} in {duration(seconds)}; "
+            f"{plural(len(saved), 'checkpoint')} written{last}"
         )
 
     def close(self) -> None:
@@ -73,3 +88,12 @@ class RunLog:
             self.metrics.close()
         if self.tb:
             self.tb.close()
+
+
+def _peaks(per_rank: list[int] | None) -> str:
+    if not per_rank:
+        return ""
+    if len(per_rank) == 1:
+        return f" | peak {per_rank[0] / MIB:.1f} MiB"
+    hi = max(range(len(per_rank)), key=lambda r: per_rank[r])
+    return f" | peak {min(per_rank) / MIB:.1f}-{per_rank[hi] / MIB:.1f} MiB per rank (highest: rank {hi})"

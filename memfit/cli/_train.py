@@ -17,10 +17,12 @@ import hashlib
 import math
 import os
 import shutil
+import signal
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import cast
+from typing import NoReturn, cast
 
 import torch
 import torch.distributed as dist
@@ -30,10 +32,11 @@ from memfit.cli import _checkpoints
 from memfit.cli._data import Tokens, load_tokens, window_batch
 from memfit.cli._flags import DEVICE_HELP, DEVICES, decision_kind, flag
 from memfit.cli._launch import choose_device, init_process_group, pg_timeout
-from memfit.cli._log import RunLog
+from memfit.cli._log import RunLog, plural
 from memfit.cli._output import write_json
+from memfit.cli._preempt import Preempted, StopRequests, agreed_signal, resume_command
 from memfit.models import PRESETS
-from memfit.models._spec import ModelSpec, layer_class, loss_of, resolve, vocab_size
+from memfit.models._spec import ModelSpec, layer_class, loss_of, resolve, settle_loss_type, vocab_size
 
 # Not OFFLOAD: a block's input offloaded to disk under sharded training is untested
 CHECKPOINTING = tuple(k.value for k in memfit.DecisionKind if k is not memfit.DecisionKind.OFFLOAD)
@@ -76,8 +79,10 @@ class TrainConfig:
         default=None, metadata=flag(_SHAPE.format("batch (rows per rank per micro-batch)"))
     )
     seed: int = field(default=0, metadata=flag("initialisation, dropout and masking"))
-    checkpoint_dir: str | None = field(default=None, metadata=flag("checkpoints go to DIR/step-N"))
-    save_every: int = field(default=0, metadata=flag("save a checkpoint every K steps and at the end"))
+    checkpoint_dir: str | None = field(
+        default=None, metadata=flag("checkpoints go to DIR/step-N: at the end, on SIGTERM/SIGINT and --save-every")
+    )
+    save_every: int = field(default=0, metadata=flag("also save a checkpoint every K steps (0: at the end only)"))
     keep_last: int = field(default=0, metadata=flag("keep only the newest N checkpoints (0: all)"))
     resume: str = field(
         default="no",
@@ -167,6 +172,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     seq, batch = cfg.seq or spec.seq, cfg.batch or spec.batch
     tokens = load_tokens(cfg.data, cfg.tokenizer, cfg.val_fraction, seq)
     model = spec.build(cfg.seed)
+    settle_loss_type(model)
     if device.type != "cpu":  # pragma: no cover (needs a GPU); sharding then computes there
         model = model.to(device)
     vocab = vocab_size(model)
@@ -178,20 +184,35 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
         )
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
+    blocks = sum(isinstance(m, block) for m in model.modules())
     memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
     options = memfit.ShardOptions(auto_wrap_policy={block}, mesh=_hybrid_mesh(cfg, world))
     model = cast(torch.nn.Module, memfit.FullyShardedDataParallel(model, options=options))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
+    run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device)
+    log.say(_configuration(run, block, blocks))
+    return run
+
+
+def _configuration(run: _Run, block: type, blocks: int) -> str:
+    """The start line: what the flags resolved to (the model, layout, batch, checkpointing, saving)."""
+    cfg, world = run.cfg, run.world
     n = cfg.hybrid_shards
-    hybrid = f" (hybrid: {world // n} replicas x {n} shards)" if n else ""
-    log.say(
-        f"memfit train: {cfg.model} ({n_params / 1e6:.2f}M parameters, {spec.arch} LM), world size {world}{hybrid}, "
-        f"global batch {batch * cfg.accumulate * world} sequences of {seq} tokens "
-        f"({cfg.accumulate} x {batch} per rank), {cfg.steps} steps; data: {tokens.source}"
+    layout = f"hybrid: {world // n} replicas x {n} shards" if n else f"sharded over {world}"
+    saving = "no --checkpoint-dir: nothing is saved"
+    if cfg.checkpoint_dir:
+        every = f"every {plural(cfg.save_every, 'step')}, " if cfg.save_every else ""
+        keep = f", keeping the newest {cfg.keep_last}" if cfg.keep_last else ""
+        saving = f"checkpoints to {cfg.checkpoint_dir} {every}at the end and on SIGTERM/SIGINT{keep}"
+    return (
+        f"memfit train: {cfg.model} ({run.params / 1e6:.2f}M parameters, {run.spec.arch} LM), world size {world} "
+        f"({layout}, {run.device.type}/{dist.get_backend()}), global batch {run.batch * cfg.accumulate * world} "
+        f"sequences of {run.seq} tokens ({cfg.accumulate} x {run.batch} per rank), {plural(cfg.steps, 'step')}; "
+        f"activation checkpointing {cfg.checkpointing} on {blocks} {block.__name__} blocks; {saving}; "
+        f"data: {run.tokens.source}"
     )
-    return _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device)
 
 
 def _hybrid_mesh(cfg: TrainConfig, world: int):
@@ -211,40 +232,88 @@ def _hybrid_mesh(cfg: TrainConfig, world: int):
     return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
 
 
-def _step(run: _Run, step: int, measure: bool) -> dict:
-    """One optimizer step; its metrics (loss averaged over ranks)."""
+def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict, int | None]:
+    """One optimizer step; its metrics (loss averaged over ranks) and the signal every rank
+    agreed to stop for after it (None: go on). One host sync of its own: See [Note: One read per step]."""
     cfg, model, opt = run.cfg, run.model, run.opt
     t0 = time.perf_counter()
     for group in opt.param_groups:
         group["lr"] = cfg.lr_at(step)
-    rows = run.batch * cfg.accumulate
-    whole = window_batch(run.tokens.train, run.spec.arch, rows * run.world, run.seq, step, cfg.seed, run.tokens.mask_id)
-    mine = {k: v[run.rank * rows : (run.rank + 1) * rows].to(run.device) for k, v in whole.items()}
-    micro = [{k: v.split(run.batch)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
+    micro = _micro_batches(run, step)
     torch.manual_seed(cfg.seed * 1_000_003 + step * run.world + run.rank)
     meter = memfit.MemoryMeter(model=model, optimizer=opt) if measure else None
-    total = 0.0
+    total = torch.zeros((), dtype=torch.float64, device=run.device)  # this rank's loss, summed on the device
     with meter if meter else contextlib.nullcontext():
         for i, mb in enumerate(micro):
             with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():  # type: ignore[operator]
                 loss = loss_of(model, mb) / cfg.accumulate
                 loss.backward()
-            total += loss.item()
+            total += loss.detach()
         norm = memfit.clip_grad_norm_(model, cfg.clip)
         opt.step()
         opt.zero_grad(set_to_none=True)
-    mean = torch.tensor([total], device=run.device)
-    dist.all_reduce(mean)
+    peak = meter.peak_bytes if meter else 0
+    loss_sum, votes, seconds, peaks = _agree(run, total, stop.votes(), time.perf_counter() - t0, peak)
+    slowest = max(range(run.world), key=lambda r: seconds[r])
     entry = {
         "step": step + 1,
-        "loss": mean.item() / run.world,
+        "loss": loss_sum / run.world,
         "grad_norm": float(norm),
         "lr": cfg.lr_at(step),
-        "tokens_per_s": rows * run.world * run.seq / (time.perf_counter() - t0),
+        "tokens_per_s": cfg.accumulate * run.batch * run.world * run.seq / (time.perf_counter() - t0),
+        "step_s_slowest": seconds[slowest],
+        "slowest_rank": slowest,
     }
     if meter:
-        entry["peak_bytes"] = meter.peak_bytes  # a step with AdamW state: the steady-state peak
-    return entry
+        entry["peak_bytes"] = peak  # a step with AdamW state: the steady-state peak (this rank's)
+        entry["peak_bytes_per_rank"] = [int(p) for p in peaks]
+    return entry, agreed_signal(votes)
+
+
+# [Note: One read per step]
+# A step reads the device once, in `_agree`: one all-reduce of a small vector that holds this
+# rank's summed loss (accumulated on the device, never read per micro-batch), its stop request
+# (See [Note: Stopping on a signal] in memfit/cli/_preempt.py), its step time and its measured
+# peak (each rank in a slot of its own, the others zero, so the sum is the list over ranks), then
+# one read of the result. The stop request has to be read every step (a step in flight is the
+# last one), so the loss, the slowest rank's time and the peaks ride in that read for nothing.
+# The vector is filled with `fill_` (a kernel with a scalar argument, no host-to-device copy,
+# which on CUDA would wait for the stream). memfit.clip_grad_norm_ reads its norm once itself.
+# A rank's time runs from its step's start to its arrival at this all-reduce; the step's own
+# collectives (the backward's reduce-scatters, the norm's all-reduce) make the ranks wait for
+# each other, so the times differ by less than the ranks' work does: the slowest is the step's
+# time, and `slowest_rank` (in --metrics) a hint only. On an accelerator the norm's read has
+# waited for the backward, so only the optimizer's kernels may still be queued (not testable here).
+
+
+def _agree(run: _Run, total: torch.Tensor, votes: list[float], seconds: float, peak: int):
+    """Sum over ranks of [loss, stop votes..., per-rank step seconds, per-rank peaks]; the step's one read."""
+    w, n = run.world, len(votes)
+    shared = torch.zeros(1 + n + 2 * w, dtype=torch.float64, device=run.device)
+    shared[0].copy_(total)
+    for i, v in enumerate(votes):
+        shared[1 + i].fill_(v)
+    shared[1 + n + run.rank].fill_(seconds)
+    shared[1 + n + w + run.rank].fill_(float(peak))
+    dist.all_reduce(shared)
+    values = shared.tolist()  # the host sync
+    return values[0], values[1 : 1 + n], values[1 + n : 1 + n + w], values[1 + n + w :]
+
+
+def _micro_batches(run: _Run, step: int) -> list[dict[str, torch.Tensor]]:
+    """This rank's rows of the step's window, on its device (from pinned memory, without
+    waiting, on an accelerator), split into --accumulate micro-batches."""
+    rows = run.batch * run.cfg.accumulate
+    cfg = run.cfg
+    whole = window_batch(run.tokens.train, run.spec.arch, rows * run.world, run.seq, step, cfg.seed, run.tokens.mask_id)
+    mine = {k: _to_device(v[run.rank * rows : (run.rank + 1) * rows], run.device) for k, v in whole.items()}
+    return [{k: v.split(run.batch)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)  # pragma: no cover (needs a GPU)
 
 
 @torch.no_grad()
@@ -263,14 +332,22 @@ def _evaluate(run: _Run, step: int) -> dict:
     return entry
 
 
-def _save(run: _Run, step: int) -> None:
-    assert run.cfg.checkpoint_dir is not None and run.identity is not None  # --save-every needs a dir; resume set it
+def _save(run: _Run, step: int) -> str:
+    assert run.cfg.checkpoint_dir is not None and run.identity is not None  # only with a dir; resume set it
     path = _checkpoints.path_at(run.cfg.checkpoint_dir, step)
     extra = {"step": step, "run": run.identity, "saved_at": time.time()}
     memfit.save_checkpoint(path, run.model, run.opt, extra=extra)
     if run.rank == 0:
         _checkpoints.prune(run.cfg.checkpoint_dir, run.cfg.keep_last, run.identity["id"])
     run.log.say(f"saved checkpoint step {step} ({path})")
+    return path
+
+
+def _save_due(cfg: TrainConfig, done: int) -> bool:
+    """Whether a checkpoint is written after ``done`` steps: every --save-every and at the end,
+    whenever there is a --checkpoint-dir (and on a stop: See [Note: Stopping on a signal])."""
+    every = cfg.save_every and done % cfg.save_every == 0
+    return bool(cfg.checkpoint_dir) and (done == cfg.steps or bool(every))
 
 
 def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -> dict:
@@ -279,43 +356,81 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -
 
     ``on_step(step)``, when given, is called on every rank at the start of each step, with the
     number of steps done so far (a hook for progress reporting, profiling or fault injection).
+    SIGTERM or SIGINT stops the run after the step in flight, saved, and raises
+    :class:`~memfit.cli._preempt.Preempted` (See [Note: Stopping on a signal]).
     """
     # A collective (or the mesh set-up of a restarted group) that outlives the timeout fails,
     # so that torchrun can restart the job instead of waiting for ever.
     _checkpoints.claim(cfg)
     placement = init_process_group(timeout=pg_timeout(), device=cfg.device, where="memfit train")
-    run = _build(cfg, placement.device)
+    with StopRequests(dist.get_rank()) as stop:
+        run = _build(cfg, placement.device)
+        return _loop(run, stop, on_step)
+
+
+def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None) -> dict:
+    cfg = run.cfg
     start, run.identity = _checkpoints.resume(cfg, run.model, run.opt, run.log)
     if start >= cfg.steps:
         run.log.say(f"the run is finished: the checkpoint is at step {start} of --steps {cfg.steps}; nothing to train")
     can_eval = cfg.eval_every and len(run.tokens.val) > run.seq + 1
     log: list[dict] = []
     evals: list[dict] = []
+    saved: list[str] = []
+    stopped: int | None = None
     measured, t_run = False, time.perf_counter()
     for step in range(start, cfg.steps):
         if on_step is not None:
             on_step(step)
         measure = not measured and bool(run.opt.state)  # the first step with AdamW state
-        entry = _step(run, step, measure)
+        entry, stopped = _step(run, step, measure, stop)
         measured |= measure
         log.append(entry)
         done = step + 1
-        if done % cfg.log_every == 0 or done == cfg.steps or measure:
+        stopped = stopped if done < cfg.steps else None  # a stop after the last step: the run ends as usual
+        if done % cfg.log_every == 0 or done == cfg.steps or measure or stopped:
             eta = (time.perf_counter() - t_run) / (done - start) * (cfg.steps - done)
             run.log.step_line(entry, cfg.steps, eta)
             global_batch = run.batch * cfg.accumulate * run.world
             run.log.record({**entry, "world_size": run.world, "global_batch": global_batch, "params": run.params})
-        if can_eval and (done % cfg.eval_every == 0 or done == cfg.steps):
+        if can_eval and not stopped and (done % cfg.eval_every == 0 or done == cfg.steps):
             evals.append(_evaluate(run, done))
             run.log.record(evals[-1])
-        if cfg.save_every and (done % cfg.save_every == 0 or done == cfg.steps):
-            _save(run, done)
+        if _save_due(cfg, done) or (stopped and cfg.checkpoint_dir):
+            saved.append(_save(run, done))
+        if stopped:
+            break
+    tokens = len(log) * cfg.accumulate * run.batch * run.world * run.seq
+    run.log.summary(len(log), tokens, time.perf_counter() - t_run, saved)
+    if stopped:
+        return _stop(run, stopped, start + len(log), saved[-1] if saved else None, log, evals)
     _finish(run)
     result = {"log": log, "eval": evals, "world_size": run.world, "params_sha256": _digest(run.model)}
     if run.rank == 0 and cfg.json:
         write_json(cfg.json, {**result, "config": asdict(cfg)})
     dist.barrier()
     return result
+
+
+def _stop(run: _Run, signum: int, done: int, path: str | None, log: list[dict], evals: list[dict]) -> NoReturn:
+    """End a run a signal stopped (See [Note: Stopping on a signal]): one line, then Preempted."""
+    name = signal.Signals(signum).name
+    if path:
+        run.log.say(
+            f"memfit train: stopped by {name} after step {done} of {run.cfg.steps}; saved checkpoint {path}; "
+            f"continue with: {resume_command(sys.argv)}"
+        )
+    else:
+        run.log.say(
+            f"memfit train: stopped by {name} after step {done} of {run.cfg.steps}; nothing could be saved "
+            "(no --checkpoint-dir: pass one to make a run resumable)"
+        )
+    run.log.close()
+    if run.rank == 0 and run.cfg.json:
+        stopped = {"signal": name, "step": done, "checkpoint": path}
+        write_json(run.cfg.json, {"log": log, "eval": evals, "world_size": run.world, "preempted": stopped})
+    dist.barrier()  # every rank leaves after the line is out
+    raise Preempted(signum, done, path)
 
 
 def _finish(run: _Run) -> None:

@@ -8,6 +8,7 @@ return an ``nn.Module`` (see :func:`loss_of` for what its forward may return).
 
 from __future__ import annotations
 
+import collections
 import importlib
 import os
 from collections.abc import Callable
@@ -90,12 +91,13 @@ def _from_factory(spec: str) -> ModelSpec:
 
 
 def layer_class(model: nn.Module) -> type[nn.Module]:
-    """The class of the model's repeated blocks, the units to shard and checkpoint: the
-    transformers ``_no_split_modules`` class, else the class of the longest ModuleList's items."""
+    """The class of the model's repeated blocks, the units to shard and checkpoint: of the
+    transformers ``_no_split_modules`` classes, the one with the most instances (BERT names
+    ``BertEmbeddings`` first, then ``BertLayer``), else the class of the longest ModuleList's items."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    for m in model.modules():
-        if type(m).__name__ in names:
-            return type(m)
+    counts = collections.Counter(type(m) for m in model.modules() if type(m).__name__ in names)
+    if counts:
+        return counts.most_common(1)[0][0]  # ties: the first in module order
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise ValueError(
@@ -103,6 +105,14 @@ def layer_class(model: nn.Module) -> type[nn.Module]:
             "keep the blocks in an nn.ModuleList"
         )
     return type(max(lists, key=len)[0])
+
+
+def settle_loss_type(model: nn.Module) -> None:
+    """Name the loss of a transformers model whose class name names none (``GPT2LMHeadModel``:
+    ``loss_type`` None), as the one transformers falls back to for it, ``ForCausalLM``: the same
+    loss, without transformers' warning on every run that it fell back."""
+    if "loss_type" in vars(model) and model.loss_type is None:
+        model.loss_type = "ForCausalLM"
 
 
 def vocab_size(model: nn.Module) -> int | None:

@@ -1,0 +1,194 @@
+"""`memfit train`'s traps, one process: what a checkpoint path is when it is none, the schedule a
+changed --steps would silently change, the save at the end, exported files' modes, Ctrl-C
+outside the loop, the stop-request bookkeeping, the log's words, and the step's one host read.
+(The signals end to end, under torchrun too: tests/distributed/test_train_preempt.py.)"""
+
+import os
+import signal
+import stat
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memfit
+from memfit.cli import TrainConfig, main
+from memfit.cli._checkpoints import identity, schedule_change
+from memfit.cli._log import RunLog
+from memfit.cli._preempt import ECHO_S, StopRequests, agreed_signal, resume_command
+from memfit.cli._train import _build, _save_due, _step
+from memfit.models import PRESETS
+from memfit.models._spec import layer_class, loss_of, settle_loss_type
+from memfit.testing import HostSyncCounter, end_process_group
+
+TINY = {"layers": 2, "hidden": 32, "seq": 16, "batch": 4}
+
+
+@pytest.fixture
+def group_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    end_process_group()
+
+
+def _fake_checkpoint(path):
+    os.makedirs(path)
+    for name in (".metadata", "memfit.json"):
+        open(os.path.join(path, name), "w").close()
+
+
+def test_load_checkpoint_says_what_the_path_is_instead(tmp_path):
+    model = nn.Linear(2, 2)
+
+    def message(path):
+        with pytest.raises(FileNotFoundError) as e:
+            memfit.load_checkpoint(str(path), model)
+        return str(e.value)
+
+    assert f"{str(tmp_path / 'nope')!r} does not exist" in message(tmp_path / "nope")
+    (tmp_path / "file").write_text("x")
+    assert "is a file; a memfit checkpoint is a directory" in message(tmp_path / "file")
+    ck = tmp_path / "ck"
+    for step in (2, 4):
+        _fake_checkpoint(ck / f"step-{step:08d}")
+    text = message(ck)
+    assert "is a directory of checkpoints (step-00000002, step-00000004), not one checkpoint" in text, text
+    assert f"e.g. the last: {str(ck / 'step-00000004')!r}" in text, text
+    hf = tmp_path / "out" / "checkpoint-500"
+    hf.mkdir(parents=True)
+    (hf / "trainer_state.json").write_text("{}")
+    text = message(hf)
+    assert "is a Hugging Face Trainer checkpoint (trainer_state.json), not a memfit one; resume it" in text, text
+    _fake_checkpoint(hf / "memfit")  # memfit's Trainer integration keeps its checkpoint inside
+    assert f"the memfit checkpoint in it is {str(hf / 'memfit')!r}" in message(hf)
+    (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "0_0.distcp").write_text("")  # shards written, no metadata yet
+    assert "is not a complete memfit checkpoint (no .metadata and memfit.json" in message(tmp_path / "half")
+
+
+def test_a_changed_schedule_is_named_with_the_flags_that_keep_it():
+    cfg = TrainConfig(steps=10, **TINY)
+    was = identity(TrainConfig(steps=6, **TINY), "r")["config"]
+    text = schedule_change(cfg, was, 4)
+    assert text is not None
+    assert "the run saved --steps 6, --warmup 2, --lr 0.0003, this one has --steps 10, --warmup 2" in text, text
+    old, new = TrainConfig(steps=6, **TINY).lr_at(4), cfg.lr_at(4)
+    assert f"(the lr of step 5: {old:.3e} -> {new:.3e})" in text and old != new, text
+    assert text.endswith("to keep the saved schedule, pass --steps 6")
+    assert schedule_change(cfg, identity(cfg, "r")["config"], 4) is None
+    # a flag that is not the schedule's changes nothing here
+    assert schedule_change(cfg, {**identity(cfg, "r")["config"], "clip": 0.5}, 4) is None
+
+
+def test_a_checkpoint_dir_alone_saves_at_the_end():
+    assert [d for d in range(1, 6) if _save_due(TrainConfig(checkpoint_dir="ck", steps=5), d)] == [5]
+    every = TrainConfig(checkpoint_dir="ck", steps=5, save_every=2)
+    assert [d for d in range(1, 6) if _save_due(every, d)] == [2, 4, 5]
+    assert not any(_save_due(TrainConfig(steps=5), d) for d in range(1, 6))
+
+
+def test_the_continue_command_swaps_resume_and_overwrite_for_resume_auto():
+    argv = ["/x/memfit/__main__.py", "train", "--steps", "9", "--checkpoint-dir", "my ck", "--overwrite"]
+    assert resume_command(argv) == "memfit train --steps 9 --checkpoint-dir 'my ck' --resume auto"
+    assert resume_command(["memfit", "train", "--resume", "--steps", "3"]) == "memfit train --steps 3 --resume auto"
+    assert resume_command(["memfit", "train", "--resume", "yes"]) == "memfit train --resume auto"
+    assert resume_command(["memfit", "train", "--resume=auto"]) == "memfit train --resume auto"
+
+
+def test_stop_requests_count_a_repeat_within_the_echo_window_once():
+    with StopRequests(rank=0) as stop:
+        assert stop.votes() == [0.0, 0.0]
+        os.kill(os.getpid(), signal.SIGINT)  # handled at once, on this (the main) thread
+        assert stop.votes() == [0.0, 1.0]
+        os.kill(os.getpid(), signal.SIGTERM)  # within ECHO_S of the first: the same preemption
+        assert stop.votes() == [0.0, 1.0]
+        assert stop.first is not None and stop.first[0] == signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+    assert ECHO_S <= 2.0
+    # the ranks' summed votes: SIGTERM wins over SIGINT; none: go on
+    assert agreed_signal([0.0, 2.0]) == signal.SIGINT
+    assert agreed_signal([1.0, 1.0]) == signal.SIGTERM
+    assert agreed_signal([0.0, 0.0]) is None
+
+
+def interrupted():
+    raise KeyboardInterrupt  # Ctrl-C while the model is built
+
+
+def test_ctrl_c_outside_the_loop_prints_one_line(capsys):
+    try:
+        status = main(["train", "--model", f"{__name__}:interrupted", "--device", "cpu"])
+    finally:
+        end_process_group()
+    assert status == 130
+    err = capsys.readouterr().err
+    assert err == "memfit: interrupted (Ctrl-C); exit status 130\n", err
+
+
+def test_log_words_and_summary(capsys):
+    log = RunLog(0, None, None)
+    log.summary(1, 64, 3.0, [])
+    log.summary(2, 1, 75.0, ["ck/step-00000001", "ck/step-00000002"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "trained 1 step, 64 tokens in 3s; 0 checkpoints written"
+    assert out[1] == "trained 2 steps, 1 token in 1m15s; 2 checkpoints written (the last: ck/step-00000002)"
+    entry = {"step": 2, "loss": 1.0, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 100.0, "step_s_slowest": 0.25}
+    log.step_line({**entry, "slowest_rank": 1, "peak_bytes_per_rank": [2**20, 3 * 2**20]}, 9, 5)
+    line = capsys.readouterr().out.strip()
+    assert line.endswith("| 100 tok/s | 0.250 s/step | ETA 5s | peak 1.0-3.0 MiB per rank (highest: rank 1)"), line
+
+
+def test_gpt2_names_its_loss_and_bert_is_sharded_by_its_layers():
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    model = PRESETS["gpt2"].resized(layers=1, hidden=32).build(0)
+    assert model.loss_type is None  # what makes transformers warn on every run
+    settle_loss_type(model)
+    assert model.loss_function is LOSS_MAPPING["ForCausalLM"]  # the loss transformers fell back to
+    bert = PRESETS["bert"].resized(layers=2, hidden=32).build(0)
+    assert layer_class(bert).__name__ == "BertLayer"  # not BertEmbeddings, which _no_split_modules names first
+
+
+def test_exported_files_follow_the_umask(group_of_one, tmp_path):
+    model = memfit.FullyShardedDataParallel(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), options=memfit.ShardOptions(auto_wrap_policy={nn.Linear})
+    )
+    for mask, mode in ((0o022, 0o644), (0o027, 0o640)):
+        old = os.umask(mask)
+        try:
+            memfit.export_safetensors(model, str(tmp_path / oct(mask)))
+        finally:
+            os.umask(old)
+        files = sorted(os.listdir(tmp_path / oct(mask)))
+        assert any(f.endswith(".safetensors") for f in files)
+        assert {f: stat.S_IMODE(os.stat(tmp_path / oct(mask) / f).st_mode) for f in files} == dict.fromkeys(files, mode)
+
+
+def test_a_step_reads_the_device_once_beyond_the_librarys_reads(group_of_one):
+    """The trainer's own host syncs in a steady-state step with --accumulate 3: one (the stop
+    flag's read, which carries the loss; before it, one .item() per micro-batch and one for the
+    mean). The reference runs the same library calls without the trainer."""
+    run = _build(TrainConfig(accumulate=3, device="cpu", **TINY), torch.device("cpu"))
+    stop = StopRequests(rank=0)  # not entered: no handlers, no request
+    for step in range(2):
+        _step(run, step, False, stop)
+    with HostSyncCounter() as trainer:
+        entry, stopped = _step(run, 2, False, stop)
+    assert stopped is None and entry["step"] == 3
+    micro = [{k: v[:4] for k, v in _first_rows(run).items()} for _ in range(3)]
+    with HostSyncCounter() as library:
+        for i, mb in enumerate(micro):
+            with run.model.no_sync() if i < 2 else torch.enable_grad():
+                (loss_of(run.model, mb) / 3).backward()
+        memfit.clip_grad_norm_(run.model, 1.0)
+        run.opt.step()
+        run.opt.zero_grad(set_to_none=True)
+    # (the library's reads on the CPU: AdamW's step counts, the sharded step's checks, the norm)
+    assert trainer.calls == [*library.calls, "tolist"], (trainer.calls, library.calls)
+
+
+def _first_rows(run):
+    from memfit.cli._data import window_batch
+
+    return window_batch(run.tokens.train, run.spec.arch, 12, run.seq, 0, 0, run.tokens.mask_id)
