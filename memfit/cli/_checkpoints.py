@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit._shard import _atomic
-from memfit._shard._checkpoint_files import whole_copy
+from memfit._shard._checkpoint_files import _whole, whole_copy
 
 if TYPE_CHECKING:
     from memfit.cli._log import RunLog
@@ -92,6 +92,16 @@ def remove_all(root: str) -> None:
                 os.remove(os.path.join(root, name))
 
 
+def _remove_unfinished(root: str) -> None:
+    """Delete the temporary directories of saves a killed run left (nothing is saving at the
+    start of a run), and restore a whole copy a save killed between two renames left aside."""
+    for _, path in complete(root):
+        _atomic.recover(path, _whole, _JSON)
+    for name in os.listdir(root):
+        if re.fullmatch(r"step-\d+\.tmp-[0-9a-f]+", name):
+            _atomic.remove_dir(os.path.join(root, name), _JSON)
+
+
 def prune(root: str, keep_last: int, run: str) -> None:
     """Delete all but the newest ``keep_last`` (by the time they were saved) whole checkpoints of
     run ``run`` (0: keep all); other runs' checkpoints are never deleted."""
@@ -143,6 +153,9 @@ def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
     if dist.get_rank() == 0 and cfg.overwrite:
         assert cfg.checkpoint_dir is not None  # TrainConfig requires one with --overwrite
         remove_all(cfg.checkpoint_dir)
+    if dist.get_rank() == 0 and cfg.resume != "no":
+        assert cfg.checkpoint_dir is not None  # TrainConfig requires one with --resume
+        _remove_unfinished(cfg.checkpoint_dir)
     if cfg.resume != "no":
         step, run = _load_newest(cfg, model, opt, log)
     box = [run["id"] if run else uuid.uuid4().hex[:12]]

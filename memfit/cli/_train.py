@@ -84,6 +84,12 @@ class TrainConfig:
     )
     save_every: int = field(default=0, metadata=flag("also save a checkpoint every K steps (0: at the end only)"))
     keep_last: int = field(default=0, metadata=flag("keep only the newest N checkpoints (0: all)"))
+    async_save: bool = field(
+        default=False,
+        metadata=flag(
+            "write --save-every checkpoints in the background while training goes on (the last one is waited for)"
+        ),
+    )
     resume: str = field(
         default="no",
         metadata=flag(
@@ -332,14 +338,20 @@ def _evaluate(run: _Run, step: int) -> dict:
     return entry
 
 
-def _save(run: _Run, step: int) -> str:
+def _save(run: _Run, step: int, last: bool) -> str:
+    """Save after ``step`` steps; with --async-save, in the background unless ``last`` (the end
+    of the run or a stop: See [Note: Asynchronous checkpoints])."""
     assert run.cfg.checkpoint_dir is not None and run.identity is not None  # only with a dir; resume set it
     path = _checkpoints.path_at(run.cfg.checkpoint_dir, step)
     extra = {"step": step, "run": run.identity, "saved_at": time.time()}
-    memfit.save_checkpoint(path, run.model, run.opt, extra=extra)
-    if run.rank == 0:
+    background = run.cfg.async_save and not last
+    # Waits for the save in flight first, raising its error: a failed background write stops the run.
+    memfit.save_checkpoint(path, run.model, run.opt, extra=extra, async_=background)
+    if run.rank == 0:  # the newest may still be writing: it is not counted until it is whole
         _checkpoints.prune(run.cfg.checkpoint_dir, run.cfg.keep_last, run.identity["id"])
-    run.log.say(f"saved checkpoint step {step} ({path})")
+    run.log.say(
+        f"{'saving' if background else 'saved'} checkpoint step {step} ({path}{', in the background' * background})"
+    )
     return path
 
 
@@ -397,7 +409,7 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
             evals.append(_evaluate(run, done))
             run.log.record(evals[-1])
         if _save_due(cfg, done) or (stopped and cfg.checkpoint_dir):
-            saved.append(_save(run, done))
+            saved.append(_save(run, done, last=bool(stopped) or done == cfg.steps))
         if stopped:
             break
     tokens = len(log) * cfg.accumulate * run.batch * run.world * run.seq

@@ -58,6 +58,26 @@ def test_resume_continues_exactly(tmp_path):
     assert whole["log"][1]["peak_bytes"] == rest["log"][0]["peak_bytes"]
 
 
+def test_async_saves_resume_exactly_from_the_newest_whole_checkpoint(tmp_path):
+    memfit_train("--json", str(tmp_path / "whole.json"))
+    ck = str(tmp_path / "ck")
+    # SIGKILLed at the start of step 5: the step-4 save, written in the background, may be
+    # whole or not; --resume auto continues from the newest whole one (step 4 or step 2).
+    killed = memfit_train("--checkpoint-dir", ck, "--save-every", "2", "--async-save", fail_at_step=4, check=False)
+    assert killed.returncode == -signal.SIGKILL
+    assert "in the background" in killed.stdout + killed.stderr
+    resumed = memfit_train(
+        "--checkpoint-dir", ck, "--resume", "auto", "--async-save", "--json", str(tmp_path / "rest.json")
+    )  # fmt: skip
+    whole, rest = read(tmp_path / "whole.json"), read(tmp_path / "rest.json")
+    first = rest["log"][0]["step"]
+    assert first in (3, 5), (first, os.listdir(ck))
+    assert [e["loss"] for e in rest["log"]] == [e["loss"] for e in whole["log"][first - 1 :]]
+    assert rest["params_sha256"] == whole["params_sha256"]
+    left = sorted(os.listdir(ck))
+    assert left[-1] == "step-00000006" and not [n for n in left if ".tmp-" in n], (left, killed.stdout, resumed.stdout)
+
+
 def test_torchrun_restarts_after_a_killed_rank(tmp_path):
     memfit_train("--json", str(tmp_path / "whole.json"), torchrun=2)
     # Known flake of torch 2.13's gloo on this machine, not of memfit: in about one run in five
