@@ -33,6 +33,11 @@ WORLD_SIZES = [int(w) for w in __import__("os").environ.get("MEMFIT_TEST_WORLDS"
 # -- data and losses -------------------------------------------------------------------------
 
 
+def aligned16(n: int) -> int:
+    """``n`` fp32 elements rounded up to a multiple of 16 bytes: a collective slot's size."""
+    return -(-n // 4) * 4
+
+
 def batch(kind, rank, step):
     g = torch.Generator().manual_seed(1000 * step + rank)
     if kind == "mlp":
@@ -309,9 +314,10 @@ def case_communication_volume(rank, world):
         loss_of("mlp", model, x, y).backward()
         ring = (world - 1) / world
         # Per unit, a slot per rank: every parameter's padded chunk, plus the unit index
-        # (all-gather) or one has-gradient flag per parameter (reduce-scatter); fp32.
-        gather = {u: world * (sum(p.slot_numel for p in u.params) + 1) * 4 * ring for u in units}
-        reduce = {u: world * (sum(p.slot_numel + 1 for p in u.params) + 2) * 4 * ring for u in units}
+        # (all-gather) or one has-gradient flag per parameter and two check sums (reduce-scatter),
+        # padded to 16 bytes; fp32.
+        gather = {u: world * aligned16(sum(p.slot_numel for p in u.params) + 1) * 4 * ring for u in units}
+        reduce = {u: world * aligned16(sum(p.slot_numel + 1 for p in u.params) + 2) * 4 * ring for u in units}
         root = units[0]
         regathered = [u for u in units if reshard and u is not root]
         assert memfit.testing.collective_stats().all_gather_bytes == sum(gather.values()) + sum(
@@ -567,6 +573,7 @@ def diverge(rank, world):
         model.skip = {1}  # rank 1 skips the second block: a bug in the user's code
     try:
         loss_of("mlp", model, x, y).backward()
+        model(x)  # a backward's checks are read at the next forward (See [Note: Divergence detection])
     except RuntimeError as e:
         return str(e)
     return "no error"
