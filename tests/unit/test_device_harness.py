@@ -192,6 +192,22 @@ def test_the_host_sync_counter_sees_blocking_uploads():
     assert len(syncs.calls) == 3, syncs.calls
 
 
+def test_hybrid_shard_from_local_world_size_meshes_the_accelerator(monkeypatch):
+    """Issue 23 point 13: HYBRID_SHARD with no mesh or groups builds its (nodes, per node) mesh
+    from LOCAL_WORLD_SIZE on the device the process group's backend talks to (NCCL: cuda; here
+    the pretend accelerator), not a CPU mesh holding accelerator DTensors; state dicts then
+    name that device. Only a GPU shows NCCL's subgroups on it."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with meta_accelerator(4, rank=1):
+        model = memfit.FullyShardedDataParallel(net(META), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        mesh = sharded_units(model)[0].layout.mesh
+        assert mesh is not None and mesh.device_type == "meta" and mesh.shape == (2, 2)
+        memfit.materialize(model)
+        assert {t.device_mesh.device_type for t in model.state_dict().values() if hasattr(t, "device_mesh")} == {"meta"}
+
+
 def test_the_audit_records_only_inside_its_context():
     """Outside ``device_audit()`` nothing is kept: a long offloaded run must not grow a log of
     every copy (two or three entries per unit and step)."""
