@@ -194,6 +194,8 @@ class RootState:
             unit.reshard()
         self.finish_pending_reduce()
         self.streams.after("compute", "reduce")  # the gradient shards are written
+        if any(u.layout.replicate is not None for u in self.units):  # (with replicas, on the all-reduce stream)
+            self.streams.after("compute", "all_reduce")
         for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next
             self.streams.note("use", f"{unit.name}:grad-shards", "compute")  # (the optimizer)
             self.streams.note("use", f"{unit.name}:reduce-out", "compute")  # (the step's checks)

@@ -302,7 +302,8 @@ class Unit:
         have = tuple(g is not None for g in grads)
         streams = self._streams()
         streams.note("alloc", f"{self.name}:full-grads", "compute")  # autograd wrote them on compute
-        streams.after("reduce", "compute")  # the gradients are ready (and the shards' old gradients)
+        ready = streams.record("compute")  # the gradients are ready (and the shards' old gradients)
+        streams.wait("reduce", ready)
         with streams.on("reduce"):
             send = torch.empty(self.world, layout.slot, dtype=layout.dtype, device=layout.device)
             # One launch whatever the number of parameters, as FSDP2's copy-in: each gradient's
@@ -323,7 +324,7 @@ class Unit:
         if not streams.holds:  # the CPU copied them already
             streams.note("free", f"{self.name}:full-grads", "compute")
             grads, copied = [], None
-        return PendingReduce(self, layout, work, (send, grads, copied), out, have)
+        return PendingReduce(self, layout, work, (send, grads, copied, ready), out, have)
 
 
 def _aligned(dtype: torch.dtype) -> int:
@@ -445,32 +446,42 @@ class PendingReduce:
     def finish(self) -> None:
         """Wait; the gradient shards are views of the reduced buffer (added where they exist).
 
-        Everything that reads the reduced buffer on the device runs on the reduce stream, as
-        FSDP2's post-reduce stream does: the division, the cast, and the addition into gradients
-        the shards already have (two backwards without ``no_sync``, ``zero_grad(set_to_none=
-        False)``, ``retain_graph``), which the reduce stream may touch because it waited for
-        compute before the reduce-scatter. Compute waits for the post-reduce event at the end of
-        backward, or at once when it reads the buffer here (debug checks)."""
+        Everything that reads the reduced buffer on the device runs on FSDP2's post-reduce
+        stream: the reduce stream, or with replicas the all-reduce stream, which waits for the
+        reduce-scatter and then runs the all-reduce (so that the next units' reduce-scatters
+        do not queue behind inter-node traffic, as in FSDP2; See [Note: Streams and buffer
+        lifetimes]). There run the division, the cast, and the addition into gradients the
+        shards already have (two backwards without ``no_sync``, ``zero_grad(set_to_none=
+        False)``, ``retain_graph``), which that stream may touch because it waited for the
+        compute event the reduce stream waited for before the reduce-scatter. Compute waits
+        for the post-reduce event at the end of backward, or at once when it reads the buffer
+        here (debug checks)."""
         unit, layout, out = self.unit, self.layout, self.out
         streams = unit._streams()
         name = f"{unit.name}:reduce-out"
+        replicate = unit.layout.replicate
+        post = "reduce" if replicate is None else "all_reduce"
+        _send, grads, copied, ready = cast(tuple, self.inputs)
         with streams.on("reduce"):
             if self.work is not None:
                 comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
-            replicate = unit.layout.replicate
+        if replicate is not None:
+            streams.wait(post, ready)
+            streams.after(post, "reduce")
+        with streams.on(post):
             if replicate is not None:  # hybrid: sum this shard over the replicas (See [Note: Hybrid sharding])
+                streams.note("use", name, post)
                 comm.wait(comm.all_reduce(out, replicate), f"all-reduce of sharded unit '{unit.name}'", replicate)
             if layout.post != 1:
                 out.div_(layout.post)
-            out = land(out, layout.params[0].sharded, lambda: streams.record("reduce"))  # offloaded: to the host
-            streams.note("use", name, "reduce")
+            out = land(out, layout.params[0].sharded, lambda: streams.record(post))  # offloaded: to the host
+            streams.note("use", name, post)
             olds, news = self._shard_grads(out)
             on_host = bool(olds) and not same_device(out.device, self.out.device)
             if olds and not on_host:
-                streams.note("use", f"{unit.name}:grad-shards", "reduce")
+                streams.note("use", f"{unit.name}:grad-shards", post)
                 torch._foreach_add_(olds, news)
-            done = streams.record("reduce")
-        _send, grads, copied = cast(tuple, self.inputs)
+            done = streams.record(post)
         if not streams.holds and unit.world > 1:
             comm.free_now(_send)  # (one rank: the send buffer is the output, which the shards' gradients view)
         if grads:
@@ -484,6 +495,8 @@ class PendingReduce:
         if checks.debug:  # the check reads the buffer's tail now, on compute
             streams.wait("compute", done)
             streams.note("use", name, "compute")
+            if post != "reduce":  # the buffer may be freed after the check: its stream waits too
+                streams.wait("reduce", done)
         tail = self.out[layout.flags : layout.flags + layout.checked]
         checks.reduced(unit, layout.params, tail, layout.exact, self.have)
 
