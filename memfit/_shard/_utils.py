@@ -93,10 +93,15 @@ def summon_full_params(model: nn.Module, writeback: bool = True) -> Iterator[Non
     with torch.no_grad():
         for u in units:
             u.wait_unshard()
+        # A chunk that is its own full parameter (See [Note: One rank computes on its shards])
+        # takes writes at once: without writeback its values come back from a copy.
+        kept = [] if writeback else [(sp, sp.sharded.detach().clone()) for u in units for sp in u.params if sp.direct]
     try:
         yield
     finally:
         with torch.no_grad():
+            for sp, values in kept:
+                sp.sharded.detach().copy_(values)
             for u in units:
                 if writeback and u.shard_state is ShardState.UNSHARDED:
                     for sp in u.params:

@@ -112,6 +112,9 @@ def test_one_rank_state_dict_materialize_and_summon(one_rank):
     with memfit.summon_full_params(model):
         model[0].weight.data.fill_(2.0)
     assert torch.equal(model[0].weight, torch.full((16, 8), 2.0))
+    with memfit.summon_full_params(model, writeback=False):
+        model[0].weight.data.fill_(3.0)
+    assert torch.equal(model[0].weight, torch.full((16, 8), 2.0))  # discarded, as at any world size
     keys = set(model.state_dict())
     assert {"0.weight", "4.bias"} <= keys
 
