@@ -299,7 +299,8 @@ def case_checkpointing_inside_units_gathers_once(rank, world):
         loss_of("lm", model, x, y).backward()
         counts[ckpt] = memfit.testing.collective_stats().all_gathers
     # Forward: root + 2 blocks; backward: the 2 blocks again (the root keeps its parameters).
-    assert counts[False] == counts[True] == 3 + 2
+    # One rank gathers nothing (See [Note: One rank computes on its shards]).
+    assert counts[False] == counts[True] == (3 + 2 if world > 1 else 0)
 
 
 def case_communication_volume(rank, world):
@@ -374,7 +375,7 @@ def case_eval_under_no_grad_frees(rank, world):
     assert out.shape[-1] == 37
     units = units_of(model)
     assert all(u.shard_state.name == "SHARDED" for u in units)
-    assert all(p.full.untyped_storage().nbytes() == 0 for u in units for p in u.params)
+    assert all(p.full.untyped_storage().nbytes() == 0 for u in units for p in u.params if not p.direct)
 
 
 def case_optimizer_built_before_sharding_is_refused(rank, world):
@@ -496,7 +497,7 @@ def case_no_sync_unit_unused_in_synced_micro_batch(rank, world):
         want = my_rows(dict(ref.named_parameters())[n].grad, rank, world)
         # two micro-batches (one unsynced) against two reference backwards: fp32 sum order
         torch.testing.assert_close(p.grad.reshape(-1), want.reshape(-1), rtol=1e-5, atol=1e-7)
-    assert all(sp.full.grad is None for u in units_of(model) for sp in u.params)
+    assert all(sp.full.grad is None for u in units_of(model) for sp in u.params if not sp.direct)
 
 
 def case_checkpointed_region_around_units(rank, world):
