@@ -4,12 +4,12 @@ ranks that diverged, and parameters no rank produced a gradient for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memfit._instrument import HOOKS
-from memfit._shard._device import host_read
+from memfit._shard._device import host_empty, host_read
 
 if TYPE_CHECKING:
     from memfit._shard._param import ShardedParam
@@ -33,6 +33,15 @@ if TYPE_CHECKING:
 # different order exchange wrong data silently. gloo likewise trusts the sizes it is given.
 # The index in every slot is what turns "silently wrong" into an error; a hang still ends with
 # the timeout error of memfit's collectives, which names the unit and the rank.
+#
+# The read itself is off the backward (FSDP2's backward never waits for the host either): at
+# the end of backward the values are packed on the device and copied to pinned host memory
+# without blocking, and the host reads them at the next root forward, when that copy has long
+# landed; a divergence then fails the next step, naming the unit and the rank as before. The
+# one exception is a parameter that got no gradient on this rank: whether another rank gave it
+# one (then its shard keeps the sum) or none did (then its .grad goes back to None, before the
+# optimizer can see a zero) is only known from the flags, so that step reads them at the end of
+# backward. Either way a step reads the device once.
 
 
 class StepChecks:
@@ -44,6 +53,10 @@ class StepChecks:
         self._gathers: list[tuple[Unit, torch.Tensor]] = []  # (unit, the W gathered indices)
         self._reduces: list[tuple[Unit, list[ShardedParam], torch.Tensor, bool]] = []  # flags + check sums
         self._fresh: dict[ShardedParam, torch.Tensor | None] = {}  # gradients this step created: None if unused
+        self._lacking: set[ShardedParam] = set()  # parameters with no gradient on this rank this step
+        # A read started at the end of a backward: (gathers, reduces, host values or the meta
+        # tensor, the copy's event or None); read at the next settle.
+        self._started: tuple[list, list, torch.Tensor, Any] | None = None
 
     def gathered(self, unit: Unit, ids: torch.Tensor) -> None:
         """Check later that every rank sent ``unit``'s index (``ids``: one value per rank)."""
@@ -51,10 +64,14 @@ class StepChecks:
         if self.debug:
             self.settle()
 
-    def reduced(self, unit: Unit, params: list[ShardedParam], tail: torch.Tensor, exact: bool) -> None:
+    def reduced(
+        self, unit: Unit, params: list[ShardedParam], tail: torch.Tensor, exact: bool, have: tuple[bool, ...] = ()
+    ) -> None:
         """``tail``: the reduced has-gradient flags of ``params``, then the two check sums (after
-        the division by W: i and i*i), checked when ``exact``."""
+        the division by W: i and i*i), checked when ``exact``; ``have``: which of ``params``
+        had a gradient on this rank."""
         self._reduces.append((unit, params, tail, exact))
+        self._lacking.update(sp for sp, h in zip(params, have) if not h)
         if self.debug:
             self.settle()
 
@@ -63,11 +80,55 @@ class StepChecks:
         self._fresh[sp] = sp.sharded.grad
 
     def settle(self) -> None:
-        """Read everything recorded in one transfer; raise on divergence; drop unused gradients."""
+        """Read everything recorded (and a read started earlier) now, in one transfer; raise on
+        divergence; drop unused gradients."""
+        self._finish_started()
         if not self._gathers and not self._reduces:
             return
         parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
-        values = _read(parts)
+        values = _read(_packed(parts), parts)
+        self._check(values)
+
+    def settle_later(self) -> None:
+        """The end of backward: start reading what was recorded, without waiting; the next
+        :meth:`settle` finishes the read. At once (:meth:`settle`) when debugging, or when a
+        gradient this step created may belong to no rank (See [Note: Divergence detection])."""
+        self._finish_started()
+        if not self._gathers and not self._reduces:
+            return
+        if self.debug or any(sp in self._lacking for sp in self._fresh):
+            return self.settle()
+        parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
+        flat = _packed(parts)
+        if flat.device.type in ("cpu", "meta"):  # nothing crosses (the meta test device: nothing to read)
+            host, event = flat, None
+        else:  # pragma: no cover (needs a GPU)
+            host = host_empty(flat.shape, flat.dtype)
+            host.copy_(flat, non_blocking=True)
+            event = torch.Event(device=flat.device)
+            event.record()
+        self._started = (self._gathers, self._reduces, host, event)
+        self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()
+
+    def _finish_started(self) -> None:
+        """Read the values a :meth:`settle_later` started copying (the host waits for that copy,
+        queued a step ago) and check them."""
+        if self._started is None:
+            return
+        gathers, reduces, host, event = self._started
+        self._started = None
+        if event is not None:  # pragma: no cover (needs a GPU)
+            event.synchronize()
+        mine = (self._gathers, self._reduces, self._fresh, self._lacking)
+        self._gathers, self._reduces, self._fresh, self._lacking = gathers, reduces, {}, set()
+        parts = [ids.reshape(-1) for _, ids in gathers] + [tail for *_, tail, _ in reduces]
+        try:
+            self._check(_read(host, parts))
+        finally:
+            self._gathers, self._reduces, self._fresh, self._lacking = mine
+
+    def _check(self, values: list[float] | None) -> None:
+        """Check ``values`` (the recorded parts' values, None on the meta test device) and clear."""
         if values is None:  # the meta test device holds no values (See [Note: Devices and the meta test device])
             self._clear()
             return
@@ -100,20 +161,31 @@ class StepChecks:
         self._clear()
 
     def _clear(self) -> None:
-        self._gathers, self._reduces, self._fresh = [], [], {}
+        self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()
 
 
-def _read(parts: list[torch.Tensor]) -> list[float] | None:
-    """The values of ``parts``, concatenated, in one transfer (the step's one host sync); a
-    few ops whatever the number of parts: one concatenation and one cast per dtype."""
+def _groups(parts: list[torch.Tensor]) -> list[list[int]]:
+    """The indices of ``parts``, grouped by dtype."""
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(parts):
         by_dtype.setdefault(t.dtype, []).append(i)
-    groups = list(by_dtype.values())
-    flat = [torch.cat([parts[i] for i in g]).to(torch.float64) for g in groups]
-    values = host_read(torch.cat(flat) if len(flat) > 1 else flat[0])
+    return list(by_dtype.values())
+
+
+def _packed(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` in one fp64 tensor, by dtype: a few ops whatever the number of parts (one
+    concatenation and one cast per dtype)."""
+    flat = [torch.cat([parts[i] for i in g]).to(torch.float64) for g in _groups(parts)]
+    return torch.cat(flat) if len(flat) > 1 else flat[0]
+
+
+def _read(packed: torch.Tensor, parts: list[torch.Tensor]) -> list[float] | None:
+    """The values of ``parts`` from ``packed`` (:func:`_packed`), in ``parts``' order, in one
+    transfer (the step's one host read)."""
+    values = host_read(packed)
     if values is None:
         return None
+    groups = _groups(parts)
     out: list[list[float]] = [[] for _ in parts]
     pos = 0
     for g in groups:

@@ -43,26 +43,37 @@ def _all_to_all_bytes(args) -> float:
 
 class HostSyncCounter:
     """Counts ``Tensor.item``, ``Tensor.tolist``, ``Tensor.__bool__`` and
-    ``aten._local_scalar_dense`` calls while active (a context manager).
+    ``aten._local_scalar_dense`` calls while active (a context manager), and the copies from
+    the host to an accelerator that block the host: ``torch.tensor(data, device=...)``
+    (pageable, as are all its copies) and ``copy_`` / ``to`` from a host tensor without
+    ``non_blocking=True``.
 
     A call that goes through another (``if t > 0`` runs ``__bool__``, which runs
-    ``_local_scalar_dense``) counts once: the outermost call. ``.calls`` holds the names.
+    ``_local_scalar_dense``) counts once: the outermost call. ``.calls`` holds the names;
+    ``.in_backward`` those made while autograd ran a backward (its hooks and callbacks).
     """
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.in_backward: list[str] = []
         self._depth = 0
         self._saved: dict[str, Callable] = {}
+        self._tensor: Callable | None = None
         self._mode: _ScalarMode | None = None
 
     @property
     def count(self) -> int:
         return len(self.calls)
 
+    def _add(self, name: str) -> None:
+        self.calls.append(name)
+        if torch._C._current_graph_task_id() != -1:
+            self.in_backward.append(name)
+
     def _wrap(self, name: str, fn: Callable) -> Callable:
         def counted(*args, **kwargs):
             if self._depth == 0:
-                self.calls.append(name)
+                self._add(name)
             self._depth += 1
             try:
                 return fn(*args, **kwargs)
@@ -71,17 +82,29 @@ class HostSyncCounter:
 
         return counted
 
+    def _wrap_tensor(self, fn: Callable) -> Callable:
+        def tensor(data, *args, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and torch.device(device).type != "cpu" and self._depth == 0:
+                self._add("tensor(device=...)")
+            return fn(data, *args, **kwargs)
+
+        return tensor
+
     def __enter__(self) -> HostSyncCounter:
         for name in _SYNC_METHODS:
             self._saved[name] = getattr(torch.Tensor, name)
             setattr(torch.Tensor, name, self._wrap(name, self._saved[name]))
+        self._tensor = torch.tensor
+        torch.tensor = self._wrap_tensor(torch.tensor)  # invisible to dispatch modes
         self._mode = _ScalarMode(self)
         self._mode.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        assert self._mode is not None  # entered
+        assert self._mode is not None and self._tensor is not None  # entered
         self._mode.__exit__(*exc)
+        torch.tensor = self._tensor
         for name, fn in self._saved.items():
             setattr(torch.Tensor, name, fn)
 
@@ -94,22 +117,60 @@ class _ScalarMode(TorchDispatchMode):
         self.counter = counter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default and self.counter._depth == 0:
-            self.counter.calls.append("_local_scalar_dense")
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if self.counter._depth == 0:
+            if func is torch.ops.aten._local_scalar_dense.default:
+                self.counter._add("_local_scalar_dense")
+            elif _blocking_upload(func, args, kwargs):
+                self.counter._add(f"{func.overloadpacket.__name__}(host->device, blocking)")
+        return func(*args, **kwargs)
+
+
+def _blocking_upload(func, args, kwargs) -> bool:
+    """Whether ``func`` copies a host tensor to an accelerator and makes the host wait for it."""
+    if func is torch.ops.aten.copy_.default:
+        dst, src = args[0], args[1]
+        to = dst.device
+        non_blocking = args[2] if len(args) > 2 else kwargs.get("non_blocking", False)
+    elif func is torch.ops.aten._to_copy.default:
+        src, to = args[0], kwargs.get("device")
+        non_blocking = kwargs.get("non_blocking", False)
+    else:
+        return False
+    return to is not None and src.device.type == "cpu" and torch.device(to).type != "cpu" and not non_blocking
 
 
 # Ops that launch no kernel: allocations, and the profiler's record_function markers.
 _NOT_KERNELS = ("empty", "_record_function")
 
 
+def _foreach_launches(args) -> int:
+    """Kernels a ``_foreach_*`` op launches on CUDA: one (multi_tensor_apply) on its fast path,
+    where every tensor list holds one dtype on one device and the lists' tensors pair up with
+    equal sizes and strides, all dense (``can_use_fast_route`` in ATen's ForeachUtils.h; a copy
+    may cast between its two lists, as FSDP2's mixed-precision copy-in does); else one per
+    tensor (the slow path loops over them)."""
+    lists = [a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.Tensor)]
+    if not lists:
+        return 1
+    first = lists[0]
+    for ts in lists:
+        if len({(t.dtype, t.device) for t in ts}) != 1 or not all(t.is_contiguous() for t in ts):
+            return len(first)
+        if any(t.shape != u.shape or t.stride() != u.stride() for t, u in zip(ts, first)):
+            return len(first)
+    return 1
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the aten ops that reach the dispatcher while active, by name.
 
     ``launches`` counts the ops that launch kernels on an accelerator: it leaves out views
-    (metadata only), allocations and profiler markers, and counts a custom op (FSDP2's
+    (metadata only), allocations and profiler markers, counts a custom op (FSDP2's
     ``fsdp::all_gather_copy_in``) as one, not the aten ops it runs inside (which the mode may
-    or may not see, depending on how it is registered); ``total`` counts all that it sees.
+    or may not see, depending on how it is registered), and a ``_foreach_*`` op as CUDA runs
+    it: one launch on its fast path, one per tensor off it (see :func:`_foreach_launches`);
+    ``total`` counts all that it sees.
     """
 
     def __init__(self) -> None:
@@ -130,7 +191,7 @@ class OpCounter(TorchDispatchMode):
         elif name == "alltoall_base_":
             self.wire_bytes += _all_to_all_bytes(args)
         if not func.is_view and not name.startswith(_NOT_KERNELS) and not self._inside_custom:
-            self.kernels[name] += 1
+            self.kernels[name] += _foreach_launches(args) if name.startswith("_foreach_") else 1
         if func.namespace in ("aten", "c10d", "prims"):
             return func(*args, **(kwargs or {}))
         self._inside_custom += 1

@@ -188,7 +188,7 @@ def copy_in(send: torch.Tensor, views_of, srcs: list[torch.Tensor]) -> None:
     views = views_of(send)
     host = [i for i, s in enumerate(srcs) if s.device.type == "cpu"]
     if send.device.type == "cpu" or not host:
-        torch._foreach_copy_(views, srcs)
+        _foreach_copy_by_dtype(views, srcs)
         return
     staging = host_empty(send.shape, send.dtype)
     staged = views_of(staging)
@@ -197,6 +197,17 @@ def copy_in(send: torch.Tensor, views_of, srcs: list[torch.Tensor]) -> None:
     rest = [i for i in range(len(srcs)) if srcs[i].device.type != "cpu"]
     if rest:
         torch._foreach_copy_([views[i] for i in rest], [srcs[i] for i in rest])
+
+
+def _foreach_copy_by_dtype(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])``, one ``_foreach_copy_`` per (destination, source) dtype pair:
+    CUDA's fast path (one launch) needs one dtype per list, so a byte wire that carries bf16
+    chunks beside fp32 norm chunks copies in two launches, not one per parameter."""
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, (d, s) in enumerate(zip(dsts, srcs)):
+        groups.setdefault((d.dtype, s.dtype), []).append(i)
+    for idx in groups.values():
+        torch._foreach_copy_([dsts[i] for i in idx], [srcs[i] for i in idx])
 
 
 def land(out: torch.Tensor, like: torch.Tensor, record) -> torch.Tensor:

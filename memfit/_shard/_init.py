@@ -364,7 +364,7 @@ def _init_root(unit: Unit) -> None:
             sp.fqn = f"{paths[id(module)]}.{name}".lstrip(".")
             # A gradient reaching any sharded parameter guarantees the end-of-backward callback,
             # even when no unit output could be hooked.
-            if sp.requires_grad:
+            if sp.requires_grad and sp.full.requires_grad:  # (a chunk that is its own full parameter may be frozen)
                 sp.full.register_post_accumulate_grad_hook(finish_hook)
 
 

@@ -12,6 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from memfit._shard._device import compute_device
+
 # [Note: Hybrid sharding]
 # A 2-D mesh of R x S ranks (replicate x shard; torch's init_device_mesh(..., (R, S))): each
 # row is a shard group of S ranks that splits the parameters (and so their gradients and the
@@ -159,14 +161,16 @@ def hybrid_from_groups(shard, replicate, where: str) -> Layout:
     if len({len(r) for r in rows}) != 1:
         raise ValueError(f"{where}: the shard groups of the replicas differ in size: {rows}")
     table = torch.tensor(rows, dtype=torch.int)
-    device = "cuda" if dist.get_backend(shard) == "nccl" else "cpu"
+    device = compute_device(shard).type  # NCCL: cuda, also beside gloo ("cpu:gloo,cuda:nccl")
     mesh = DeviceMesh.from_group([replicate, shard], device, mesh=table, mesh_dim_names=("replicate", "shard"))
     return layout_of(None, mesh, where)
 
 
-def hybrid_mesh(shard_size: int, where: str, device_type: str = "cpu") -> DeviceMesh:
+def hybrid_mesh(shard_size: int, where: str, device_type: str | None = None) -> DeviceMesh:
     """The (world / shard_size) x shard_size mesh over all ranks, consecutive ranks sharing a
-    shard group (torchrun numbers a node's ranks consecutively)."""
+    shard group (torchrun numbers a node's ranks consecutively), on ``device_type`` (default:
+    the device the default group's backend communicates on: CUDA under NCCL, so that the
+    mesh's DTensors and checkpoints name the device the shards are on)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     world = dist.get_world_size()
@@ -175,4 +179,5 @@ def hybrid_mesh(shard_size: int, where: str, device_type: str = "cpu") -> Device
             f"{where}: {world} ranks do not split into shard groups of {shard_size}; pick a shard size that "
             "divides the world size (usually the GPUs per node)"
         )
+    device_type = device_type or compute_device(cast(dist.ProcessGroup, dist.group.WORLD)).type
     return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))

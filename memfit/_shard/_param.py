@@ -88,7 +88,22 @@ class ShardedParam:
         self.full.untyped_storage().resize_(0)
         # no_sync with a wider reduce dtype: the micro-batches' full gradients summed in it
         self.accumulated_grad: torch.Tensor | None = None
+        self.direct = False  # the full tensor is the chunk itself (See [Note: One rank computes on its shards])
         self.register(self.sharded)
+
+    def can_compute_on_shard(self) -> bool:
+        """Whether the chunk can stand for the full tensor: one rank holds all of it, in the
+        compute dtype, on the compute device, in the parameter's shape."""
+        full, chunk = self.full, self.sharded
+        same_place = full.dtype == chunk.dtype and full.device == chunk.device
+        return self.world == 1 and same_place and full.shape == chunk.shape
+
+    def compute_on_shard(self) -> None:
+        """Make the chunk the full tensor: no gather, no copy, no storage to free
+        (See [Note: One rank computes on its shards])."""
+        self.direct = True
+        self.full = self.sharded
+        self._padded = self.sharded.data.view(-1)
 
     def _padded_full(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new full tensor: the first rows of W padded slots of rows (see [Note: Sharded
@@ -98,6 +113,7 @@ class ShardedParam:
 
     def move_full(self, device: torch.device) -> None:
         """Put the (freed) full tensor on ``device``: where the unit computes when offloaded."""
+        assert not self.direct, "an offloaded chunk cannot be its own full tensor"
         self.full.data = self._padded_full(self.full.dtype, device)
         self.full.untyped_storage().resize_(0)
 
@@ -117,6 +133,8 @@ class ShardedParam:
 
     def alloc_full(self) -> torch.Tensor:
         """Refill the full tensor's storage; returns it viewed as (rows, row_numel)."""
+        if self.direct:
+            return self.full.data.view(self.rows, self.row_numel)
         st = self.full.untyped_storage()
         nbytes = self._padded.numel() * self._padded.element_size()
         if st.nbytes() != nbytes:
@@ -126,6 +144,8 @@ class ShardedParam:
         return self.full.data.view(self.rows, self.row_numel)
 
     def free_full(self) -> None:
+        if self.direct:  # the chunk: nothing to free
+            return
         try:
             self.full.untyped_storage().resize_(0)
         except RuntimeError:  # exported (e.g. .numpy() inside summon_full_params): leave it to them

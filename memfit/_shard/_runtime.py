@@ -34,8 +34,8 @@ from memfit._shard._unit import GradSync, PendingReduce, ShardState, TrainingSta
 # the next unit computes (one reduce-scatter in flight at a time). A unit whose inputs need no
 # gradient (the embeddings) is reduced by the callback queued at the root's pre-backward,
 # which runs when the whole backward ends, finishes the last reduce-scatter, resets every
-# unit for the next step and reads the step's checks in one transfer, the step's only host
-# sync (see [Note: Divergence detection]).
+# unit for the next step and starts copying the step's checks to the host without waiting;
+# the next root forward reads them, the step's only host sync (see [Note: Divergence detection]).
 # Without grad (evaluation) units gather before and free right after their forward.
 
 
@@ -105,7 +105,7 @@ class RootState:
             _IN_FLIGHT.discard(self)  # a forward without backward before this one
             if grad:
                 _IN_FLIGHT.add(self)
-            self.checks.settle()  # what a forward without backward left (nothing in a training loop)
+            self.checks.settle()  # the last backward's checks: the step's one host read
         if unit is self.root and not self.order_done and self.forward_order:
             self.order_done = True  # the first step's order is known once the root runs again
         if not self.order_done and unit not in self.forward_order:
@@ -212,6 +212,8 @@ class RootState:
                 unit.reshard()  # and prefetched gathers nothing used
         self.finish_pending_reduce()
         self.streams.after("compute", "reduce")  # the gradient shards are written
+        if any(u.layout.replicate is not None for u in self.units):  # (with replicas, on the all-reduce stream)
+            self.streams.after("compute", "all_reduce")
         for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next
             self.streams.note("use", f"{unit.name}:grad-shards", "compute")  # (the optimizer)
             self.streams.note("use", f"{unit.name}:reduce-out", "compute")  # (the step's checks)
@@ -223,7 +225,7 @@ class RootState:
         self.callback_queued = False
         _IN_FLIGHT.discard(self)
         wait_host_copies()  # offloaded gradients are in host memory before the optimizer reads them
-        self.checks.settle()  # the step's one host sync
+        self.checks.settle_later()  # read at the next root forward (See [Note: Divergence detection])
 
 
 class _PostBackward(torch.autograd.Function):

@@ -16,7 +16,7 @@ import torch
 from memfit._instrument import HOOKS
 
 # [Note: Streams and buffer lifetimes]
-# Three streams, as in FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py):
+# Three streams (four with replicas), as in FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py):
 # - "compute": the current stream; forward, backward, the copy-out of gathered parameters.
 # - "gather": the copy-in of a unit's shards into its send buffer and the all-gather. It waits
 #   for compute first (the optimizer step wrote the shards), so a prefetch overlaps the
@@ -27,6 +27,12 @@ from memfit._instrument import HOOKS
 #   for compute first (the gradients are ready, the old gradient shards written); compute waits
 #   for its post-reduce event at the end of backward, so reduce-scatters overlap the next units'
 #   backward, and at once only where it reads the reduce output itself (debug checks).
+# - "all_reduce" (hybrid sharding only): the all-reduce of a reduced shard across the replicas
+#   and, after it, the division and the addition into gradient shards (FSDP2's all-reduce
+#   stream, its post-reduce stream under HSDP). It waits for the reduce-scatter's event and
+#   for the compute event the reduce stream waited for; the reduce stream never waits for it
+#   within a backward, so later units' reduce-scatters do not queue behind the inter-node
+#   all-reduce. Compute waits for it at the end of backward.
 # Traced buffers (memfit.testing.trace_streams): each unit's gather output, full gradients,
 # reduce output and gradient shards; host offload traces its copies the same way.
 # A buffer allocated on one stream and used on another must not be freed (the caching
@@ -39,7 +45,7 @@ from memfit._instrument import HOOKS
 
 
 class Streams:
-    """The compute, gather and reduce streams of one root (CUDA), or no-ops (CPU)."""
+    """The compute, gather, reduce and all-reduce streams of one root (CUDA), or no-ops (CPU)."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
@@ -50,6 +56,7 @@ class Streams:
                 "compute": compute,
                 "gather": torch.cuda.Stream(device, priority=high),
                 "reduce": torch.cuda.Stream(device, priority=high),
+                "all_reduce": torch.cuda.Stream(device, priority=high),
             }
 
     @contextlib.contextmanager

@@ -17,7 +17,7 @@ from torch import nn
 
 from memfit._shard import _collectives as comm
 from memfit._shard._checks import StepChecks
-from memfit._shard._device import copy_in, land, same_device, wait_host_copies
+from memfit._shard._device import copy_in, land, pinning, same_device, to_device, wait_host_copies
 from memfit._shard._layout import Layout, post_forward_group
 from memfit._shard._mixed import gradient_divide_factors
 from memfit._shard._param import ShardedParam
@@ -64,6 +64,18 @@ class GradSync(Enum):
         return {GradSync.ACCUMULATED: GradSync.HELD, GradSync.NO_SYNC: GradSync.SYNC}.get(self, self)
 
 
+# [Note: One rank computes on its shards]
+# Sharded over one rank with no replicas (W = 1, as FSDP2 allows), a parameter's chunk is the
+# whole parameter: where it is also in the compute dtype and on the compute device (no mixed
+# precision cast, no offload), the chunk itself is the full tensor. The modules keep it
+# registered, autograd accumulates its gradient into its .grad, and the unit issues no
+# collective and no copy for it: gather, free and reduce are no-ops, so a step costs exactly
+# what plain torch costs (the planner's s = 1 terms, [Note: Sharded forecasts], assume this).
+# Parameters that need a cast or live on the host still go through the unit's buffers, and at
+# one rank (a shard group of one, also under HSDP) the all-gather's output is its input and the
+# reduce-scatter's output is its input: neither collective is called.
+
+
 class Unit:
     """The parameters one ``shard()`` call manages, and what moves them."""
 
@@ -89,11 +101,17 @@ class Unit:
         self.group = layout.shard  # the parameters are sharded over it
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
+        if layout.data_parallel == 1:  # See [Note: One rank computes on its shards]
+            for sp in params:
+                if not sp.direct and sp.can_compute_on_shard():
+                    sp.compute_on_shard()
         self.reshard_after_forward = bool(reshard_after_forward)  # after forward, free (or keep 1/k)
         self.post_forward_group = None  # partial reshard: the k ranks backward gathers over
         if not isinstance(reshard_after_forward, bool):
             self.post_forward_group = post_forward_group(layout, reshard_after_forward, "memfit.shard")
             self.reshard_after_forward = reshard_after_forward != 1
+        if self.world == 1:  # nothing to keep a piece of
+            self.post_forward_group = None
         self._piece: torch.Tensor | None = None  # partial reshard: this rank's rows of the gathered buffer
         self.name = type(module).__name__  # replaced by its path once the root knows it
         self.index = 0  # position in the root's list of units; checked in every all-gather
@@ -105,7 +123,7 @@ class Unit:
         # post-backward must wait for the last of them.
         self.pending_backward = 0
         self._gathered_versions: list[int] = []  # the shards' versions the gather started from
-        self._gather: tuple[dist.Work, torch.Tensor, torch.Tensor] | None = None  # (work, output, send buffer)
+        self._gather: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None  # (work, output, send buffer)
         self._gather_plan: GatherLayout | None = None  # built at the first gather
         self._reduce_plans: dict[tuple[int, ...], ReduceLayout] = {}  # per set of trainable parameters
         device = params[0].full.device if params else torch.device("cpu")
@@ -128,13 +146,21 @@ class Unit:
 
     def _gather_layout(self) -> GatherLayout:
         if self._gather_plan is None or self._gather_plan.index != self.index:
-            self._gather_plan = GatherLayout(self.params, self.index, self.params[0].full.device)
+            self._gather_plan = GatherLayout(self._copied(), self.index, self.params[0].full.device)
         return self._gather_plan
+
+    def _copied(self) -> list[ShardedParam]:
+        """The parameters that go through the unit's buffers (not the chunks that are their own
+        full tensors, See [Note: One rank computes on its shards])."""
+        return [p for p in self.params if not p.direct]
 
     def unshard(self) -> None:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
         # See [Note: Sharded parameter layout], [Note: Mixed precision] and [Note: Streams and buffer lifetimes]
         if self.shard_state not in (ShardState.SHARDED, ShardState.PARTIAL) or not self.params:
+            return
+        if not self._copied():  # See [Note: One rank computes on its shards]
+            self.shard_state = ShardState.UNSHARDED
             return
         layout, streams = self._gather_layout(), self._streams()
         streams.after("gather", "compute")  # the shards are written (optimizer step), or the piece kept
@@ -147,7 +173,7 @@ class Unit:
             else:  # in place, as FSDP2: this rank's slot of the output is the input
                 send, group = out.view(self.world, -1)[self.rank], self.group
                 copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
-            work = comm.all_gather(out, send, group)
+            work = comm.all_gather(out, send, group) if self.world > 1 else None  # one rank: out is send
         self._gather = (work, out, send)
         self._gathered_versions = [p.sharded._version for p in self.params]
         self.shard_state = ShardState.GATHERING
@@ -165,7 +191,8 @@ class Unit:
         self._gather = None
         streams = self._streams()
         with streams.on("gather"):
-            comm.wait(work, f"all-gather of sharded unit '{self.name}'", self.group)
+            if work is not None:
+                comm.wait(work, f"all-gather of sharded unit '{self.name}'", self.group)
             done = streams.record("gather")
         if [p.sharded._version for p in self.params] != self._gathered_versions:
             # The shards changed (an optimizer step) since a prefetch started: gather again.
@@ -176,7 +203,7 @@ class Unit:
         layout = self._gather_layout()
         streams.wait("compute", done)
         ids = torch.empty(self.world, layout.tail.numel(), dtype=layout.wire, device=layout.device)
-        for p in self.params:
+        for p in layout.order:
             p.full.requires_grad_(p.sharded.requires_grad)  # follows freezing after sharding
             p.alloc_full()
         outs = [
@@ -292,37 +319,45 @@ class Unit:
         backward with the step's other checks: a parameter that no rank used keeps
         ``grad = None``, as in single-process training.
         """
-        trainable = [p for p in self.params if p.sharded.requires_grad]
-        if not trainable:
+        trainable = [p for p in self._copied() if p.sharded.requires_grad]
+        if not trainable:  # See [Note: One rank computes on its shards]: the chunks have their gradients
             return None
         key = tuple(id(p) for p in trainable)
         layout = self._reduce_plans.get(key)
         if layout is None:
             layout = self._reduce_plans[key] = ReduceLayout(self, trainable)
-        grads = [_with_accumulated(p) for p in trainable]
+        grads = [_with_accumulated(p) for p in layout.params]
         have = tuple(g is not None for g in grads)
         streams = self._streams()
         streams.note("alloc", f"{self.name}:full-grads", "compute")  # autograd wrote them on compute
-        streams.after("reduce", "compute")  # the gradients are ready (and the shards' old gradients)
+        ready = streams.record("compute")  # the gradients are ready (and the shards' old gradients)
+        streams.wait("reduce", ready)
         with streams.on("reduce"):
             send = torch.empty(self.world, layout.slot, dtype=layout.dtype, device=layout.device)
-            if not all(have):
-                send.zero_()  # a parameter without a gradient here adds zeros to the others' sum
-            dsts, srcs = layout.copy_lists(send, grads)
-            torch._foreach_copy_([*dsts, send[:, layout.flags :]], [*srcs, layout.tail(have)])
+            # One launch whatever the number of parameters, as FSDP2's copy-in: each gradient's
+            # rows, chunked over the ranks' slots (zero-padded), cast to the reduce dtype.
+            layout.copy_in(send, grads, have)
             if layout.pre != 1:  # 16-bit sums: divide before and after (See gradient_divide_factors)
                 send.div_(layout.pre)
             streams.note("use", f"{self.name}:full-grads", "reduce")
             copied = streams.record("reduce")
-            out = torch.empty(layout.slot, dtype=layout.dtype, device=layout.device)
+            if self.world > 1:
+                out = torch.empty(layout.slot, dtype=layout.dtype, device=layout.device)
+                work = comm.reduce_scatter(out, send.view(-1), self.group)
+            else:  # one rank: the sum is the input (See [Note: One rank computes on its shards])
+                out, work = send.view(-1), None
             streams.note("alloc", f"{self.name}:reduce-out", "reduce")
-            work = comm.reduce_scatter(out, send.view(-1), self.group)
         for p in trainable:
             p.full.grad = None
         if not streams.holds:  # the CPU copied them already
             streams.note("free", f"{self.name}:full-grads", "compute")
             grads, copied = [], None
-        return PendingReduce(self, layout, work, (send, grads, copied), out)
+        return PendingReduce(self, layout, work, (send, grads, copied, ready), out, have)
+
+
+def _aligned(dtype: torch.dtype) -> int:
+    """Elements of ``dtype`` in 16 bytes: collective slots are multiples of it."""
+    return max(1, 16 // dtype.itemsize)
 
 
 def _with_accumulated(p: ShardedParam) -> torch.Tensor | None:
@@ -339,8 +374,9 @@ class GatherLayout:
 
     The wire dtype is the full parameters' dtype when they share one; else (mixed precision
     with fp32 norm layers) bytes: each chunk travels in its own compute dtype, laid out by
-    decreasing element size so every chunk is aligned, and the slot is padded to 8 bytes.
-    The slot ends with the unit index (see [Note: Divergence detection]).
+    decreasing element size so every chunk is aligned. The slot ends with the unit index (see
+    [Note: Divergence detection]), then padding to a multiple of 16 bytes, so that every
+    rank's slot starts 16-byte aligned (as NCCL's and the copy kernels' vectorised paths want).
     """
 
     def __init__(self, params: list[ShardedParam], index: int, device: torch.device) -> None:
@@ -355,7 +391,7 @@ class GatherLayout:
         self.sizes = [p.slot_numel * k for p, k in zip(self.order, scale)]  # wire elements per slot
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         body = sum(self.sizes)
-        tail = 1 if self.wire is not torch.uint8 else ((-(body + 1)) % 8) + 1
+        tail = ((-(body + 1)) % _aligned(self.wire)) + 1  # the index, then padding to 16 bytes
         self.tail = torch.zeros(tail, dtype=self.wire, device=device)
         self.tail[0] = index % 256  # exact in every float dtype down to bf16, and in a byte
         self.sizes.append(tail)
@@ -378,6 +414,9 @@ class ReduceLayout:
     """Where each trainable parameter's gradient rows sit in the reduce-scatter slots."""
 
     def __init__(self, unit: Unit, trainable: list[ShardedParam]) -> None:
+        # by dtype (fp32 norms beside bf16 layers): each dtype's gradients are adjacent in a slot
+        rank = {dt: i for i, dt in enumerate(dict.fromkeys(p.full.dtype for p in trainable))}
+        trainable = sorted(trainable, key=lambda p: rank[p.full.dtype])
         self.unit, self.params = unit, trainable
         self.device = trainable[0].full.device
         # The gradients' own dtype, or fp32 where a unit mixes dtypes (fp32 norms with bf16
@@ -386,7 +425,9 @@ class ReduceLayout:
         self.dtype = unit.reduce_dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)
         self.offsets = [sum(p.slot_numel for p in trainable[:i]) for i in range(len(trainable))]
         self.flags = sum(p.slot_numel for p in trainable)
-        self.slot = self.flags + len(trainable) + 2
+        self.checked = len(trainable) + 2  # the flags and the two check sums after the gradients
+        # then padding to 16 bytes: every rank's slot starts aligned
+        self.slot = self.flags + self.checked + (-(self.flags + self.checked)) % _aligned(self.dtype)
         self._tails: dict[tuple[bool, ...], torch.Tensor] = {}
         # by the data-parallel ranks (replicas x shards), before and after the sum, or by FSDP2's
         # set_gradient_divide_factor; the check values are scaled to come out of it as i and i*i
@@ -396,70 +437,94 @@ class ReduceLayout:
         # sums of squares round in 16-bit floats, and a scale other than a power of two rounds
         self.exact = self.dtype in (torch.float32, torch.float64) and math.frexp(self.check_scale)[0] == 0.5
 
+    def copy_in(self, send: torch.Tensor, grads: list, have: tuple[bool, ...]) -> None:
+        """Fill the (W, slot) buffer ``send``: each gradient's rows, chunked over the ranks'
+        slots and zero-padded (zeros for a parameter without a gradient here: they add nothing
+        to the others' sum), cast to the reduce dtype, then the tail. As FSDP2's copy-in, one
+        ``torch._chunk_cat`` (one launch) where the gradients are in the reduce dtype; else one
+        per gradient dtype into a buffer of its own, copied into its columns, and the tail's
+        copy: a few launches, whatever the number of parameters."""
+        zeros = lambda p: torch.zeros(p.rows, p.row_numel, dtype=p.full.dtype, device=self.device)  # noqa: E731
+        rows = [(zeros(p) if g is None else g).reshape(p.rows, p.row_numel) for p, g in zip(self.params, grads)]
+        world = self.unit.world
+        if all(g.dtype == self.dtype for g in rows):
+            torch._chunk_cat([*rows, self.tail(have)], 0, world, out=send)
+            return
+        start = 0
+        for dtype in dict.fromkeys(g.dtype for g in rows):
+            group = [(g, p) for g, p in zip(rows, self.params) if g.dtype == dtype]
+            width = sum(p.slot_numel for _, p in group)
+            part = torch.empty(world, width, dtype=self.dtype, device=self.device)
+            torch._chunk_cat([g for g, _ in group], 0, world, out=part)
+            send[:, start : start + width].copy_(part)
+            start += width
+        send[:, self.flags :].copy_(self.tail(have))
+
     def tail(self, have: tuple[bool, ...]) -> torch.Tensor:
-        """The flags and check values every rank's slot ends with, for this pattern of gradients."""
+        """The flags and check values every rank's slot ends with, for this pattern of
+        gradients: one row per rank (so that ``torch._chunk_cat`` gives each slot one)."""
         if have not in self._tails:
             i = self.unit.index % 64
             values = [float(h) for h in have] + [i * self.check_scale, i * i * self.check_scale]
-            self._tails[have] = torch.tensor(values, dtype=self.dtype, device=self.device)
+            values += [0.0] * (self.slot - self.flags - len(values))  # the padding
+            host = torch.tensor([values] * self.unit.world, dtype=self.dtype, pin_memory=pinning())
+            if self.device.type == "cpu":
+                self._tails[have] = host
+            else:  # from pinned memory, without blocking the host (queued on the reduce stream)
+                self._tails[have] = torch.empty_like(host, device=self.device)
+                to_device(host, self._tails[have])
         return self._tails[have]
-
-    def copy_lists(self, send: torch.Tensor, grads: list) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(destinations in ``send``, sources) that put each gradient's rows into the slots:
-        the full chunks as one (ranks, c, row) block, the last partial chunk as a second."""
-        dsts, srcs = [], []
-        for p, off, g in zip(self.params, self.offsets, grads):
-            if g is None or p.chunk_rows == 0:
-                continue
-            c = p.chunk_rows
-            block = send[:, off : off + p.slot_numel].unflatten(1, (c, p.row_numel))
-            rows = g.reshape(p.rows, p.row_numel)
-            q, r = divmod(p.rows, c)
-            if q:
-                dsts.append(block[:q])
-                srcs.append(rows[: q * c].view(q, c, p.row_numel))
-            if r:
-                dsts.append(block[q, :r])
-                srcs.append(rows[q * c :])
-        return dsts, srcs
 
 
 class PendingReduce:
     """A reduce-scatter in flight; `finish` waits and writes the gradient shards."""
 
-    def __init__(self, unit: Unit, layout: ReduceLayout, work, inputs: tuple, out: torch.Tensor):
+    def __init__(self, unit: Unit, layout: ReduceLayout, work, inputs: tuple, out: torch.Tensor, have: tuple):
         self.unit, self.layout, self.work, self.out = unit, layout, work, out
+        self.have = have  # which parameters had a gradient on this rank
         self.inputs: tuple | None = inputs  # dropped once finished
 
     def finish(self) -> None:
         """Wait; the gradient shards are views of the reduced buffer (added where they exist).
 
-        Everything that reads the reduced buffer on the device runs on the reduce stream, as
-        FSDP2's post-reduce stream does: the division, the cast, and the addition into gradients
-        the shards already have (two backwards without ``no_sync``, ``zero_grad(set_to_none=
-        False)``, ``retain_graph``), which the reduce stream may touch because it waited for
-        compute before the reduce-scatter. Compute waits for the post-reduce event at the end of
-        backward, or at once when it reads the buffer here (debug checks)."""
+        Everything that reads the reduced buffer on the device runs on FSDP2's post-reduce
+        stream: the reduce stream, or with replicas the all-reduce stream, which waits for the
+        reduce-scatter and then runs the all-reduce (so that the next units' reduce-scatters
+        do not queue behind inter-node traffic, as in FSDP2; See [Note: Streams and buffer
+        lifetimes]). There run the division, the cast, and the addition into gradients the
+        shards already have (two backwards without ``no_sync``, ``zero_grad(set_to_none=
+        False)``, ``retain_graph``), which that stream may touch because it waited for the
+        compute event the reduce stream waited for before the reduce-scatter. Compute waits
+        for the post-reduce event at the end of backward, or at once when it reads the buffer
+        here (debug checks)."""
         unit, layout, out = self.unit, self.layout, self.out
         streams = unit._streams()
         name = f"{unit.name}:reduce-out"
+        replicate = unit.layout.replicate
+        post = "reduce" if replicate is None else "all_reduce"
+        _send, grads, copied, ready = cast(tuple, self.inputs)
         with streams.on("reduce"):
-            comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
-            replicate = unit.layout.replicate
+            if self.work is not None:
+                comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
+        if replicate is not None:
+            streams.wait(post, ready)
+            streams.after(post, "reduce")
+        with streams.on(post):
             if replicate is not None:  # hybrid: sum this shard over the replicas (See [Note: Hybrid sharding])
+                streams.note("use", name, post)
                 comm.wait(comm.all_reduce(out, replicate), f"all-reduce of sharded unit '{unit.name}'", replicate)
-            out.div_(layout.post)
-            out = land(out, layout.params[0].sharded, lambda: streams.record("reduce"))  # offloaded: to the host
-            streams.note("use", name, "reduce")
+            if layout.post != 1:
+                out.div_(layout.post)
+            out = land(out, layout.params[0].sharded, lambda: streams.record(post))  # offloaded: to the host
+            streams.note("use", name, post)
             olds, news = self._shard_grads(out)
             on_host = bool(olds) and not same_device(out.device, self.out.device)
             if olds and not on_host:
-                streams.note("use", f"{unit.name}:grad-shards", "reduce")
+                streams.note("use", f"{unit.name}:grad-shards", post)
                 torch._foreach_add_(olds, news)
-            done = streams.record("reduce")
-        _send, grads, copied = cast(tuple, self.inputs)
-        if not streams.holds:
-            comm.free_now(_send)
+            done = streams.record(post)
+        if not streams.holds and unit.world > 1:
+            comm.free_now(_send)  # (one rank: the send buffer is the output, which the shards' gradients view)
         if grads:
             streams.wait("compute", copied)  # the full gradients were read: compute may reuse them
             streams.note("free", f"{unit.name}:full-grads", "compute")
@@ -471,7 +536,10 @@ class PendingReduce:
         if checks.debug:  # the check reads the buffer's tail now, on compute
             streams.wait("compute", done)
             streams.note("use", name, "compute")
-        checks.reduced(unit, layout.params, self.out[layout.flags :], layout.exact)
+            if post != "reduce":  # the buffer may be freed after the check: its stream waits too
+                streams.wait("reduce", done)
+        tail = self.out[layout.flags : layout.flags + layout.checked]
+        checks.reduced(unit, layout.params, tail, layout.exact, self.have)
 
     def _shard_grads(self, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Give each shard without a gradient its view of ``out``; (old gradients, their

@@ -126,10 +126,15 @@ def summon_full_params(
                 u.reshard()
             for sp, host in zip(u.params, copies.get(id(u), ())):
                 sp.register(host)
+        # A chunk that is its own full parameter (See [Note: One rank computes on its shards])
+        # takes writes at once: without writeback its values come back from a copy.
+        kept = [] if writeback else [(sp, sp.sharded.detach().clone()) for u in units for sp in u.params if sp.direct]
     try:
         yield
     finally:
         with torch.no_grad():
+            for sp, values in kept:
+                sp.sharded.detach().copy_(values)
             for u in units:
                 for sp, host in zip(u.params, copies.get(id(u), ())):
                     if writeback:

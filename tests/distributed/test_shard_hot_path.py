@@ -32,23 +32,40 @@ class Bag(nn.Module):
         return h
 
 
+class NormBag(Bag):
+    """A Bag ending in a LayerNorm: under mixed precision its unit mixes bf16 and fp32 chunks."""
+
+    def __init__(self, k: int) -> None:
+        super().__init__(k)
+        self.ln = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(super().forward(x))
+
+
 class Net(nn.Module):
-    def __init__(self, units: int, k: int) -> None:
+    def __init__(self, units: int, k: int, bag: type = Bag) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.bags = nn.Sequential(*[Bag(k) for _ in range(units)])
+        self.bags = nn.Sequential(*[bag(k) for _ in range(units)])
         self.norm = nn.LayerNorm(8)
 
     def forward(self, x):
         return self.norm(self.bags(x))
 
 
+def aligned(n: int, itemsize: int) -> int:
+    """``n`` elements of ``itemsize`` bytes rounded up to a multiple of 16 bytes (a slot's size)."""
+    per = 16 // itemsize
+    return -(-n // per) * per
+
+
 def step(model, x):
     model(x).square().mean().backward()
 
 
-def sharded(units, k, **kwargs):
-    plain = Net(units, k)
+def sharded(units, k, bag=Bag, **kwargs):
+    plain = Net(units, k, bag)
     return plain, memfit.FullyShardedDataParallel(copy.deepcopy(plain), auto_wrap_policy=Bag, **kwargs)
 
 
@@ -75,12 +92,13 @@ def case_at_most_one_host_sync_per_step(rank, world):
         _, model = sharded(units, 3)
         x = torch.randn(4, 8)
         step(model, x)  # the first step records the order
-        with HostSyncCounter() as syncs:
-            for _ in range(2):
+        for _ in range(2):
+            with HostSyncCounter() as syncs:
                 step(model, x)
                 for p in model.parameters():
                     p.grad = None
-        assert syncs.count <= 2, (units, syncs.calls)
+            # the previous step's checks, read at the root's forward: none while backward runs
+            assert syncs.count <= 1 and syncs.in_backward == [], (units, syncs.calls, syncs.in_backward)
 
 
 def case_launches_per_unit_independent_of_params_and_world(rank, world):
@@ -93,6 +111,22 @@ def case_launches_per_unit_independent_of_params_and_world(rank, world):
             m.zero_grad()
         extra = launches(model, x) - launches(plain, x)
         assert extra == units * PER_UNIT + PER_STEP_FIXED, (k, world, extra)
+
+
+def case_mixed_precision_launches_independent_of_params(rank, world):
+    # Issue 23 point 9: bf16 layers beside fp32 norms in one unit travel on a byte wire; the
+    # copy-in groups the chunks by dtype (one foreach copy each, CUDA's fast path) and the
+    # reduce copy-in is torch._chunk_cat per gradient dtype: no launch per parameter.
+    mp = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+    x = torch.randn(4, 8)
+    extra = {}
+    for k in (2, 20):
+        plain, model = sharded(4, k, NormBag, mixed_precision=mp)
+        for m in (plain, model):
+            step(m, x)
+            m.zero_grad()
+        extra[k] = launches(model, x) - launches(plain, x)
+    assert extra[2] == extra[20], (world, extra)
 
 
 def case_gloo_reduce_without_gloos_clone(rank, world):
@@ -116,7 +150,9 @@ def case_gloo_reduce_without_gloos_clone(rank, world):
     assert ops.ops["_allgather_base_"] == gathers
     assert ops.ops["_reduce_scatter_base_"] == 0
     assert "clone" not in ops.ops
-    slots = [world * (sum(p.slot_numel + 1 for p in u.params) + 2) for u in memfit.testing.sharded_units(model)]
+    slots = [
+        world * aligned(sum(p.slot_numel + 1 for p in u.params) + 2, 4) for u in memfit.testing.sharded_units(model)
+    ]
     reduced = (1 if world == 2 else 2) * 4 * sum(slots) * (world - 1) / world
     assert ops.wire_bytes == pytest.approx(stats.all_gather_bytes + reduced)  # counts through float (W-1)/W
 
@@ -157,17 +193,18 @@ def case_wire_bytes_one_dtype_per_unit(rank, world):
     ring = (world - 1) / world
     units = [u for u in memfit.testing.sharded_units(model) if u.params]
     # Per gathered unit: W slots of every parameter's padded chunk in its compute dtype (bf16
-    # for the Linear, fp32 for the LayerNorm), then the unit index padded to 8 bytes.
+    # for the Linear, fp32 for the LayerNorm), then the unit index padded to 16 bytes.
     slot = {u: sum(p.slot_numel * p.full.element_size() for p in u.params) for u in units}
-    slot = {u: b + (-(b + 1)) % 8 + 1 for u, b in slot.items()}
+    slot = {u: aligned(b + 1, 1) for u, b in slot.items()}
     gathered_twice = units  # forward and backward (all are blocks: the root holds none)
     assert stats.all_gather_bytes == sum(2 * world * slot[u] * ring for u in gathered_twice)
-    # Nothing travels wider than its compute dtype: at most 8 bytes per slot above the
+    # Nothing travels wider than its compute dtype: at most 16 bytes per slot above the
     # parameters' own bytes in bf16/fp32.
     compute_bytes = sum(p.numel() * p.element_size() for u in units for p in (sp.full for sp in u.params))
-    assert stats.all_gather_bytes <= 2 * (compute_bytes + world * 8 * len(units)) * ring + 1e-9 or world == 1
-    # Reduce-scatter in reduce_dtype (fp32): every gradient's padded chunk, a flag each, two checks.
-    reduce = sum(world * (sum(p.slot_numel + 1 for p in u.params) + 2) * 4 * ring for u in units)
+    assert stats.all_gather_bytes <= 2 * (compute_bytes + world * 16 * len(units)) * ring + 1e-9 or world == 1
+    # Reduce-scatter in reduce_dtype (fp32): every gradient's padded chunk, a flag each, two
+    # checks, padded to 16 bytes.
+    reduce = sum(world * aligned(sum(p.slot_numel + 1 for p in u.params) + 2, 4) * 4 * ring for u in units)
     assert stats.reduce_scatter_bytes == reduce
 
 
@@ -188,6 +225,7 @@ def case_stream_order_holds(rank, world):
 CASES = [
     case_at_most_one_host_sync_per_step,
     case_launches_per_unit_independent_of_params_and_world,
+    case_mixed_precision_launches_independent_of_params,
     case_gloo_reduce_without_gloos_clone,
     case_unused_parameter_still_keeps_no_grad,
     case_wire_bytes_one_dtype_per_unit,

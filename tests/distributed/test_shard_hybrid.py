@@ -26,6 +26,11 @@ from tests.distributed.test_shard import batch, full_params, global_batch, loss_
 SHAPES = [(2, 2), (1, 4), (4, 1)]  # (replicas, shards)
 
 
+def aligned16(n: int) -> int:
+    """``n`` fp32 elements rounded up to a multiple of 16 bytes: a collective slot's size."""
+    return -(-n // 4) * 4
+
+
 def mesh_of(shape):
     return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
 
@@ -171,9 +176,10 @@ def case_bytes_per_link(rank, world, _root):
     assert ops.wire_bytes == pytest.approx(stats.bytes)  # byte counts, one side through float (W-1)/W
     shard_pg, replicate_pg = mesh.get_group("shard"), mesh.get_group("replicate")
     across, within = stats.of(replicate_pg), stats.of(shard_pg)
-    # Each unit's reduce slot on this rank: its rows of every parameter, a flag per parameter, 2 check sums.
-    reduce_slot = {u: (sum(p.slot_numel + 1 for p in u.params) + 2) * 4 for u in units}
-    gather_slot = {u: (sum(p.slot_numel for p in u.params) + 1) * 4 for u in units}
+    # Each unit's reduce slot on this rank: its rows of every parameter, a flag per parameter, 2 check
+    # sums, padded to 16 bytes (fp32).
+    reduce_slot = {u: aligned16(sum(p.slot_numel + 1 for p in u.params) + 2) * 4 for u in units}
+    gather_slot = {u: aligned16(sum(p.slot_numel for p in u.params) + 1) * 4 for u in units}
     ring_r, ring_s = (replicas - 1) / replicas, (shards - 1) / shards
     assert across.all_reduce_bytes == sum(2 * ring_r * b for b in reduce_slot.values())
     assert across.all_gathers == across.reduce_scatters == 0
@@ -296,7 +302,7 @@ def case_partial_reshard_parity_bytes_and_memory(rank, world, _root):
     stats.reset()
     loss = loss_of("mlp", model, x, y)
     # Held from forward to backward by a non-root unit: 1/k of its S gathered slots (fp32).
-    gather_slot = {u: (sum(p.slot_numel for p in u.params) + 1) * 4 for u in units}
+    gather_slot = {u: aligned16(sum(p.slot_numel for p in u.params) + 1) * 4 for u in units}
     held = {u: shards // k * gather_slot[u] for u in others}
     assert {u: u._piece.numel() * u._piece.element_size() for u in others} == held
     assert root._piece is None

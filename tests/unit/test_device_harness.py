@@ -15,7 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
-from memfit.testing import device_audit, fake_allocator, meta_accelerator, placed_optimizer_state, sharded_units
+from memfit.testing import (
+    HostSyncCounter,
+    device_audit,
+    fake_allocator,
+    meta_accelerator,
+    placed_optimizer_state,
+    sharded_units,
+)
 
 META = torch.device("meta")
 
@@ -157,6 +164,48 @@ def test_offloaded_shards_cross_once_each_way_per_unit_and_the_host_waits_once()
         assert len(audit.to_device) == 3 and all(nb for _, _, nb in audit.to_device)
         assert len(audit.to_host) == 2 and all(nb for _, _, nb in audit.to_host)
         assert audit.host_waits == 1 and audit.host_reads == 1
+
+
+def test_backward_blocks_the_host_on_no_upload():
+    """Issue 23 point 7: the reduce-scatter's flags and check values (built in the first
+    backward, per pattern of gradients) cross from pinned memory without blocking the host,
+    not as ``torch.tensor(values, device=...)`` (a pageable copy the host waits for); nothing
+    else in a step waits for the host either. Only a GPU shows the copy overlapping compute."""
+    with meta_accelerator(2):
+        model = sharded(net(META))
+        memfit.materialize(model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for _ in range(2):
+            with HostSyncCounter() as syncs, device_audit() as audit:
+                train_step(model, opt)
+            assert syncs.calls == [] and syncs.in_backward == []
+        assert audit.host_reads == 1  # the checks of the step before, at the root's forward
+
+
+def test_the_host_sync_counter_sees_blocking_uploads():
+    with HostSyncCounter() as syncs:
+        torch.tensor([1.0, 2.0], device=META)
+        torch.zeros(2).to(META)
+        torch.empty(2, device=META).copy_(torch.zeros(2))
+        torch.zeros(2).to(META, non_blocking=True)
+        torch.tensor([1.0])  # on the host: nothing crosses
+    assert len(syncs.calls) == 3, syncs.calls
+
+
+def test_hybrid_shard_from_local_world_size_meshes_the_accelerator(monkeypatch):
+    """Issue 23 point 13: HYBRID_SHARD with no mesh or groups builds its (nodes, per node) mesh
+    from LOCAL_WORLD_SIZE on the device the process group's backend talks to (NCCL: cuda; here
+    the pretend accelerator), not a CPU mesh holding accelerator DTensors; state dicts then
+    name that device. Only a GPU shows NCCL's subgroups on it."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with meta_accelerator(4, rank=1):
+        model = memfit.FullyShardedDataParallel(net(META), sharding_strategy=ShardingStrategy.HYBRID_SHARD)
+        mesh = sharded_units(model)[0].layout.mesh
+        assert mesh is not None and mesh.device_type == "meta" and mesh.shape == (2, 2)
+        memfit.materialize(model)
+        assert {t.device_mesh.device_type for t in model.state_dict().values() if hasattr(t, "device_mesh")} == {"meta"}
 
 
 def test_the_audit_records_only_inside_its_context():

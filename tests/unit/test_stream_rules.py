@@ -11,16 +11,16 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.testing import Trace, debug_collectives, meta_accelerator, trace_streams
+from memfit.testing import Trace, debug_collectives, meta_accelerator, sharded_units, trace_streams
 
 META = torch.device("meta")
 
 
-def sharded_net():
+def sharded_net(**kw):
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)).to(META)
-    memfit.shard(model[0])
-    memfit.shard(model[2])
-    memfit.shard(model)
+    memfit.shard(model[0], **kw)
+    memfit.shard(model[2], **kw)
+    memfit.shard(model, **kw)
     memfit.materialize(model)
     return model
 
@@ -54,6 +54,29 @@ def test_debug_checks_read_the_reduce_output_after_the_reduce():
     reads = [i for i, e in enumerate(trace.log) if e[0] == "use" and e[1].endswith(":reduce-out")]
     assert any(trace.log[i][2] == "compute" for i in reads)
     assert trace.violations() == []
+
+
+def test_hybrid_all_reduce_runs_on_its_own_stream():
+    """Point 12: with replicas, each unit's all-reduce (and the division and accumulation after
+    it) runs on an all-reduce stream that waited for the reduce-scatter; the reduce stream never
+    waits for it inside a backward, so the next units' reduce-scatters do not queue behind it;
+    compute waits for it at the end of backward. Gradients accumulate over a second backward."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with meta_accelerator(4, rank=2), trace_streams() as trace:
+        mesh = init_device_mesh("meta", (2, 2), mesh_dim_names=("replicate", "shard"))
+        model = sharded_net(mesh=mesh)
+        backward(model)
+        backward(model)
+        names = [u.name for u in sharded_units(model)]
+    assert trace.violations() == []
+    log = trace.log
+    on_all_reduce = {e[2] for e in log if e[0] == "record" and e[1] == "all_reduce"}
+    for name in names:
+        assert ("use", f"{name}:reduce-out", "all_reduce") in log, name
+        assert ("use", f"{name}:grad-shards", "all_reduce") in log, name  # the second backward adds
+    assert not any(e[0] == "wait" and e[1] in ("reduce", "gather") and e[2] in on_all_reduce for e in log)
+    assert sum(e[0] == "wait" and e[1] == "compute" and e[2] in on_all_reduce for e in log) == 2  # per backward
 
 
 def test_the_checker_finds_an_unordered_read_of_the_reduce_output():
