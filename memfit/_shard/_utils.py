@@ -133,8 +133,8 @@ def summon_full_params(
         yield
     finally:
         with torch.no_grad():
-            for sp, values in kept:
-                sp.sharded.detach().copy_(values)
+            for sp, saved in kept:
+                sp.sharded.detach().copy_(saved)
             for u in units:
                 for sp, host in zip(u.params, copies.get(id(u), ())):
                     if writeback:
