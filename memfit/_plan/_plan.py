@@ -20,7 +20,6 @@ from memfit._plan._profile import (
     Inputs,
     ModelProfile,
     _make_optimizer,
-    find_candidates,
     profile_model,
     step_loss,
 )
@@ -332,7 +331,7 @@ def plan(
     device = _device_profile(device_profile, _device_type(model))
     opts: dict[str, Any] = {"decisions": decisions, "device": device}
     if profile is None:
-        blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else find_candidates(model)
+        blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else None
         opts["chunk_head"] = chunk_head is not False
         profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer, **opts)
     if missing := sorted({d for b in profile.blocks for d in decisions if d not in b.kept}):

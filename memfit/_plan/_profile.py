@@ -18,6 +18,7 @@ from memfit._plan._calibrate import device_profile
 from memfit._plan._head import LMHead, find_head, unchunk_head
 from memfit._plan._head import chunk_head as chunk_forward
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
+from memfit._plan._trace import DataValues, NeedsData, fake_rules, record_data_values
 from memfit.memory import MemoryMeter
 
 # [Note: The planner's memory model]
@@ -82,39 +83,63 @@ class ModelProfile:
     distinct_blocks: int = 0  # blocks profiled (identical ones once)
 
 
-def _runs(model: nn.Module) -> list[tuple[type, list[tuple[str, nn.Module]]]]:
-    """Every longest run (2 or more) of consecutive same-class children of a ModuleList or
-    Sequential: the layers of a stack, also inside a flat Sequential(stem, blocks..., head)."""
-    runs = []
+def _stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The stacks of layers: the children of a ModuleList (2 or more, whatever their classes:
+    a hybrid alternates attention and state-space layers), and every longest run (2 or more)
+    of consecutive same-class children of a Sequential (also inside a flat Sequential(stem,
+    blocks..., head))."""
+    stacks = []
     for path, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
-            continue
-        run: list[tuple[str, nn.Module]] = []
-        for n, k in [*m.named_children(), ("", None)]:
-            if run and (k is None or type(k) is not type(run[-1][1])):
-                if len(run) >= 2:
-                    runs.append((type(run[0][1]), run))
-                run = []
-            if k is not None:
-                run.append((f"{path}.{n}" if path else n, k))
-    return runs
+        named = [(f"{path}.{n}" if path else n, k) for n, k in m.named_children()]
+        if isinstance(m, nn.ModuleList) and len(named) >= 2:
+            stacks.append(named)
+        elif isinstance(m, nn.Sequential):
+            run: list[tuple[str, nn.Module]] = []
+            for n, k in [*named, ("", None)]:
+                if run and (k is None or type(k) is not type(run[-1][1])):
+                    if len(run) >= 2:
+                        stacks.append(run)
+                    run = []
+                if k is not None:
+                    run.append((n, k))
+    return stacks
 
 
-def find_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Default candidates: the layers. The longest run of same-class blocks, with every other
-    run of the same class or the same length that is not nested in a chosen one (the encoder
-    and the decoder of T5 or BART; the stages of a Swin), in the model's order."""
-    runs = _runs(model)
-    if not runs:
+def _no_split_classes(model: nn.Module) -> set[str]:
+    """The class names transformers models name in ``_no_split_modules`` (their layers)."""
+    return {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or ()}
+
+
+# [Note: Default candidates]
+# The candidates are the layers that run in the step, whatever their classes. The stacks are
+# the ModuleLists of 2 or more modules and the runs of same-class modules in a Sequential.
+# The planner traces one forward first and keeps the members that ran: a vision-language
+# model's vision tower does not run on a text batch (and an image batch runs it first). Of
+# those, a transformers model's layers are the stacks of the classes its _no_split_modules
+# names (the units it never splits across devices); other models get the longest stack, with
+# every other stack of the same classes or the same length (the encoder and the decoder of T5
+# or BART; the four per-layer lists of XLM). Stacks inside a chosen module are left out, and
+# the blocks are ordered as they first ran.
+def find_candidates(model: nn.Module, ran: dict[str, int] | None = None) -> list[tuple[str, nn.Module]]:
+    """Default candidates (see [Note: Default candidates]); ``ran``: the paths that ran in a
+    forward on the example batch, each with its position in the order they first ran."""
+    stacks = [r for s in _stacks(model) if (r := [(p, m) for p, m in s if ran is None or p in ran])]
+    if not stacks:
         raise ValueError(
-            f"memfit.plan: found no repeated blocks in {type(model).__name__} (two or more modules of one class "
-            "in a ModuleList or Sequential); pass candidates=[...] with the module paths of its blocks"
+            f"memfit.plan: found no repeated blocks in {type(model).__name__} (two or more modules in a ModuleList, "
+            "or of one class in a Sequential, that run on the example batch); pass candidates=[...] with the module "
+            "paths of its blocks"
         )
-    cls, best = max(runs, key=lambda r: len(r[1]))
-    chosen = [r for c, r in runs if c is cls or len(r) == len(best)]
-    prefixes = [p for r in chosen for p, _ in r]
+    hinted = _no_split_classes(model)
+    chosen = [s for s in stacks if all(type(m).__name__ in hinted for _, m in s)]
+    if not chosen:
+        classes = lambda s: {type(m) for _, m in s}  # noqa: E731
+        best = max(stacks, key=len)
+        chosen = [s for s in stacks if classes(s) == classes(best) or len(s) == len(best)]
+    prefixes = [p for s in chosen for p, _ in s]
     inside = lambda path: any(path.startswith(p + ".") for p in prefixes)  # noqa: E731
-    return [(p, m) for r in chosen for p, m in r if not inside(p)]
+    blocks = [(p, m) for s in chosen for p, m in s if not inside(p)]
+    return sorted(blocks, key=lambda b: ran[b[0]]) if ran is not None else blocks
 
 
 def _tensor_bytes(obj) -> int:
@@ -252,7 +277,7 @@ def step_loss(model: nn.Module, inputs: Inputs, loss_fn: Callable | None = None)
 def profile_model(
     model: nn.Module,
     example_inputs: Inputs,
-    candidates: list[tuple[str, nn.Module]],
+    candidates: list[tuple[str, nn.Module]] | None = None,
     *,
     loss_fn: Callable | None = None,
     optimizer: str = "adamw",
@@ -264,37 +289,123 @@ def profile_model(
 ) -> ModelProfile:
     """Every term of the planner's memory model for ``model`` on the batch, and the priced
     work of a step; with ``chunk_head`` and an LM head, the head's terms chunked as well (see
-    [Note: The head as a decision]). See [Note: Planning on fake tensors]."""
-    device = device or device_profile(None)
+    [Note: The head as a decision]). ``candidates`` None: the default ones ([Note: Default
+    candidates]). See [Note: Planning on fake tensors] and [Note: Values read from the data]."""
+    opts = {
+        "loss_fn": loss_fn,
+        "optimizer": optimizer,
+        "rule": rule,
+        "offload": offload,
+        "decisions": decisions,
+        "device": device or device_profile(None),
+        "chunk_head": chunk_head,
+    }
+    paths = None if candidates is None else [p for p, _ in candidates]
+    try:
+        return _profile(model, example_inputs, paths, None, **opts)
+    except NeedsData as e:
+        values = _record_values(model, example_inputs, e)
+    return _profile(model, example_inputs, paths, values, **opts)
+
+
+def _record_values(model: nn.Module, inputs: Inputs, need: NeedsData) -> DataValues:
+    """The values the step reads from its data, from one real forward (see [Note: Values read
+    from the data]); the model's mode, buffers, caches and random state are restored."""
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(
+            f"memfit.plan: {type(model).__name__} reads values from its data ({need.op} in "
+            f"{need.path or 'its forward'}), which a model on the meta device does not have; plan it with "
+            "its weights materialized (on any device), or pass profile= from such a model"
+        ) from need
+    training = {m: m.training for m in model.modules()}
+    buffers = {id(b): b.detach().clone() for b in model.buffers()}
+    caches = _caches_off(model)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.train()
+            return record_data_values(model, lambda: call(model, inputs))
+    finally:
+        for m, mode in training.items():
+            m.training = mode
+        with torch.no_grad():
+            for b in model.buffers():
+                b.copy_(buffers[id(b)])
+        for config, value in caches:
+            config.use_cache = value
+
+
+def _caches_off(model: nn.Module) -> list[tuple[object, bool]]:
+    """Turn an HF key/value cache off in every config of ``model`` (an encoder-decoder's stacks
+    have configs of their own: it is for generation, and would grow per run); returns what
+    to restore."""
+    changed = []
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            changed.append((config, True))
+            config.use_cache = False
+    return changed
+
+
+def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None) -> dict[str, int]:
+    """The candidate modules (``paths``, or every member of a stack) that run in a forward on
+    ``inputs``, each with its position in the order they first ran."""
+    named = [(p, model.get_submodule(p)) for p in paths] if paths is not None else [m for s in _stacks(model) for m in s]
+    order: dict[str, int] = {}
+
+    def hook(path):
+        def first_run(module, args):
+            order.setdefault(path, len(order))
+
+        return first_run
+
+    handles = [m.register_forward_pre_hook(hook(p)) for p, m in named]
+    try:
+        with torch.no_grad():
+            call(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
+def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, offload, decisions, device, chunk_head):
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(iter(model.parameters()), None)
     on = "cpu" if first is None or first.device.type == "meta" else first.device
-    paths = [p for p, _ in candidates]
     with fake:
         skeleton = _fake_copy(model, on)
         inputs = tree_map(lambda t: _fake_like(t, on), example_inputs)
         skeleton.train()
-        for m in skeleton.modules():  # an encoder-decoder's stacks have configs of their own
-            config = getattr(m, "config", None)
-            if config is not None and getattr(config, "use_cache", False):
-                config.use_cache = False  # an HF key/value cache is for generation, and would grow per run
-        blocks = [skeleton.get_submodule(p) for p in paths]
-        whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
-        profiles, seen = [], {}
-        for i, (path, blk) in enumerate(zip(paths, blocks)):
-            args, kwargs = whole.block_inputs[i]
-            key = _signature(blk, args, kwargs)
-            if key not in seen:  # identical blocks are profiled once
-                seen[key] = _profile_block(path, blk, args, kwargs, rule, offload, decisions, device)
-            profiles.append(dataclasses.replace(seen[key], path=path))
-        in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        grad_rest = sum(
-            p.untyped_storage().nbytes() for p in skeleton.parameters() if p.requires_grad and id(p) not in in_blocks
-        )
-        state = _state_bytes(skeleton)
-        buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
-        head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
-        chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
+        _caches_off(skeleton)
+        with fake_rules(skeleton, values):
+            ran = _ran(skeleton, inputs, paths)
+            if paths is None:
+                paths = [p for p, _ in find_candidates(skeleton, ran)]
+            elif missing := [p for p in paths if p not in ran]:
+                raise ValueError(
+                    f"memfit.plan: candidates {missing} never run in {type(model).__name__}'s forward on the example "
+                    "batch; leave them out (or pass a batch that runs them)"
+                )
+            blocks = [skeleton.get_submodule(p) for p in paths]
+            whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
+            profiles, seen = [], {}
+            for i, (path, blk) in enumerate(zip(paths, blocks)):
+                args, kwargs = whole.block_inputs[i]
+                key = _signature(blk, args, kwargs)
+                if key not in seen:  # identical blocks are profiled once
+                    seen[key] = _profile_block(path, blk, args, kwargs, rule, offload, decisions, device)
+                profiles.append(dataclasses.replace(seen[key], path=path))
+            in_blocks = {id(p) for b in blocks for p in b.parameters()}
+            grad_rest = sum(
+                p.untyped_storage().nbytes()
+                for p in skeleton.parameters()
+                if p.requires_grad and id(p) not in in_blocks
+            )
+            state = _state_bytes(skeleton)
+            buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
+            head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
+            chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
     marks = whole.marks
     return ModelProfile(
         blocks=profiles,
