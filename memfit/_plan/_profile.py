@@ -369,6 +369,20 @@ def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None) -> dict[str,
     return order
 
 
+def _candidate_paths(skeleton: nn.Module, inputs: Inputs, paths: list[str] | None, name: str) -> list[str]:
+    """The candidates' paths in the order they run: the default ones, or those given, checked
+    to run on the batch (see [Note: Default candidates])."""
+    ran = _ran(skeleton, inputs, paths)
+    if paths is None:
+        return [p for p, _ in find_candidates(skeleton, ran)]
+    if missing := [p for p in paths if p not in ran]:
+        raise ValueError(
+            f"memfit.plan: candidates {missing} never run in {name}'s forward on the example batch; leave them "
+            "out, or pass a batch that runs them"
+        )
+    return paths
+
+
 def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, offload, decisions, device, chunk_head):
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(iter(model.parameters()), None)
@@ -379,14 +393,7 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         skeleton.train()
         _caches_off(skeleton)
         with fake_rules(skeleton, values):
-            ran = _ran(skeleton, inputs, paths)
-            if paths is None:
-                paths = [p for p, _ in find_candidates(skeleton, ran)]
-            elif missing := [p for p in paths if p not in ran]:
-                raise ValueError(
-                    f"memfit.plan: candidates {missing} never run in {type(model).__name__}'s forward on the example "
-                    "batch; leave them out (or pass a batch that runs them)"
-                )
+            paths = _candidate_paths(skeleton, inputs, paths, type(model).__name__)
             blocks = [skeleton.get_submodule(p) for p in paths]
             whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
             profiles, seen = [], {}
@@ -395,13 +402,9 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
                 key = _signature(blk, args, kwargs)
                 if key not in seen:  # identical blocks are profiled once
                     seen[key] = _profile_block(path, blk, args, kwargs, rule, offload, decisions, device)
-                profiles.append(dataclasses.replace(seen[key], path=path))
+                profiles.append(dataclasses.replace(seen[key], path=path, grad_bytes=_used_bytes(blk, whole.used)))
             in_blocks = {id(p) for b in blocks for p in b.parameters()}
-            grad_rest = sum(
-                p.untyped_storage().nbytes()
-                for p in skeleton.parameters()
-                if p.requires_grad and id(p) not in in_blocks
-            )
+            grad_rest = _used_bytes(skeleton, whole.used - in_blocks)
             state = _state_bytes(skeleton)
             buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
             head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
@@ -429,6 +432,18 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         offload_bandwidth=device.offload_bandwidth,
         distinct_blocks=len(seen),
     )
+
+
+# [Note: Parameters the step uses]
+# Gradients and optimizer state are counted for the parameters the step uses: those its
+# backward gives a gradient. A trainable parameter it never reaches (the cross-attention of a
+# BART-family decoder used as a causal LM, Fuyu's patch embedding on text) gets no gradient,
+# zero_grad(set_to_none=True) leaves it None, and AdamW makes no state for it; counting them
+# over-forecast such models by 12% (Fuyu: 65%). So the optimizer's state is made by a real
+# first step on the skeleton, and the measured step's backward names the parameters used.
+def _used_bytes(module: nn.Module, used: set[int]) -> int:
+    """Bytes of ``module``'s parameters (each once) that the step gives a gradient."""
+    return sum(p.untyped_storage().nbytes() for p in module.parameters() if id(p) in used)
 
 
 def _grad_bytes(model: nn.Module) -> int:
@@ -493,6 +508,7 @@ class _WholeStep:
     optimizer_peak: int  # P_opt
     costs: list[OpCost]  # every op of the measured step, optimizer step included
     forward_backward: list[OpCost]  # the ops of its forward and backward
+    used: set[int] = field(default_factory=set)  # ids of the parameters its backward gave a gradient
 
 
 def _measure_step(
@@ -536,10 +552,8 @@ def _measure_step(
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
     opt = _make_optimizer(optimizer, model) if optimizer else None
     try:
-        for p in model.parameters() if opt else ():  # the optimizer's state, as after a first step (fake)
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        if opt:
+        if opt:  # the optimizer's state, as after a first step (fake); see [Note: Parameters the step uses]
+            step_loss(model, example_inputs, loss_fn).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         captured.clear()
@@ -550,18 +564,19 @@ def _measure_step(
             marks["tail_peak"] = whole.peak_bytes - _tensor_bytes(captured)
             # S and what outlives backward, but for the copies of the blocks' inputs kept here
             marks["after_backward"] = whole.current_bytes - _grad_bytes(model) - _tensor_bytes(captured)
+            used = {id(p) for p in model.parameters() if p.grad is not None}
     finally:
         for h in handles:
             h.remove()
     forward_backward = list(recorder.costs)
     if opt is None:  # forward and backward only
         model.zero_grad(set_to_none=True)
-        return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward)
+        return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward, used)
     with _Meter(model=model, optimizer=opt) as opt_meter, recorder:
         opt.step()
     opt.zero_grad(set_to_none=True)
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs, forward_backward)
+    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs, forward_backward, used)
 
 
 class _Meter(MemoryMeter):
