@@ -13,6 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit._checkpoint import Decision, Offload, remove_checkpointing
+from memfit._checkpoint._cache import cache_type, snapshot_caches
 from memfit._checkpoint._decision import KINDS as DECISIONS
 from memfit._plan._calibrate import device_profile
 from memfit._plan._head import LMHead, find_head, unchunk_head
@@ -156,7 +157,13 @@ def _state_bytes(module: nn.Module) -> int:
 
 
 def _fresh(args, kwargs):
+    """Copies of a block's arguments: tensors cloned, a transformers Cache snapshot (as a
+    checkpointed call's recompute sees it: [Note: Key/value caches under recompute])."""
+    cache = cache_type()
+
     def clone(t):
+        if cache is not None and isinstance(t, cache):
+            return snapshot_caches([t])[0]
         if not isinstance(t, torch.Tensor):
             return t
         c = t.detach().clone()

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -131,26 +131,20 @@ class _Record(TorchDispatchMode):
 
 
 class _ToList(TorchFunctionMode):
-    """Tensor.tolist reads the data without an aten op on real tensors (FakeTensor's runs one
-    per element): it is recorded (``record``), and replayed, as one answer."""
+    """Tensor.tolist reads a real tensor's data without an aten op; FakeTensor.tolist runs one
+    .item() per element. So a recorded tolist is one _local_scalar_dense answer per element,
+    in the order FakeTensor's asks for them."""
 
-    def __init__(self, calls: _Calls, values: DataValues | None, record: bool = False) -> None:
+    def __init__(self, calls: _Calls, values: DataValues) -> None:
         super().__init__()
-        self.calls, self.values, self.record = calls, values, record
+        self.calls, self.values = calls, values
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is not torch.Tensor.tolist or not (self.record or isinstance(args[0], FakeTensor)):
-            return func(*args, **(kwargs or {}))
-        key = self.calls.next_key()
-        if self.record:
-            out = func(*args, **(kwargs or {}))
-            assert self.values is not None
-            self.values.add(key, "tolist", out)
-            return out
-        found = self.values.answers.get(key) if self.values is not None else None
-        if found is None or found[0] != "tolist":
-            raise NeedsData("Tensor.tolist", key[0])
-        return found[1]
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.tolist:
+            for x in tree_flatten(out)[0]:
+                self.values.add(self.calls.next_key(), str(torch.ops.aten._local_scalar_dense.default), x)
+        return out
 
 
 def record_data_values(model: nn.Module, run: Callable[[], object]) -> DataValues:
@@ -158,7 +152,7 @@ def record_data_values(model: nn.Module, run: Callable[[], object]) -> DataValue
     [Note: Values read from the data]."""
     values = DataValues()
     calls = _Calls(model)
-    with calls.hooks(), _Record(calls, values), _ToList(calls, values, record=True):
+    with calls.hooks(), _Record(calls, values), _ToList(calls, values):
         run()
     return values
 
@@ -221,5 +215,5 @@ def fake_rules(model: nn.Module, values: DataValues | None) -> Iterator[None]:
     """Enter inside the planner's FakeTensorMode, around everything traced on ``model``'s
     skeleton (its module paths key the recorded values)."""
     calls = _Calls(model)
-    with calls.hooks(), _FakeRules(calls, values), _ToList(calls, values):
+    with calls.hooks(), _FakeRules(calls, values):
         yield
