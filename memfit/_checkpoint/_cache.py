@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+from typing import Any
 
 import torch
 
@@ -45,6 +46,7 @@ def _copy(x, memo: dict):
     (one-element tensors, counters, cloned)."""
     if id(x) in memo:
         return memo[id(x)]
+    out: Any
     if isinstance(x, torch.Tensor):
         out = x.clone() if x.numel() <= 1 else x
     elif type(x) in (list, tuple, set):

@@ -306,8 +306,9 @@ def plan(
         shard_size: hybrid sharding (HSDP): sharded over groups of this many ranks, replicated
             ``world_size // shard_size`` times (default: all ranks).
         optimizer: "adamw", "adam" or "sgd" (its state and step are measured).
-        candidates: module paths of the blocks to decide for (default: the layers, the
-            longest runs of same-class modules). The rest is measured as a whole.
+        candidates: module paths of the blocks to decide for, each one that runs on the
+            batch (default: the layers that run, whatever their classes; see [Note: Default
+            candidates]). The rest is measured as a whole.
         decisions: the decisions allowed.
         profile: a profile from an earlier call (``plan.profile``), to re-plan without measuring.
         device_profile: what time is priced on: "h100", "h200", "a100", "cpu", "calibrated"

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,7 +20,7 @@ from memfit._plan._calibrate import device_profile
 from memfit._plan._head import LMHead, find_head, unchunk_head
 from memfit._plan._head import chunk_head as chunk_forward
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
-from memfit._plan._trace import DataValues, NeedsData, fake_rules, record_data_values
+from memfit._plan._trace import DataValues, NeedsDataError, fake_rules, record_data_values
 from memfit.memory import MemoryMeter
 
 # [Note: The planner's memory model]
@@ -310,12 +311,12 @@ def profile_model(
     paths = None if candidates is None else [p for p, _ in candidates]
     try:
         return _profile(model, example_inputs, paths, None, **opts)
-    except NeedsData as e:
+    except NeedsDataError as e:
         values = _record_values(model, example_inputs, e)
     return _profile(model, example_inputs, paths, values, **opts)
 
 
-def _record_values(model: nn.Module, inputs: Inputs, need: NeedsData) -> DataValues:
+def _record_values(model: nn.Module, inputs: Inputs, need: NeedsDataError) -> DataValues:
     """The values the step reads from its data, from one real forward (see [Note: Values read
     from the data]); the model's mode, buffers, caches and random state are restored."""
     if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
@@ -341,7 +342,7 @@ def _record_values(model: nn.Module, inputs: Inputs, need: NeedsData) -> DataVal
             config.use_cache = value
 
 
-def _caches_off(model: nn.Module) -> list[tuple[object, bool]]:
+def _caches_off(model: nn.Module) -> list[tuple[Any, bool]]:
     """Turn an HF key/value cache off in every config of ``model`` (an encoder-decoder's stacks
     have configs of their own: it is for generation, and would grow per run); returns what
     to restore."""
@@ -357,7 +358,9 @@ def _caches_off(model: nn.Module) -> list[tuple[object, bool]]:
 def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None) -> dict[str, int]:
     """The candidate modules (``paths``, or every member of a stack) that run in a forward on
     ``inputs``, each with its position in the order they first ran."""
-    named = [(p, model.get_submodule(p)) for p in paths] if paths is not None else [m for s in _stacks(model) for m in s]
+    named = (
+        [(p, model.get_submodule(p)) for p in paths] if paths is not None else [m for s in _stacks(model) for m in s]
+    )
     order: dict[str, int] = {}
 
     def hook(path):
@@ -482,7 +485,8 @@ def _chunked_head(skeleton, inputs, blocks, plain: _WholeStep, head: LMHead, dev
 # device and storage size, no data), and the batch is replaced by fake tensors of the same
 # shapes. Every op of the step then runs on the fake tensors, and MemoryMeter counts their
 # storage bytes exactly as it counts real ones, so the terms of [Note: The planner's memory
-# model] come from shapes alone. A model on the meta device plans the same way. What the
+# model] come from shapes alone (a model that reads values from its data runs one forward on
+# the batch first: [Note: Values read from the data]). A model on the meta device plans the same way. What the
 # planner holds in real memory is the skeleton's module objects and the profile; its peak of
 # real tensor storage is the optimizer's scalar step counters (4 bytes each: fake mode keeps
 # constants real), far below the bound it promises, the largest block's working set max_i B_i.

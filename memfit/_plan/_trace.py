@@ -35,7 +35,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 # it returned: a scalar, or the shape of a tensor. The fake step then gets the recorded answer
 # at the same place: the same op, the n-th such op inside the same module's call. A module
 # called several times keeps the largest answer (the largest count, the largest tensor), a
-# bound on what any of its calls needs. The assumption: the step being planned reads the
+# bound on what any of its calls needs. An op no module call frames (a checkpointed block's
+# recompute in backward runs its own forward outside Module.__call__) gets the largest answer
+# recorded for the same op on arguments of the same shapes and dtypes (identical blocks: a
+# bound over them). The assumption: the step being planned reads the
 # values this forward read. Costs: one real forward without gradients (its time, and its
 # memory: the parameters and one layer's working set), only for models that read their data;
 # a model on the meta device cannot be planned this way (no data) and the error says so. The
@@ -73,15 +76,29 @@ def _larger(a, b):
     return a
 
 
+def _shapes(args) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tree_flatten(args)[0] if torch.is_tensor(t))
+
+
 @dataclass
 class DataValues:
-    """Answers recorded per (module path, n-th data-reading op in that module's call)."""
+    """Answers recorded per (module path, n-th data-reading op in that module's call), and
+    per (op, shapes and dtypes of its tensor arguments) for a call no module frames."""
 
     answers: dict[tuple[str, int], tuple[str, object]] = field(default_factory=dict)
+    by_shape: dict[tuple, object] = field(default_factory=dict)
 
-    def add(self, key: tuple[str, int], op: str, value) -> None:
+    def add(self, key: tuple[str, int], op: str, shapes: tuple, value) -> None:
         old = self.answers.get(key)
         self.answers[key] = (op, value if old is None or old[0] != op else _larger(old[1], value))
+        known = self.by_shape.get((op, shapes))
+        self.by_shape[(op, shapes)] = value if known is None else _larger(known, value)
+
+    def find(self, key: tuple[str, int], op: str, shapes: tuple):
+        found = self.answers.get(key)
+        if found is not None and found[0] == op:
+            return found[1]
+        return self.by_shape.get((op, shapes))
 
 
 class _Calls:
@@ -126,7 +143,7 @@ class _Record(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if _reads_data(func):
-            self.values.add(self.calls.next_key(), str(func), _describe(out))
+            self.values.add(self.calls.next_key(), str(func), _shapes((args, kwargs)), _describe(out))
         return out
 
 
@@ -142,8 +159,9 @@ class _ToList(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func is torch.Tensor.tolist:
+            item, shapes = str(torch.ops.aten._local_scalar_dense.default), (((), args[0].dtype),)
             for x in tree_flatten(out)[0]:
-                self.values.add(self.calls.next_key(), str(torch.ops.aten._local_scalar_dense.default), x)
+                self.values.add(self.calls.next_key(), item, shapes, x)
         return out
 
 
@@ -157,22 +175,24 @@ def record_data_values(model: nn.Module, run: Callable[[], object]) -> DataValue
     return values
 
 
-def _replay(values: DataValues | None, key, op: str, compute: Callable, device):
+def _replay(values: DataValues | None, key, op: str, shapes: tuple, compute: Callable, device):
     try:
         return compute()
     except _DATA_EXCEPTIONS as e:
-        found = values.answers.get(key) if values is not None else None
-        if found is None or found[0] != op:
-            raise NeedsData(op, key[0]) from e
+        found = values.find(key, op, shapes) if values is not None else None
+        if found is None:
+            raise NeedsDataError(op, key[0]) from e
         return tree_map(
-            lambda v: torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=device)
-            if isinstance(v, _TensorLike)
-            else v,
-            found[1],
+            lambda v: (
+                torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=device)
+                if isinstance(v, _TensorLike)
+                else v
+            ),
+            found,
         )
 
 
-class NeedsData(RuntimeError):
+class NeedsDataError(RuntimeError):
     """An op of the fake step needs a value from the data that no real forward recorded."""
 
     def __init__(self, op: str, path: str) -> None:
@@ -195,7 +215,8 @@ class _FakeRules(TorchDispatchMode):
         if not _reads_data(func):
             return func(*args, **kwargs)
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)), None)
-        return _replay(self.values, self.calls.next_key(), str(func), lambda: func(*args, **kwargs), device)
+        key, shapes = self.calls.next_key(), _shapes((args, kwargs))
+        return _replay(self.values, key, str(func), shapes, lambda: func(*args, **kwargs), device)
 
 
 def _bf16(args) -> bool:
