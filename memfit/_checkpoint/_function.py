@@ -13,6 +13,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from memfit._checkpoint._cache import snapshot_caches
 from memfit._checkpoint._offload import Offload, offload_hooks, resolve_offload
 from memfit._checkpoint._replay import Replay
 from memfit._checkpoint._selective import resolve_save, selective_context_fn
@@ -172,7 +173,7 @@ class _Frame:
             if attrs:
                 t.__dict__.update(attrs)
             distinct.append(t)
-        flat = list(self.flat)
+        flat = snapshot_caches(self.flat)  # a fresh copy: see [Note: Key/value caches under recompute]
         for pos, slot in zip(self.tensor_pos, self.slots):
             flat[pos] = distinct[slot]
         return tree_unflatten(flat, self.spec)
@@ -346,7 +347,7 @@ def _eager_checkpoint(
     frame = _Frame(
         fn,
         name,
-        [None if isinstance(x, torch.Tensor) else x for x in flat],
+        snapshot_caches([None if isinstance(x, torch.Tensor) else x for x in flat]),
         spec,
         tensor_pos,
         Replay(tensors, preserve_rng_state),

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import cast
 
 from torch import nn
 
+from memfit._checkpoint._cache import cache_type
 from memfit._checkpoint._function import _checkpoint
 from memfit._checkpoint._offload import Offload, resolve_offload
 from memfit._checkpoint._selective import resolve_save
@@ -54,19 +54,11 @@ class _CheckpointedForward:
         )
 
 
-# [Note: Key/value caches under recompute]
-# A transformers decoder layer (a GradientCheckpointingLayer that writes its key/value cache)
-# appends its keys and values to the cache given to it in forward, and again in recompute: the
-# replayed layer then sees twice the keys (selective recompute fails in backward, "aten.slice
-# encountered during backward but not found in storage") and the cache holds every layer's
-# keys and values until the step ends (memory the planner does not forecast: it plans without
-# a cache). In training, transformers' own checkpointing drops the cache for such layers; so
-# does ours: use_cache=False, and None for any transformers Cache argument (GPT-2 passes it
-# by position).
-
-
 def _without_cache(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    cache = getattr(sys.modules.get("transformers.cache_utils"), "Cache", None)
+    """No cache for a layer that declares it cannot be checkpointed with one (use_cache=False,
+    None for any transformers Cache argument: GPT-2 passes it by position); see [Note: Key/value
+    caches under recompute]."""
+    cache = cache_type()
     if cache is None:
         return args, kwargs
     args = tuple(None if isinstance(a, cache) else a for a in args)

@@ -20,7 +20,6 @@ from memfit._plan._profile import (
     Inputs,
     ModelProfile,
     _make_optimizer,
-    find_candidates,
     profile_model,
     step_loss,
 )
@@ -307,8 +306,9 @@ def plan(
         shard_size: hybrid sharding (HSDP): sharded over groups of this many ranks, replicated
             ``world_size // shard_size`` times (default: all ranks).
         optimizer: "adamw", "adam" or "sgd" (its state and step are measured).
-        candidates: module paths of the blocks to decide for (default: the layers, the
-            longest runs of same-class modules). The rest is measured as a whole.
+        candidates: module paths of the blocks to decide for, each one that runs on the
+            batch (default: the layers that run, whatever their classes; see [Note: Default
+            candidates]). The rest is measured as a whole.
         decisions: the decisions allowed.
         profile: a profile from an earlier call (``plan.profile``), to re-plan without measuring.
         device_profile: what time is priced on: "h100", "h200", "a100", "cpu", "calibrated"
@@ -332,7 +332,7 @@ def plan(
     device = _device_profile(device_profile, _device_type(model))
     opts: dict[str, Any] = {"decisions": decisions, "device": device}
     if profile is None:
-        blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else find_candidates(model)
+        blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else None
         opts["chunk_head"] = chunk_head is not False
         profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer, **opts)
     if missing := sorted({d for b in profile.blocks for d in decisions if d not in b.kept}):

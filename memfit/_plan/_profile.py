@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,11 +14,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit._checkpoint import Decision, Offload, remove_checkpointing
+from memfit._checkpoint._cache import cache_type, snapshot_caches
 from memfit._checkpoint._decision import KINDS as DECISIONS
 from memfit._plan._calibrate import device_profile
 from memfit._plan._head import LMHead, find_head, unchunk_head
 from memfit._plan._head import chunk_head as chunk_forward
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
+from memfit._plan._trace import DataValues, NeedsDataError, fake_rules, record_data_values
 from memfit.memory import MemoryMeter
 
 # [Note: The planner's memory model]
@@ -82,39 +85,63 @@ class ModelProfile:
     distinct_blocks: int = 0  # blocks profiled (identical ones once)
 
 
-def _runs(model: nn.Module) -> list[tuple[type, list[tuple[str, nn.Module]]]]:
-    """Every longest run (2 or more) of consecutive same-class children of a ModuleList or
-    Sequential: the layers of a stack, also inside a flat Sequential(stem, blocks..., head)."""
-    runs = []
+def _stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The stacks of layers: the children of a ModuleList (2 or more, whatever their classes:
+    a hybrid alternates attention and state-space layers), and every longest run (2 or more)
+    of consecutive same-class children of a Sequential (also inside a flat Sequential(stem,
+    blocks..., head))."""
+    stacks = []
     for path, m in model.named_modules():
-        if not isinstance(m, (nn.ModuleList, nn.Sequential)):
-            continue
-        run: list[tuple[str, nn.Module]] = []
-        for n, k in [*m.named_children(), ("", None)]:
-            if run and (k is None or type(k) is not type(run[-1][1])):
-                if len(run) >= 2:
-                    runs.append((type(run[0][1]), run))
-                run = []
-            if k is not None:
-                run.append((f"{path}.{n}" if path else n, k))
-    return runs
+        named = [(f"{path}.{n}" if path else n, k) for n, k in m.named_children()]
+        if isinstance(m, nn.ModuleList) and len(named) >= 2:
+            stacks.append(named)
+        elif isinstance(m, nn.Sequential):
+            run: list[tuple[str, nn.Module]] = []
+            for n, k in [*named, ("", None)]:
+                if run and (k is None or type(k) is not type(run[-1][1])):
+                    if len(run) >= 2:
+                        stacks.append(run)
+                    run = []
+                if k is not None:
+                    run.append((n, k))
+    return stacks
 
 
-def find_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Default candidates: the layers. The longest run of same-class blocks, with every other
-    run of the same class or the same length that is not nested in a chosen one (the encoder
-    and the decoder of T5 or BART; the stages of a Swin), in the model's order."""
-    runs = _runs(model)
-    if not runs:
+def _no_split_classes(model: nn.Module) -> set[str]:
+    """The class names transformers models name in ``_no_split_modules`` (their layers)."""
+    return {name for m in model.modules() for name in getattr(m, "_no_split_modules", None) or ()}
+
+
+# [Note: Default candidates]
+# The candidates are the layers that run in the step, whatever their classes. The stacks are
+# the ModuleLists of 2 or more modules and the runs of same-class modules in a Sequential.
+# The planner traces one forward first and keeps the members that ran: a vision-language
+# model's vision tower does not run on a text batch (and an image batch runs it first). Of
+# those, a transformers model's layers are the stacks of the classes its _no_split_modules
+# names (the units it never splits across devices); other models get the longest stack, with
+# every other stack of the same classes or the same length (the encoder and the decoder of T5
+# or BART; the four per-layer lists of XLM). Stacks inside a chosen module are left out, and
+# the blocks are ordered as they first ran.
+def find_candidates(model: nn.Module, ran: dict[str, int] | None = None) -> list[tuple[str, nn.Module]]:
+    """Default candidates (see [Note: Default candidates]); ``ran``: the paths that ran in a
+    forward on the example batch, each with its position in the order they first ran."""
+    stacks = [r for s in _stacks(model) if (r := [(p, m) for p, m in s if ran is None or p in ran])]
+    if not stacks:
         raise ValueError(
-            f"memfit.plan: found no repeated blocks in {type(model).__name__} (two or more modules of one class "
-            "in a ModuleList or Sequential); pass candidates=[...] with the module paths of its blocks"
+            f"memfit.plan: found no repeated blocks in {type(model).__name__} (two or more modules in a ModuleList, "
+            "or of one class in a Sequential, that run on the example batch); pass candidates=[...] with the module "
+            "paths of its blocks"
         )
-    cls, best = max(runs, key=lambda r: len(r[1]))
-    chosen = [r for c, r in runs if c is cls or len(r) == len(best)]
-    prefixes = [p for r in chosen for p, _ in r]
+    hinted = _no_split_classes(model)
+    chosen = [s for s in stacks if all(type(m).__name__ in hinted for _, m in s)]
+    if not chosen:
+        classes = lambda s: {type(m) for _, m in s}  # noqa: E731
+        best = max(stacks, key=len)
+        chosen = [s for s in stacks if classes(s) == classes(best) or len(s) == len(best)]
+    prefixes = [p for s in chosen for p, _ in s]
     inside = lambda path: any(path.startswith(p + ".") for p in prefixes)  # noqa: E731
-    return [(p, m) for r in chosen for p, m in r if not inside(p)]
+    blocks = [(p, m) for s in chosen for p, m in s if not inside(p)]
+    return sorted(blocks, key=lambda b: ran[b[0]]) if ran is not None else blocks
 
 
 def _tensor_bytes(obj) -> int:
@@ -131,7 +158,13 @@ def _state_bytes(module: nn.Module) -> int:
 
 
 def _fresh(args, kwargs):
+    """Copies of a block's arguments: tensors cloned, a transformers Cache snapshot (as a
+    checkpointed call's recompute sees it: [Note: Key/value caches under recompute])."""
+    cache = cache_type()
+
     def clone(t):
+        if cache is not None and isinstance(t, cache):
+            return snapshot_caches([t])[0]
         if not isinstance(t, torch.Tensor):
             return t
         c = t.detach().clone()
@@ -252,7 +285,7 @@ def step_loss(model: nn.Module, inputs: Inputs, loss_fn: Callable | None = None)
 def profile_model(
     model: nn.Module,
     example_inputs: Inputs,
-    candidates: list[tuple[str, nn.Module]],
+    candidates: list[tuple[str, nn.Module]] | None = None,
     *,
     loss_fn: Callable | None = None,
     optimizer: str = "adamw",
@@ -264,37 +297,128 @@ def profile_model(
 ) -> ModelProfile:
     """Every term of the planner's memory model for ``model`` on the batch, and the priced
     work of a step; with ``chunk_head`` and an LM head, the head's terms chunked as well (see
-    [Note: The head as a decision]). See [Note: Planning on fake tensors]."""
-    device = device or device_profile(None)
+    [Note: The head as a decision]). ``candidates`` None: the default ones ([Note: Default
+    candidates]). See [Note: Planning on fake tensors] and [Note: Values read from the data]."""
+    opts = {
+        "loss_fn": loss_fn,
+        "optimizer": optimizer,
+        "rule": rule,
+        "offload": offload,
+        "decisions": decisions,
+        "device": device or device_profile(None),
+        "chunk_head": chunk_head,
+    }
+    paths = None if candidates is None else [p for p, _ in candidates]
+    try:
+        return _profile(model, example_inputs, paths, None, **opts)
+    except NeedsDataError as e:
+        values = _record_values(model, example_inputs, e)
+    return _profile(model, example_inputs, paths, values, **opts)
+
+
+def _record_values(model: nn.Module, inputs: Inputs, need: NeedsDataError) -> DataValues:
+    """The values the step reads from its data, from one real forward (see [Note: Values read
+    from the data]); the model's mode, buffers, caches and random state are restored."""
+    if any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()]):
+        raise ValueError(
+            f"memfit.plan: {type(model).__name__} reads values from its data ({need.op} in "
+            f"{need.path or 'its forward'}), which a model on the meta device does not have; plan it with "
+            "its weights materialized (on any device), or pass profile= from such a model"
+        ) from need
+    training = {m: m.training for m in model.modules()}
+    buffers = {id(b): b.detach().clone() for b in model.buffers()}
+    caches = _caches_off(model)
+    try:
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            model.train()
+            return record_data_values(model, lambda: call(model, inputs))
+    finally:
+        for m, mode in training.items():
+            m.training = mode
+        with torch.no_grad():
+            for b in model.buffers():
+                b.copy_(buffers[id(b)])
+        for config, value in caches:
+            config.use_cache = value
+
+
+def _caches_off(model: nn.Module) -> list[tuple[Any, bool]]:
+    """Turn an HF key/value cache off in every config of ``model`` (an encoder-decoder's stacks
+    have configs of their own: it is for generation, and would grow per run); returns what
+    to restore."""
+    changed = []
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if config is not None and getattr(config, "use_cache", False):
+            changed.append((config, True))
+            config.use_cache = False
+    return changed
+
+
+def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None) -> dict[str, int]:
+    """The candidate modules (``paths``, or every member of a stack) that run in a forward on
+    ``inputs``, each with its position in the order they first ran."""
+    named = (
+        [(p, model.get_submodule(p)) for p in paths] if paths is not None else [m for s in _stacks(model) for m in s]
+    )
+    order: dict[str, int] = {}
+
+    def hook(path):
+        def first_run(module, args):
+            order.setdefault(path, len(order))
+
+        return first_run
+
+    handles = [m.register_forward_pre_hook(hook(p)) for p, m in named]
+    try:
+        with torch.no_grad():
+            call(model, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return order
+
+
+def _candidate_paths(skeleton: nn.Module, inputs: Inputs, paths: list[str] | None, name: str) -> list[str]:
+    """The candidates' paths in the order they run: the default ones, or those given, checked
+    to run on the batch (see [Note: Default candidates])."""
+    ran = _ran(skeleton, inputs, paths)
+    if paths is None:
+        return [p for p, _ in find_candidates(skeleton, ran)]
+    if missing := [p for p in paths if p not in ran]:
+        raise ValueError(
+            f"memfit.plan: candidates {missing} never run in {name}'s forward on the example batch; leave them "
+            "out, or pass a batch that runs them"
+        )
+    return paths
+
+
+def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, offload, decisions, device, chunk_head):
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(iter(model.parameters()), None)
     on = "cpu" if first is None or first.device.type == "meta" else first.device
-    paths = [p for p, _ in candidates]
     with fake:
         skeleton = _fake_copy(model, on)
         inputs = tree_map(lambda t: _fake_like(t, on), example_inputs)
         skeleton.train()
-        for m in skeleton.modules():  # an encoder-decoder's stacks have configs of their own
-            config = getattr(m, "config", None)
-            if config is not None and getattr(config, "use_cache", False):
-                config.use_cache = False  # an HF key/value cache is for generation, and would grow per run
-        blocks = [skeleton.get_submodule(p) for p in paths]
-        whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
-        profiles, seen = [], {}
-        for i, (path, blk) in enumerate(zip(paths, blocks)):
-            args, kwargs = whole.block_inputs[i]
-            key = _signature(blk, args, kwargs)
-            if key not in seen:  # identical blocks are profiled once
-                seen[key] = _profile_block(path, blk, args, kwargs, rule, offload, decisions, device)
-            profiles.append(dataclasses.replace(seen[key], path=path))
-        in_blocks = {id(p) for b in blocks for p in b.parameters()}
-        grad_rest = sum(
-            p.untyped_storage().nbytes() for p in skeleton.parameters() if p.requires_grad and id(p) not in in_blocks
-        )
-        state = _state_bytes(skeleton)
-        buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
-        head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
-        chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
+        _caches_off(skeleton)
+        with fake_rules(skeleton, values):
+            paths = _candidate_paths(skeleton, inputs, paths, type(model).__name__)
+            blocks = [skeleton.get_submodule(p) for p in paths]
+            whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
+            profiles, seen = [], {}
+            for i, (path, blk) in enumerate(zip(paths, blocks)):
+                args, kwargs = whole.block_inputs[i]
+                key = _signature(blk, args, kwargs)
+                if key not in seen:  # identical blocks are profiled once
+                    seen[key] = _profile_block(path, blk, args, kwargs, rule, offload, decisions, device)
+                profiles.append(dataclasses.replace(seen[key], path=path, grad_bytes=_used_bytes(blk, whole.used)))
+            in_blocks = {id(p) for b in blocks for p in b.parameters()}
+            grad_rest = _used_bytes(skeleton, whole.used - in_blocks)
+            state = _state_bytes(skeleton)
+            buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
+            head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
+            chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
     marks = whole.marks
     return ModelProfile(
         blocks=profiles,
@@ -318,6 +442,18 @@ def profile_model(
         offload_bandwidth=device.offload_bandwidth,
         distinct_blocks=len(seen),
     )
+
+
+# [Note: Parameters the step uses]
+# Gradients and optimizer state are counted for the parameters the step uses: those its
+# backward gives a gradient. A trainable parameter it never reaches (the cross-attention of a
+# BART-family decoder used as a causal LM, Fuyu's patch embedding on text) gets no gradient,
+# zero_grad(set_to_none=True) leaves it None, and AdamW makes no state for it; counting them
+# over-forecast such models by 12% (Fuyu: 65%). So the optimizer's state is made by a real
+# first step on the skeleton, and the measured step's backward names the parameters used.
+def _used_bytes(module: nn.Module, used: set[int]) -> int:
+    """Bytes of ``module``'s parameters (each once) that the step gives a gradient."""
+    return sum(p.untyped_storage().nbytes() for p in module.parameters() if id(p) in used)
 
 
 def _grad_bytes(model: nn.Module) -> int:
@@ -349,7 +485,8 @@ def _chunked_head(skeleton, inputs, blocks, plain: _WholeStep, head: LMHead, dev
 # device and storage size, no data), and the batch is replaced by fake tensors of the same
 # shapes. Every op of the step then runs on the fake tensors, and MemoryMeter counts their
 # storage bytes exactly as it counts real ones, so the terms of [Note: The planner's memory
-# model] come from shapes alone. A model on the meta device plans the same way. What the
+# model] come from shapes alone (a model that reads values from its data runs one forward on
+# the batch first: [Note: Values read from the data]). A model on the meta device plans the same way. What the
 # planner holds in real memory is the skeleton's module objects and the profile; its peak of
 # real tensor storage is the optimizer's scalar step counters (4 bytes each: fake mode keeps
 # constants real), far below the bound it promises, the largest block's working set max_i B_i.
@@ -382,6 +519,7 @@ class _WholeStep:
     optimizer_peak: int  # P_opt
     costs: list[OpCost]  # every op of the measured step, optimizer step included
     forward_backward: list[OpCost]  # the ops of its forward and backward
+    used: set[int] = field(default_factory=set)  # ids of the parameters its backward gave a gradient
 
 
 def _measure_step(
@@ -425,10 +563,8 @@ def _measure_step(
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
     opt = _make_optimizer(optimizer, model) if optimizer else None
     try:
-        for p in model.parameters() if opt else ():  # the optimizer's state, as after a first step (fake)
-            if p.requires_grad:
-                p.grad = torch.zeros_like(p)
-        if opt:
+        if opt:  # the optimizer's state, as after a first step (fake); see [Note: Parameters the step uses]
+            step_loss(model, example_inputs, loss_fn).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         captured.clear()
@@ -439,18 +575,19 @@ def _measure_step(
             marks["tail_peak"] = whole.peak_bytes - _tensor_bytes(captured)
             # S and what outlives backward, but for the copies of the blocks' inputs kept here
             marks["after_backward"] = whole.current_bytes - _grad_bytes(model) - _tensor_bytes(captured)
+            used = {id(p) for p in model.parameters() if p.grad is not None}
     finally:
         for h in handles:
             h.remove()
     forward_backward = list(recorder.costs)
     if opt is None:  # forward and backward only
         model.zero_grad(set_to_none=True)
-        return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward)
+        return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward, used)
     with _Meter(model=model, optimizer=opt) as opt_meter, recorder:
         opt.step()
     opt.zero_grad(set_to_none=True)
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs, forward_backward)
+    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs, forward_backward, used)
 
 
 class _Meter(MemoryMeter):

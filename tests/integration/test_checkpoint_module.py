@@ -251,3 +251,31 @@ def test_hf_decoder_key_value_cache_dropped_in_training(save):
         assert torch.equal(p.grad, q.grad), n
     if save is None:
         assert peaks[0] == peaks[1]
+
+
+@pytest.mark.parametrize("save", [None, "linear"])
+def test_a_cache_built_in_training_is_updated_once(save):
+    # XLM's forward builds a key/value cache even in training and passes it to every attention
+    # module; recompute appended to it again (keys twice as long: "recompute diverged from
+    # forward at saved tensor #6"). Now recompute runs on a snapshot of the cache as forward saw
+    # it: loss and gradients bitwise equal to the plain model with dropout on, and the model's
+    # cache holds each layer's keys once. See [Note: Key/value caches under recompute].
+    from transformers import XLMConfig, XLMWithLMHeadModel
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    cfg = XLMConfig(vocab_size=99, emb_dim=32, n_layers=2, n_heads=4, dropout=0.1, attention_dropout=0.1)
+    ref = XLMWithLMHeadModel(cfg).train()
+    ids = torch.randint(5, 99, (2, 12))
+    model = copy.deepcopy(ref)
+    assert len(memfit.apply_activation_checkpointing(model, lambda m: m in set(model.transformer.attentions))) == 2
+    caches = []
+    for m in (ref, model):
+        cache = EncoderDecoderCache(DynamicCache(config=cfg), DynamicCache(config=cfg))
+        torch.manual_seed(1)
+        loss = m(input_ids=ids, labels=ids, cache=cache).loss
+        loss.backward()
+        caches.append((loss, cache))
+    assert torch.equal(caches[0][0], caches[1][0])
+    assert_same(grads(model), grads(ref))
+    layers = caches[1][1].self_attention_cache.layers
+    assert [tuple(layer.keys.shape) for layer in layers] == [(2, 4, 12, 8)] * 2

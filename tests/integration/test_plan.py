@@ -90,3 +90,48 @@ def test_outputs_sharing_an_input_storage_are_counted_once():
     for b in plan.profile.blocks:
         assert b.output_bytes == 8 * 16 * 4  # the mask is counted as an input only
         assert all(v >= 0 for v in b.kept.values())
+
+
+class _UnusedBranch(torch.nn.Module):
+    """Three blocks and a head, and a trainable layer forward never calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(3)])
+        self.unused = torch.nn.Linear(64, 256)
+        self.head = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        return self.head(self.blocks(x)).square().mean()
+
+
+def _bart_causal_lm():
+    from transformers import BartConfig, BartForCausalLM
+
+    cfg = BartConfig(
+        vocab_size=128,
+        d_model=32,
+        decoder_layers=2,
+        decoder_attention_heads=4,
+        decoder_ffn_dim=64,
+        max_position_embeddings=64,
+        dropout=0.0,
+    )
+    ids = torch.randint(0, 128, (2, 16))
+    return BartForCausalLM(cfg), {"input_ids": ids, "labels": ids}
+
+
+@pytest.mark.parametrize("arch", ["unused_branch", "bart_causal_lm"])
+def test_parameters_the_step_never_reaches_have_no_gradient_or_state(arch):
+    # [Note: Parameters the step uses]: the forecast counted gradients and AdamW state for
+    # every trainable parameter, also the unused layer (measured +55.9% here) and a BART decoder's
+    # cross-attention when it runs as a causal LM without an encoder (+16.5%).
+    model, batch = (_UnusedBranch(), torch.randn(8, 64)) if arch == "unused_branch" else _bart_causal_lm()
+    plan = memfit.plan(model, batch, budget="1GB", device_profile="cpu")
+    measured = plan.measure(model, batch)
+    assert 1.0 <= plan.predicted_peak / measured <= 1.03, plan.compare(measured)
+    if arch == "unused_branch":  # what the step holds at its end is exact here
+        assert plan.predicted_peak == measured
+        used = [p for n, p in model.named_parameters() if not n.startswith("unused.")]
+        # AdamW: exp_avg and exp_avg_sq of each used parameter, and a 4-byte step counter each
+        assert plan.profile.optimizer_bytes == sum(2 * p.numel() * 4 + 4 for p in used)

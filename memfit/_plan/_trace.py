@@ -1,0 +1,240 @@
+"""What the planner's fake step needs beyond FakeTensorMode: shape rules for ops whose meta
+kernels refuse what the real kernels run, and the values a step reads from its data."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+# [Note: Ops the meta kernels refuse]
+# FakeTensorMode computes an op's output from its meta kernel, which for some ops checks more
+# than the real kernels do: torch's meta kernel for aten._grouped_mm (how transformers runs
+# the experts of every MoE: Mixtral, Qwen-MoE, OLMoE, DeepSeek, gpt-oss, ...) accepts bfloat16
+# only, while the CPU kernel (and CUDA's, on recent torch) runs float32 too. While the planner
+# traces, _FakeRules answers such an op itself for the inputs the meta kernel refuses: the
+# output torch's own shape rule gives (_create_grouped_mm_output_tensor, the same sizes and
+# strides the meta kernel allocates for bfloat16), in the dtype the op returns. Nothing is
+# registered globally: outside the planner the op is torch's.
+
+# [Note: Values read from the data]
+# A few steps read values from their tensors' data, which fake tensors do not have: a router
+# that splits tokens by expert_size.tolist() (JetMoE), a model that trims its batch to
+# lengths.max().item() (XLM), eager experts that loop over torch.nonzero(...) of the routing
+# mask. The planner first traces without them; if an op needs one, it runs the model's
+# forward once on the real example batch (train mode, no gradients, the random state and the
+# buffers restored after, caches off as in the fake step) and records, for each op that reads
+# data (torch's data_dependent_output and dynamic_output_shape ops, and Tensor.tolist), what
+# it returned: a scalar, or the shape of a tensor. The fake step then gets the recorded answer
+# at the same place: the same op, the n-th such op inside the same module's call. A module
+# called several times keeps the largest answer (the largest count, the largest tensor), a
+# bound on what any of its calls needs. An op no module call frames (a checkpointed block's
+# recompute in backward runs its own forward outside Module.__call__) gets the largest answer
+# recorded for the same op on arguments of the same shapes and dtypes (identical blocks: a
+# bound over them). The assumption: the step being planned reads the
+# values this forward read. Costs: one real forward without gradients (its time, and its
+# memory: the parameters and one layer's working set), only for models that read their data;
+# a model on the meta device cannot be planned this way (no data) and the error says so. The
+# forecast error it adds: the measured step runs after an optimizer step, so a router may send
+# a few tokens elsewhere than on the weights recorded (within the 3% the tests allow).
+
+_DATA_EXCEPTIONS = (DataDependentOutputException, DynamicOutputShapeException)
+
+
+def _reads_data(func) -> bool:
+    return torch.Tag.data_dependent_output in func.tags or torch.Tag.dynamic_output_shape in func.tags
+
+
+@dataclass
+class _TensorLike:
+    """What replaying an op's tensor output needs: its sizes, strides and dtype."""
+
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _describe(out):
+    return tree_map(lambda t: _TensorLike(tuple(t.shape), t.stride(), t.dtype) if torch.is_tensor(t) else t, out)
+
+
+def _larger(a, b):
+    """The larger of two recorded answers of one op (a bound on both)."""
+    if isinstance(a, _TensorLike) and isinstance(b, _TensorLike):
+        return a if torch.Size(a.shape).numel() >= torch.Size(b.shape).numel() else b
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        return type(a)(_larger(x, y) for x, y in zip(a, b))
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)):
+        return max(a, b)
+    return a
+
+
+def _shapes(args) -> tuple:
+    return tuple((tuple(t.shape), t.dtype) for t in tree_flatten(args)[0] if torch.is_tensor(t))
+
+
+@dataclass
+class DataValues:
+    """Answers recorded per (module path, n-th data-reading op in that module's call), and
+    per (op, shapes and dtypes of its tensor arguments) for a call no module frames."""
+
+    answers: dict[tuple[str, int], tuple[str, object]] = field(default_factory=dict)
+    by_shape: dict[tuple, object] = field(default_factory=dict)
+
+    def add(self, key: tuple[str, int], op: str, shapes: tuple, value) -> None:
+        old = self.answers.get(key)
+        self.answers[key] = (op, value if old is None or old[0] != op else _larger(old[1], value))
+        known = self.by_shape.get((op, shapes))
+        self.by_shape[(op, shapes)] = value if known is None else _larger(known, value)
+
+    def find(self, key: tuple[str, int], op: str, shapes: tuple):
+        found = self.answers.get(key)
+        if found is not None and found[0] == op:
+            return found[1]
+        return self.by_shape.get((op, shapes))
+
+
+class _Calls:
+    """The stack of module calls running, each with its count of data-reading ops so far."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.paths = {id(m): p for p, m in model.named_modules()}
+        self.stack: list[list] = []
+
+    def next_key(self) -> tuple[str, int]:
+        if not self.stack:
+            return ("", -1)
+        top = self.stack[-1]
+        top[1] += 1
+        return (top[0], top[1])
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        def pre(module, args):
+            self.stack.append([self.paths.get(id(module), "?"), -1])
+
+        def post(module, args, out):
+            if self.stack:
+                self.stack.pop()
+
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(pre),
+            nn.modules.module.register_module_forward_hook(post, always_call=True),
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+class _Record(TorchDispatchMode):
+    def __init__(self, calls: _Calls, values: DataValues) -> None:
+        super().__init__()
+        self.calls, self.values = calls, values
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if _reads_data(func):
+            self.values.add(self.calls.next_key(), str(func), _shapes((args, kwargs)), _describe(out))
+        return out
+
+
+class _ToList(TorchFunctionMode):
+    """Tensor.tolist reads a real tensor's data without an aten op; FakeTensor.tolist runs one
+    .item() per element. So a recorded tolist is one _local_scalar_dense answer per element,
+    in the order FakeTensor's asks for them."""
+
+    def __init__(self, calls: _Calls, values: DataValues) -> None:
+        super().__init__()
+        self.calls, self.values = calls, values
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.Tensor.tolist:
+            item, shapes = str(torch.ops.aten._local_scalar_dense.default), (((), args[0].dtype),)
+            for x in tree_flatten(out)[0]:
+                self.values.add(self.calls.next_key(), item, shapes, x)
+        return out
+
+
+def record_data_values(model: nn.Module, run: Callable[[], object]) -> DataValues:
+    """The answers of every data-reading op in ``run()`` (a real forward of ``model``), as in
+    [Note: Values read from the data]."""
+    values = DataValues()
+    calls = _Calls(model)
+    with calls.hooks(), _Record(calls, values), _ToList(calls, values):
+        run()
+    return values
+
+
+def _replay(values: DataValues | None, key, op: str, shapes: tuple, compute: Callable, device):
+    try:
+        return compute()
+    except _DATA_EXCEPTIONS as e:
+        found = values.find(key, op, shapes) if values is not None else None
+        if found is None:
+            raise NeedsDataError(op, key[0]) from e
+        return tree_map(
+            lambda v: (
+                torch.empty_strided(v.shape, v.stride, dtype=v.dtype, device=device)
+                if isinstance(v, _TensorLike)
+                else v
+            ),
+            found,
+        )
+
+
+class NeedsDataError(RuntimeError):
+    """An op of the fake step needs a value from the data that no real forward recorded."""
+
+    def __init__(self, op: str, path: str) -> None:
+        super().__init__(f"{op} in {path or 'the model'}")
+        self.op, self.path = op, path
+
+
+class _FakeRules(TorchDispatchMode):
+    """Pushed above the planner's FakeTensorMode: see [Note: Ops the meta kernels refuse] and
+    [Note: Values read from the data]."""
+
+    def __init__(self, calls: _Calls, values: DataValues | None) -> None:
+        super().__init__()
+        self.calls, self.values = calls, values
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._grouped_mm.default and not _bf16(args):
+            return _grouped_mm_output(*args, **kwargs)
+        if not _reads_data(func):
+            return func(*args, **kwargs)
+        device = next((t.device for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)), None)
+        key, shapes = self.calls.next_key(), _shapes((args, kwargs))
+        return _replay(self.values, key, str(func), shapes, lambda: func(*args, **kwargs), device)
+
+
+def _bf16(args) -> bool:
+    return all(t.dtype == torch.bfloat16 for t in args[:2])
+
+
+def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
+    from torch._meta_registrations import _create_grouped_mm_output_tensor
+
+    if bias is not None:
+        raise NotImplementedError("memfit.plan: aten._grouped_mm with a bias (no kernel runs one)")
+    return _create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype or mat_a.dtype)
+
+
+@contextlib.contextmanager
+def fake_rules(model: nn.Module, values: DataValues | None) -> Iterator[None]:
+    """Enter inside the planner's FakeTensorMode, around everything traced on ``model``'s
+    skeleton (its module paths key the recorded values)."""
+    calls = _Calls(model)
+    with calls.hooks(), _FakeRules(calls, values):
+        yield
