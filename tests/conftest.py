@@ -26,6 +26,9 @@ SLOW_TESTS = {
     "tests/distributed/test_dist_helper.py::test_stuck_rank_is_killed_and_named",  # waits out a 45 s timeout
     "tests/unit/test_time_model.py::test_a_calibration_round_trips_through_its_cache",  # calibrates (~35 s)
     "tests/integration/test_cli.py::test_calibrate_caches_the_rates_the_planner_uses_when_asked",  # (~35 s)
+    # every architecture of transformers' auto mappings, tiny (~340; the sample runs in the fast tier)
+    "tests/integration/test_archs.py::test_checkpointing_matches_plain",
+    "tests/integration/test_archs.py::test_planner_forecast_of_the_second_step",  # the planner on the sample
 }
 SLOW_WORLD = 4  # test_shard / test_plan_sharded at W=4 (the same cases run at W=1-3 in the fast tier)
 
