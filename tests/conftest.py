@@ -29,6 +29,9 @@ SLOW_TESTS = {
     "tests/unit/test_time_model.py::test_a_calibration_round_trips_through_its_cache",  # calibrates (~35 s)
     "tests/integration/test_gpu_script.py::test_smoke_runs_every_part",  # every part of the GPU script (~46 s)
     "tests/integration/test_cli.py::test_calibrate_caches_the_rates_the_planner_uses_when_asked",  # (~35 s)
+    # every architecture of transformers' auto mappings, tiny (~340; the sample runs in the fast tier)
+    "tests/integration/test_archs.py::test_checkpointing_matches_plain",
+    "tests/integration/test_archs.py::test_planner_forecast_of_the_second_step",  # the planner on the sample
 }
 SLOW_WORLDS = (3, 4)  # test_shard / test_plan_sharded at W=3, 4 (the same cases run at W=1, 2 in the fast tier)
 DOCS_BLOCKS = ("tests/integration/test_docs.py::test_python_block", "tests/integration/test_docs.py::test_shell_block")

@@ -46,7 +46,7 @@ def _copy(x, memo: dict):
     (one-element tensors, counters, cloned)."""
     if id(x) in memo:
         return memo[id(x)]
-    out: Any
+    out: Any = x
     if isinstance(x, torch.Tensor):
         out = x.clone() if x.numel() <= 1 else x
     elif type(x) in (list, tuple, set):
@@ -56,9 +56,7 @@ def _copy(x, memo: dict):
         out.update({k: _copy(v, memo) for k, v in x.items()})
     elif hasattr(x, "__dict__") and type(x).__module__.startswith("transformers.cache_utils"):
         out = copy.copy(x)
-        memo[id(x)] = out
+        memo[id(x)] = out  # before its attributes: a layer may point back at its cache
         out.__dict__.update({k: _copy(v, memo) for k, v in vars(x).items()})
-    else:
-        out = x
     memo[id(x)] = out
     return out

@@ -1,0 +1,323 @@
+"""Every architecture in transformers' auto mappings, built tiny: configs, batches, a step.
+
+Used by tests/integration/test_archs.py; ``python -m tests._archs [names]`` prints one line per
+architecture (trained, skipped and why, checkpointing equal or not) and the counts.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import random
+import signal
+import sys
+import time
+import traceback
+
+import numpy
+import torch
+
+# Task -> the auto mapping of model type -> class name it enumerates.
+MAPPINGS = {
+    "causal_lm": "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+    "masked_lm": "MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+    "seq2seq_lm": "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+    "image_classification": "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+    "speech_seq2seq": "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+}
+VOCAB, SEQ, BATCH, IMAGE = 128, 16, 2, 32
+SECONDS = 60  # one architecture's three steps; tiny ones take about a second
+MAX_PARAMS = 5_000_000  # a tiny config above this was not shrunk (a size the shrinker does not know)
+
+
+class ShrinkError(Exception):
+    """The shrinker left the model large or slow: a failure of the test's shrinker, not a skip."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    task: str
+    model_type: str
+    class_name: str
+
+    @property
+    def id(self) -> str:
+        return f"{self.task}-{self.class_name}"
+
+
+def architectures() -> list[Arch]:
+    """Each (task, class) of the mappings at the installed transformers, once, sorted."""
+    from transformers.models.auto import modeling_auto
+
+    seen: dict[tuple[str, str], Arch] = {}
+    for task, name in MAPPINGS.items():
+        for model_type, cls in getattr(modeling_auto, name).items():
+            for c in [cls] if isinstance(cls, str) else cls:
+                seen.setdefault((task, c), Arch(task, model_type, c))
+    return sorted(seen.values(), key=lambda a: a.id)
+
+
+# [Note: Tiny configs]
+# A config class's defaults are its published model (billions of parameters); the shrinker sets
+# the sizes that scale it on every config and sub-config (text, vision, audio, encoder,
+# decoder): widths to 32, 4 heads (2 key/value heads) of 8, 2 layers, 64-wide feed-forward, a
+# 128-token vocabulary (token ids outside it moved in), 4 experts (2 per token), 32-pixel
+# images, and 0.1 for every dropout, so that recompute has random masks to replay. Lists of
+# per-stage sizes (a ResNet's hidden_sizes and depths) keep their length. Everything else stays
+# the class default; OVERRIDES lists what a model needs beyond that.
+_WIDTH = ("hidden_size", "d_model", "n_embd", "dim", "emb_dim", "embed_dim", "hidden_dim", "d_embed", "n_embed")
+_WIDTH += ("word_embed_proj_dim", "projection_dim", "embedding_size", "text_embed_dim", "vision_embed_dim")
+_WIDTH += ("encoder_hidden_size", "decoder_hidden_size", "d_inner_hidden")
+_LAYERS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers", "encoder_layers", "decoder_layers")
+_LAYERS += ("num_decoder_layers", "num_encoder_layers", "depth", "n_layers_per_block")
+_HEADS = ("num_attention_heads", "n_head", "n_heads", "encoder_attention_heads", "decoder_attention_heads")
+_HEADS += ("num_heads", "num_decoder_attention_heads", "encoder_num_attention_heads")
+_FFN = ("intermediate_size", "ffn_dim", "encoder_ffn_dim", "decoder_ffn_dim", "n_inner", "d_ff", "d_inner")
+_FFN += ("moe_intermediate_size", "shared_expert_intermediate_size", "ffn_hidden_size", "mlp_dim")
+_EXPERTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts", "num_experts_routed")
+_SMALL = {
+    **dict.fromkeys(_WIDTH, 32),
+    **dict.fromkeys(_LAYERS, 2),
+    **dict.fromkeys(_HEADS, 4),
+    **dict.fromkeys(_FFN, 64),
+    **dict.fromkeys(_EXPERTS, 4),
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+    "kv_channels": 8,
+    "num_experts_per_tok": 2,
+    "moe_topk": 2,
+    "top_k": 2,
+    "n_shared_experts": 1,
+    "vocab_size": VOCAB,
+    "decoder_vocab_size": VOCAB,
+    "image_size": IMAGE,
+    "max_source_positions": SEQ,
+    "num_mel_bins": 16,
+    # multi-head latent attention (DeepSeek): ranks and the rotary / non-rotary halves of a head
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 4,
+    "v_head_dim": 8,
+    "rotary_dim": 8,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_k": 2,
+    "num_experts_per_token": 2,
+    # state-space layers: heads x head width = expand x hidden
+    "mamba_n_heads": 4,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_n_groups": 1,
+    "mamba_expand": 2,
+    "mamba_d_ssm": 64,
+    "mamba_chunk_size": 16,
+    "chunk_size": 16,
+    "d_state": 16,
+    "state_size": 16,
+}
+_TOKENS = {"pad_token_id": VOCAB - 1, "bos_token_id": VOCAB - 2, "eos_token_id": VOCAB - 3}  # ids outside moved in
+# Model-specific settings the generic shrinker cannot guess (model type -> attributes).
+OVERRIDES: dict[str, dict] = {
+    "diffllama": {"attention_dropout": 0.0},  # raises for attention dropout (no defined semantics)
+}
+
+
+def _shrink(cfg, depth: int = 0) -> None:
+    from transformers import PretrainedConfig
+
+    for key, value in list(vars(cfg).items()):
+        if isinstance(value, PretrainedConfig) and depth < 3:
+            _shrink(value, depth + 1)
+        elif key in _SMALL and isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            setattr(cfg, key, min(value, _SMALL[key]))
+        elif key in ("hidden_sizes", "embed_dims", "dims") and _int_list(value):
+            setattr(cfg, key, [8 * 2**i for i in range(len(value))])
+        elif key in ("depths", "num_layers_per_stage") and _int_list(value):
+            setattr(cfg, key, [1] * len(value))
+        elif key in ("num_heads", "num_attention_heads") and _int_list(value):
+            setattr(cfg, key, [1] * len(value))
+        elif key == "use_cache":  # see [Note: Key/value caches under recompute]
+            setattr(cfg, key, False)
+        elif "dropout" in key and isinstance(value, float):
+            setattr(cfg, key, 0.1)
+        elif key.endswith("token_id") and isinstance(value, int) and value >= VOCAB:
+            setattr(cfg, key, _TOKENS.get(key, 3))
+    _layer_types(cfg)
+    if isinstance(getattr(cfg, "qk_rope_head_dim", None), int):  # MLA: the rotary part is the "head_dim"
+        for key in ("head_dim", "qk_head_dim"):
+            if key in vars(cfg):
+                setattr(cfg, key, cfg.qk_rope_head_dim if key == "head_dim" else 8)
+
+
+def _layer_types(cfg) -> None:
+    """A per-layer list of kinds (sliding, full, linear attention): one layer of each kind."""
+    kinds = getattr(cfg, "layer_types", None)
+    if "layer_types" not in vars(cfg):  # a property computed from other fields
+        return
+    if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+        distinct = list(dict.fromkeys(kinds))
+        cfg.layer_types = distinct if len(distinct) > 1 else distinct * 2
+        for key in ("num_hidden_layers", "num_layers", "n_layer"):
+            if isinstance(getattr(cfg, key, None), int):
+                setattr(cfg, key, len(cfg.layer_types))
+
+
+def _int_list(value) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(isinstance(v, int) for v in value)
+
+
+def tiny_config(arch: Arch):
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(arch.model_type)
+    _shrink(cfg)
+    for key, value in OVERRIDES.get(arch.model_type, {}).items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build(arch: Arch, seed: int = 0) -> torch.nn.Module:
+    import transformers
+
+    cls = getattr(transformers, arch.class_name)
+    cfg = tiny_config(arch)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls(cfg).parameters())
+    if size > MAX_PARAMS:
+        raise ShrinkError(f"{size / 1e6:.1f}M parameters after shrinking; add it to OVERRIDES")
+    torch.manual_seed(seed)
+    model = cls(cfg)
+    return model.train()
+
+
+def batch_for(arch: Arch, model: torch.nn.Module) -> dict:
+    """One batch for the task: token ids and labels, images and classes, or audio features."""
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    vocab = min(VOCAB, getattr(cfg.get_text_config(), "vocab_size", VOCAB) or VOCAB)
+    ids = torch.randint(4, vocab - 4, (BATCH, SEQ), generator=g)
+    if arch.task in ("causal_lm", "masked_lm"):
+        return {"input_ids": ids, "labels": ids.clone()}
+    # Decoder inputs given, not derived from the labels (some configs have no decoder start id).
+    decoder = {"decoder_input_ids": ids[:, : SEQ // 2].flip(1).clone(), "labels": ids[:, : SEQ // 2].clone()}
+    if arch.task == "seq2seq_lm":
+        return {"input_ids": ids, **decoder}
+    if arch.task == "image_classification":
+        size = getattr(cfg, "image_size", IMAGE)
+        size = size[0] if isinstance(size, (list, tuple)) else size
+        channels = getattr(cfg, "num_channels", 3)
+        labels = torch.randint(0, cfg.num_labels, (BATCH,), generator=g)
+        return {"pixel_values": torch.randn(BATCH, channels, size, size, generator=g), "labels": labels}
+    if model.main_input_name == "input_features":
+        if hasattr(cfg, "num_mel_bins"):  # Whisper-like: (batch, mel bins, 2 x source positions)
+            frames = 2 * cfg.max_source_positions
+            return {"input_features": torch.randn(BATCH, cfg.num_mel_bins, frames, generator=g), **decoder}
+        width = getattr(cfg, "input_feat_per_channel", 80) * getattr(cfg, "input_channels", 1)
+        return {"input_features": torch.randn(BATCH, 64, width, generator=g), **decoder}
+    return {model.main_input_name: torch.randn(BATCH, 4000, generator=g), **decoder}
+
+
+def step(model: torch.nn.Module, batch: dict, seed: int = 3) -> tuple[torch.Tensor, list]:
+    """Loss and gradients (None where none) of one forward and backward under ``seed``."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy.random.seed(seed)  # SpecAugment's time masks (wav2vec2, SpeechT5) draw from numpy
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def blocks(model: torch.nn.Module) -> list[str]:
+    """The repeated blocks the planner would decide for (its candidates)."""
+    from memfit._plan._profile import find_candidates
+
+    return [p for p, _ in find_candidates(model)]
+
+
+def checkpointed_step(model, batch, paths, save) -> tuple[torch.Tensor, list]:
+    import memfit
+
+    for p in paths:
+        memfit.checkpoint_module(model.get_submodule(p), save=save, name=p)
+    return step(model, batch)
+
+
+def differences(a, b) -> list[int]:
+    """Indices of the gradients that differ (bitwise, or one None and not the other)."""
+    out = []
+    for i, (x, y) in enumerate(zip(a, b)):
+        if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
+            out.append(i)
+    return out
+
+
+def _reason(e: BaseException) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+
+
+def check(arch: Arch) -> dict:
+    """Build, train plainly (skip if that fails), then full and selective checkpointing; on one
+    thread (tiny ops on a shared machine run 20x slower on all its threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    previous = signal.signal(signal.SIGALRM, _too_slow)
+    signal.alarm(SECONDS)
+    try:
+        return _check(arch)
+    except ShrinkError as e:
+        return {"status": "fail", "reason": f"{arch.class_name}: {e}"}
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        torch.set_num_threads(threads)
+
+
+def _too_slow(signum, frame):
+    raise ShrinkError(f"over {SECONDS} s: a size the shrinker does not know; add it to OVERRIDES")
+
+
+def _check(arch: Arch) -> dict:
+    try:
+        model = build(arch)
+        batch = batch_for(arch, model)
+        loss, grads = step(copy.deepcopy(model), batch)
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"loss {loss.item()}")
+    except ShrinkError:
+        raise
+    except Exception as e:  # plain transformers cannot train it: skipped with the reason
+        return {"status": "skip", "reason": _reason(e)}
+    try:
+        paths = blocks(model)
+    except ValueError as e:  # no run of two or more same-class blocks (ALBERT shares one layer)
+        return {"status": "skip", "reason": f"nothing to checkpoint: {_reason(e)}"}
+    result: dict = {"status": "pass", "blocks": len(paths)}
+    for save in (None, "linear"):
+        try:
+            l2, g2 = checkpointed_step(copy.deepcopy(model), batch, paths, save)
+            bad = differences(grads, g2)
+            if not torch.equal(loss, l2) or bad:
+                names = [n for i, (n, _) in enumerate(model.named_parameters()) if i in bad][:3]
+                raise AssertionError(f"loss {loss.item()} vs {l2.item()}; {len(bad)} grads differ {names}")
+        except ShrinkError:
+            raise
+        except Exception as e:  # reported by the test
+            result["status"] = "fail"
+            result[f"save={save}"] = _reason(e) if not isinstance(e, AssertionError) else str(e)
+            result.setdefault("trace", traceback.format_exc(limit=-3))
+    return result
+
+
+if __name__ == "__main__":
+    wanted = set(sys.argv[1:])
+    counts: dict[str, int] = {}
+    for arch in architectures():
+        if wanted and arch.model_type not in wanted and arch.class_name not in wanted:
+            continue
+        t0 = time.perf_counter()
+        r = check(arch)
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        extra = {k: v for k, v in r.items() if k not in ("status", "trace")}
+        print(f"{r['status']:5} {time.perf_counter() - t0:6.2f}s {arch.id} {extra}", flush=True)
+    print(counts)
