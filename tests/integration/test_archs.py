@@ -63,13 +63,8 @@ CHECKPOINT_XFAIL: dict[str, str] = {
     "IBertForMaskedLM": 'save="linear": recompute takes another path than forward (torch: "aten.mul.Tensor invocation '
     'index 5 encountered during backward but not found in storage")',
 }
-# Planner failures expected on this branch (helper "arch" fixes the planner for MoE, data-
-# dependent and vision-language models): class name -> why. strict: a fix flips them; remove
-# the entry after that merge.
-PLANNER_XFAIL: dict[str, str] = {
-    "XLMWithLMHeadModel": "data-dependent: its forward reads lengths.max().item() (DataDependentOutputException on "
-    "fake tensors)",
-}
+# Planner failures of the sample: class name -> why (strict: a fix flips them). None now.
+PLANNER_XFAIL: dict[str, str] = {}
 
 
 def _params(archs, xfail: dict[str, str]):
