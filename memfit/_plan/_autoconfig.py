@@ -240,7 +240,7 @@ def autoconfigure(
 
     search = Search(budget_bytes, world_size, global_batch, device, optimizer_costs(model, optimizer), tokens)
     search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head)
-    sizes = _micro_batches(world_size, global_batch, micro_batches, max_micro_batch)
+    sizes = micro_batch_sizes(world_size, global_batch, micro_batches, max_micro_batch)
     return search.run(profile_of, sizes, _layouts(world_size, shard_sizes))
 
 
@@ -409,7 +409,8 @@ def _samples(c: Candidate) -> int:
     return c.micro_batch * c.accumulation * c.layout.world_size
 
 
-def _micro_batches(world_size: int, global_batch: int | None, given: list[int] | None, largest: int) -> list[int]:
+def micro_batch_sizes(world_size: int, global_batch: int | None, given: list[int] | None, largest: int) -> list[int]:
+    """The micro-batch sizes autoconfigure tries (see its ``micro_batches``)."""
     if world_size < 1:
         raise ValueError(f"memfit.autoconfigure: world_size must be >= 1, got {world_size}")
     if global_batch is None:
@@ -466,4 +467,13 @@ def _resize(batch: Inputs, first: int, size: int) -> Inputs:
     return tree_map(resize, batch)
 
 
-__all__ = ["AutoConfig", "Candidate", "Layout", "Search", "autoconfigure", "optimizer_costs", "step_terms"]
+__all__ = [
+    "AutoConfig",
+    "Candidate",
+    "Layout",
+    "Search",
+    "autoconfigure",
+    "micro_batch_sizes",
+    "optimizer_costs",
+    "step_terms",
+]

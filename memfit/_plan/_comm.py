@@ -60,7 +60,7 @@ def ring_bytes(nbytes: float, ranks: int) -> float:
 
 def all_gather_time(nbytes: float, ranks: int, via: Link) -> float:
     """Seconds of an all-gather whose result is ``nbytes`` (a reduce-scatter of ``nbytes`` costs the same)."""
-    if ranks == 1:
+    if ranks == 1 or not nbytes:  # nothing to send: no collective is issued
         return 0.0
     return (ranks - 1) * via.latency + ring_bytes(nbytes, ranks) / via.bandwidth
 
