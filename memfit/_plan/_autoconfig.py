@@ -99,6 +99,21 @@ class Candidate:
     def step_time(self) -> float:
         return self.time.get("step", float("inf"))
 
+    def to_dict(self) -> dict:
+        return {
+            "micro_batch": self.micro_batch,
+            "accumulation": self.accumulation,
+            **dataclasses.asdict(self.layout),
+            "layout": self.layout.describe(),
+            "fits": self.fits,
+            "peak": self.peak,
+            "head": self.plan.head if self.plan else None,
+            "decisions": dict(self.plan.decisions) if self.plan else None,
+            "time_s": dict(self.time),
+            "tokens_per_second": self.tokens_per_second,
+            "lost": self.lost,
+        }
+
 
 @dataclass(frozen=True)
 class AutoConfig:
@@ -171,9 +186,9 @@ class AutoConfig:
         return [
             f"chosen: micro-batch {c.micro_batch} x accumulation {c.accumulation}, {c.layout.describe()}, "
             f"head {p.head}, blocks {kinds}",
-            f"  predicted step {t['step'] * 1e3:.1f} ms = compute {t['compute'] * 1e3:.1f} + recompute and offload "
-            f"{t['recompute'] * 1e3:.1f} + optimizer {t['optimizer'] * 1e3:.1f} + exposed communication "
-            f"{t['exposed_communication'] * 1e3:.1f} ms (of {t['communication'] * 1e3:.1f} ms on the links)",
+            f"  predicted step {_ms(t['step'])} = compute {_ms(t['compute'])} + recompute and offload "
+            f"{_ms(t['recompute'])} + optimizer {_ms(t['optimizer'])} + exposed communication "
+            f"{_ms(t['exposed_communication'])} (of {_ms(t['communication'])} on the links)",
             f"  per rank and step: all-gather {format_bytes(t['all_gather_bytes'])}, reduce-scatter "
             f"{format_bytes(t['reduce_scatter_bytes'])}, all-reduce {format_bytes(t['all_reduce_bytes'])}",
             f"  predicted peak {format_bytes(c.peak)} per rank at {p.forecast['at']}",
@@ -181,6 +196,16 @@ class AutoConfig:
 
     def __str__(self) -> str:
         return self.table()
+
+    def to_dict(self) -> dict:
+        return {
+            "budget": self.budget,
+            "global_batch": self.global_batch,
+            "tokens_per_sample": self.tokens_per_sample,
+            "device_profile": self.device,
+            "skipped_micro_batches": list(self.skipped),
+            "candidates": [c.to_dict() for c in self.candidates],  # the pick first
+        }
 
 
 def autoconfigure(
@@ -398,11 +423,16 @@ def _lost_on_time(c: Candidate, best: Candidate) -> Candidate:
     # per sample, so that configurations of different global batches compare
     per = {k: c.time[k] / _samples(c) - best.time[k] / _samples(best) for k in _TERMS}
     term = max(per, key=per.__getitem__)
-    delta = per[term] * _samples(c) * 1e3
+    delta = per[term] * _samples(c)
     if slower <= 1e-9:
         return dataclasses.replace(c, lost=f"time: as fast, at a larger peak than {format_bytes(best.peak)}")
-    why = f"{term.replace('_', ' ')} +{delta:.1f} ms" if per[term] > 0 else "fewer samples a step"
+    why = f"{term.replace('_', ' ')} +{_ms(delta)}" if per[term] > 0 else "fewer samples a step"
     return dataclasses.replace(c, lost=f"time: {slower:.1%} fewer tokens/s ({why})")
+
+
+def _ms(seconds: float) -> str:
+    """Seconds as milliseconds to 3 significant digits (microseconds of communication show)."""
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def _samples(c: Candidate) -> int:
