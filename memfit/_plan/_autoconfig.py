@@ -43,7 +43,10 @@ from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
 # Pricing communication]. The pick has the most tokens per second among the configurations
 # whose per-rank forecast peak fits; every other one lost on memory (no plan fits) or on time.
 # A larger micro-batch never needs less memory, so sizes above one that no layout fits are not
-# profiled.
+# profiled. With accumulation a > 1 the gradients accumulated so far (1/s of them sharded, all
+# of them replicated) are alive through every later micro-batch's forward and backward: they
+# are added to the term the forward starts from (before_blocks), an upper bound in a block's
+# backward, where the gradients of the blocks after it are counted already.
 
 _TERMS = ("compute", "recompute", "optimizer", "exposed_communication")
 
@@ -298,6 +301,9 @@ class Search:
     def price(self, profile: ModelProfile, b: int, accumulation: int, layout: Layout) -> Candidate:
         """One configuration: the planner's decisions at the budget and the step's time terms."""
         shard = layout.sharding
+        if accumulation > 1:  # see [Note: Searching configurations]
+            grads = profile.grad_rest_bytes + sum(blk.grad_bytes for blk in profile.blocks)
+            profile = dataclasses.replace(profile, before_blocks=profile.before_blocks - (-grads // layout.shard_size))
         try:
             head, chosen = _solve_with_heads(profile, self.budget, shard, self.decisions, self.chunk_head)
         except PlanError:

@@ -36,7 +36,7 @@ def test_the_pick_is_the_planners_plan_of_its_micro_batch():
         decisions=("keep", "full"),
         chunk_head=False,
     )
-    if best.layout.reshard_after_forward:
+    if best.layout.reshard_after_forward and best.accumulation == 1:  # as memfit.plan forecasts it
         assert again.decisions == result.plan.decisions and again.predicted_peak == best.peak
     assert result.plan.profile.step_time == again.profile.step_time  # the same trace, priced the same
     assert "chosen: micro-batch" in str(result) and json.dumps(result.to_dict())
