@@ -90,11 +90,17 @@ def test_the_pick_has_the_most_tokens_per_second_among_those_that_fit():
 
 
 def accumulating(profile, c):
-    """``profile`` with the gradients accumulated before the last micro-batch where the forward starts."""
-    if c.accumulation == 1:
-        return profile
+    """``profile`` with the gradients held beyond one micro-batch: accumulated ones where the
+    forward starts, and for torch DDP its buckets (a copy of every gradient) at every moment."""
     grads = profile.grad_rest_bytes + sum(b.grad_bytes for b in profile.blocks)
-    return dataclasses.replace(profile, before_blocks=profile.before_blocks - (-grads // c.layout.shard_size))
+    accumulated = -(-grads // c.layout.shard_size) if c.accumulation > 1 else 0
+    buckets = grads if c.layout.shard_size == 1 else 0
+    return dataclasses.replace(
+        profile,
+        before_blocks=profile.before_blocks + accumulated + buckets,
+        tail_transient=profile.tail_transient + buckets,
+        optimizer_peak=profile.optimizer_peak + buckets,
+    )
 
 
 def test_the_global_batch_is_kept_and_micro_batches_divide_it():
@@ -254,7 +260,7 @@ def _only(profile, at):
     return dataclasses.replace(profile, blocks=blocks)
 
 
-def test_accumulated_gradients_stay_through_later_micro_batches():
+def test_accumulated_gradients_and_ddp_buckets_are_held():
     """With accumulation > 1 the gradients so far (1/s of them sharded) are alive in the next
     micro-batch's forward and backward: the forecast adds them where the forward starts."""
     result = search(budget=10**7)
@@ -262,5 +268,6 @@ def test_accumulated_gradients_stay_through_later_micro_batches():
     for c in result.candidates:
         p = accumulating(profile_of(c.micro_batch), c)
         extra = -(-grads // c.layout.shard_size) if c.accumulation > 1 else 0
+        extra += grads if c.layout.shard_size == 1 else 0  # DDP's buckets
         assert p.before_blocks == profile_of(c.micro_batch).before_blocks + extra
         assert c.peak == forecast(p, list(c.plan.decisions.values()), c.layout.sharding)["peak"]
