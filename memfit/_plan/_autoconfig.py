@@ -47,10 +47,12 @@ from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
 # of them replicated) are alive through every later micro-batch's forward and backward: they
 # are added to the term the forward starts from (before_blocks), an upper bound in a block's
 # backward, where the gradients of the blocks after it are counted already. A replicated layout
-# runs as torch DDP, whose gradient buckets (gradient_as_bucket_view=False, its default) are a
-# copy of every gradient from the first backward on: added to the forward's start, the backward
-# before the blocks and the optimizer step (a tiny GPT-2 at micro-batch 1 x 4 on 2 gloo ranks
-# measured 0.44 MiB above the forecast without them).
+# runs as torch DDP, whose reducer holds a copy of every gradient (gradient_as_bucket_view=False,
+# its default) after the backward that reduces: added to the backward before the blocks and the
+# optimizer step and, with accumulation, to the forward's start (one rank of a tiny GPT-2 at
+# micro-batch 1 x 4 measured "other" bytes of one gradient copy above the same step at 1 x 1, and
+# 0.44 MiB above the forecast without it on 2 gloo ranks; at 1 x 1 MemoryMeter saw no copy at the
+# forward's start, where counting one put the forecast 14% above the measured peak).
 
 _TERMS = ("compute", "recompute", "optimizer", "exposed_communication")
 
@@ -332,7 +334,7 @@ def held_gradients(profile: ModelProfile, layout: Layout, accumulation: int) -> 
     buckets = grads if layout.shard_size == 1 and layout.world_size > 1 else 0
     return dataclasses.replace(
         profile,
-        before_blocks=profile.before_blocks + accumulated + buckets,
+        before_blocks=profile.before_blocks + accumulated + (buckets if accumulation > 1 else 0),
         tail_transient=profile.tail_transient + buckets,
         optimizer_peak=profile.optimizer_peak + buckets,
     )

@@ -91,13 +91,13 @@ def test_the_pick_has_the_most_tokens_per_second_among_those_that_fit():
 
 def accumulating(profile, c):
     """``profile`` with the gradients held beyond one micro-batch: accumulated ones where the
-    forward starts, and for torch DDP its buckets (a copy of every gradient) at every moment."""
+    forward starts, and for torch DDP its buckets (a copy of every gradient) after the reducing backward."""
     grads = profile.grad_rest_bytes + sum(b.grad_bytes for b in profile.blocks)
     accumulated = -(-grads // c.layout.shard_size) if c.accumulation > 1 else 0
     buckets = grads if c.layout.shard_size == 1 else 0
     return dataclasses.replace(
         profile,
-        before_blocks=profile.before_blocks + accumulated + buckets,
+        before_blocks=profile.before_blocks + accumulated + (buckets if c.accumulation > 1 else 0),
         tail_transient=profile.tail_transient + buckets,
         optimizer_peak=profile.optimizer_peak + buckets,
     )
@@ -268,6 +268,7 @@ def test_accumulated_gradients_and_ddp_buckets_are_held():
     for c in result.candidates:
         p = accumulating(profile_of(c.micro_batch), c)
         extra = -(-grads // c.layout.shard_size) if c.accumulation > 1 else 0
-        extra += grads if c.layout.shard_size == 1 else 0  # DDP's buckets
-        assert p.before_blocks == profile_of(c.micro_batch).before_blocks + extra
+        ddp = grads if c.layout.shard_size == 1 else 0  # DDP's buckets
+        assert p.before_blocks == profile_of(c.micro_batch).before_blocks + extra + (ddp if c.accumulation > 1 else 0)
+        assert p.optimizer_peak == profile_of(c.micro_batch).optimizer_peak + ddp
         assert c.peak == forecast(p, list(c.plan.decisions.values()), c.layout.sharding)["peak"]
