@@ -19,7 +19,16 @@ from memfit._checkpoint import (
     is_recomputing,
     remove_checkpointing,
 )
-from memfit._plan import DeviceProfile, Plan, PlanError, chunked_cross_entropy, parse_bytes, plan
+from memfit._plan import (
+    AutoConfig,
+    DeviceProfile,
+    Plan,
+    PlanError,
+    autoconfigure,
+    chunked_cross_entropy,
+    parse_bytes,
+    plan,
+)
 from memfit._shard import (
     FullyShardedDataParallel,
     MixedPrecision,
@@ -39,6 +48,7 @@ from memfit.memory import MemoryMeter
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutoConfig",
     "CheckpointError",
     "Decision",
     "DecisionKind",
@@ -51,6 +61,7 @@ __all__ = [
     "PlanError",
     "ShardOptions",
     "apply_activation_checkpointing",
+    "autoconfigure",
     "checkpoint",
     "checkpoint_module",
     "checkpoint_sequential",

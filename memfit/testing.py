@@ -18,6 +18,8 @@ from memfit._checkpoint._host import STATS as _OFFLOAD_STATS
 from memfit._checkpoint._host import OffloadStats, offloadable
 from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu
 from memfit._instrument import Hooks, Trace, switched
+from memfit._plan import _comm as comm
+from memfit._plan._autoconfig import Layout, Search, micro_batch_sizes
 from memfit._plan._calibrate import calibrate, device_profile
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, terms
@@ -45,9 +47,11 @@ __all__ = [
     "BlockProfile",
     "CostRecorder",
     "HostSyncCounter",
+    "Layout",
     "ModelProfile",
     "OpCost",
     "OpCounter",
+    "Search",
     "ShardedParam",
     "Sharding",
     "StepResult",
@@ -58,6 +62,7 @@ __all__ = [
     "checkpoint_chunks",
     "choose_device",
     "collective_stats",
+    "comm",
     "debug_collectives",
     "device_audit",
     "device_profile",
@@ -71,6 +76,7 @@ __all__ = [
     "live_checkpoint_frames",
     "measured_sharded_peak",
     "meta_accelerator",
+    "micro_batch_sizes",
     "offload_stats",
     "offload_writer",
     "offloadable",

@@ -10,6 +10,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -224,7 +225,7 @@ def _score_rates(device: torch.device, timed, rate: float) -> dict[str, float]:
 _FRESH = 32 * 2**20  # glibc's largest mmap threshold (64-bit): blocks this large are mapped afresh
 
 
-def _fresh_pages(timed) -> dict[str, float]:
+def _fresh_pages(timed) -> dict[str, Any]:
     """The first-touch rate of a freshly allocated 64 MiB block (above ``_FRESH``): writing it
     new each time, less writing it in place."""
     n = 2 * _FRESH // 4

@@ -20,6 +20,9 @@ class Sharding:
 
     world_size: int
     shard_size: int | None = None  # ranks a unit is sharded over; None: world_size
+    # False: blocks stay gathered from their forward to their backward (no second all-gather;
+    # see [Note: Sharded forecasts])
+    reshard_after_forward: bool = True
 
     def __post_init__(self) -> None:
         for name, v in (("world_size", self.world_size), ("shard_size", self.shard_size)):
@@ -44,9 +47,10 @@ class Sharding:
         return self.world_size // self.shards
 
     def describe(self) -> str:
+        kept = "" if self.reshard_after_forward or self.shards == 1 else ", blocks gathered forward to backward"
         if self.shards == self.world_size:
-            return f"world size {self.world_size}"
-        return f"world size {self.world_size}: {self.replicas} replicas x {self.shards} shards"
+            return f"world size {self.world_size}{kept}"
+        return f"world size {self.world_size}: {self.replicas} replicas x {self.shards} shards{kept}"
 
 
 # [Note: Sharded forecasts]
@@ -64,6 +68,9 @@ class Sharding:
 #                   backward of a block. At the end of forward the last block has resharded
 #                   and backward has not re-gathered it yet: counting them there over-forecast
 #                   BERT, GPT-2 and Llama at W = 2 and 4 by 2 blocks' parameters (+3.5% to +5.3%).
+# With reshard_after_forward=False a block is not freed after its forward: at the end of forward
+# every block is whole (all blocks' parameters, on top of the root's), and in the backward of
+# block i blocks 0..i still are (each is freed after its own backward; nothing is prefetched).
 # Nothing is gathered at the optimizer step. One shard (s = 1) gathers nothing. The root's
 # gradients (everything outside the blocks) are whole from the head's backward to the end of
 # backward, where the root reduce-scatters them last: its parameters are freed by then, its
@@ -93,6 +100,8 @@ def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
     if s > 1:  # see [Note: Sharded forecasts]
         t["gather_buffers"] = profile.param_bytes - sum(b.param_bytes for b in profile.blocks)
         t["unit_buffers"] = 2 * max(b.param_bytes for b in profile.blocks)
+        if sharding is not None and not sharding.reshard_after_forward:  # every block, at the end of forward
+            t["unit_buffers"] = sum(b.param_bytes for b in profile.blocks)
     return t
 
 
@@ -141,9 +150,12 @@ class _Moments:
         backward, grads_after = [0.0] * len(profile.blocks), 0.0
         # The root's gradients stay whole until its reduce-scatter, the last of the step.
         rest = profile.grad_rest_bytes
+        kept_whole = s > 1 and sharding is not None and not sharding.reshard_after_forward
         for i in reversed(range(len(profile.blocks))):
             own = profile.blocks[i].grad_bytes if s > 1 else 0  # unsharded until reduce-scattered
-            backward[i] = (rest if s > 1 else t["grad_rest"]) + grads_after + own + t["unit_buffers"]
+            # in flight: two blocks, or (kept gathered from forward) blocks 0..i
+            units = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
+            backward[i] = (rest if s > 1 else t["grad_rest"]) + grads_after + own + units
             grads_after += profile.blocks[i].grad_bytes / s
         # The root's reduce-scatter, after its parameters were freed: its whole gradients, the
         # send buffer they are copied into (as large) and the shard it receives.
@@ -156,7 +168,8 @@ class _Moments:
         return cls(
             terms=t,
             base=t["state"] + t["gather_buffers"] + t["before_blocks"],
-            end_of_forward=t["last_output"] + t["head_transient"],
+            # blocks kept gathered from forward are whole here too (unit_buffers: all of them)
+            end_of_forward=t["last_output"] + t["head_transient"] + (t["unit_buffers"] if kept_whole else 0.0),
             backward=backward,
             end_of_backward=end_of_backward,
             tail=tail,

@@ -111,12 +111,23 @@ class DeviceProfile:
     checkpoint_op: float = 0.0  # and per op it adds, beyond op_overhead
     fresh_threshold: float = 0.0  # outputs of at least this many bytes land in fresh pages (0: none do)
     fresh_bandwidth: float = 0.0  # bytes per second of touching fresh pages the first time
+    intra_node_bandwidth: float = 0.0  # bytes/s per rank, one direction (NVLink); 0: no figures
+    intra_node_latency: float = 0.0  # seconds per ring step within a node
+    inter_node_bandwidth: float = 0.0  # bytes/s per rank, one direction (its network card)
+    inter_node_latency: float = 0.0  # seconds per ring step between nodes
+    ranks_per_node: int = 8
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON
         rates = [*self.flops.values(), self.memory_bandwidth, self.offload_bandwidth]
         if "float32" not in self.flops or min(rates) <= 0 or min(self.op_overhead, self.matmul_latency) < 0:
             raise ValueError(f"memfit.DeviceProfile {self.name!r}: rates must be positive, float32 included")
+        links = (self.intra_node_bandwidth, self.intra_node_latency, self.inter_node_bandwidth, self.inter_node_latency)
+        if min(links) < 0 or self.ranks_per_node < 1:
+            raise ValueError(
+                f"memfit.DeviceProfile {self.name!r}: link bandwidths and latencies must be >= 0 (0: no figures) "
+                f"and ranks_per_node >= 1, got {links} and {self.ranks_per_node}"
+            )
 
     def rate(self, dtype: torch.dtype) -> float:
         return self.flops.get(str(dtype).removeprefix("torch."), self.flops["float32"])
@@ -159,6 +170,14 @@ class DeviceProfile:
 # x16 32 GB/s. Only what a data sheet states is set: no bandwidth curve, math, score or fresh-
 # page rates (an attention op costs its flops at the peak, as any matmul: the roofline), and no
 # checkpoint_time beyond op_overhead per op (the host's Python runs ahead of the device's queue).
+# Links, one direction per GPU (half of the data sheets' bidirectional NVLink figure):
+#   H100 SXM, H200 SXM  NVLink 900 GB/s -> 450e9 (NVIDIA H100 and H200 Tensor Core GPU data
+#                       sheets); between nodes one ConnectX-7 400 Gb/s InfiniBand NDR card per
+#                       GPU -> 50e9 (NVIDIA DGX H100/H200 data sheets: 8x ConnectX-7, 8 GPUs).
+#   A100 80GB SXM       NVLink 600 GB/s -> 300e9 (NVIDIA A100 data sheet); one ConnectX-6
+#                       200 Gb/s HDR card per GPU -> 25e9 (NVIDIA DGX A100 data sheet).
+# No data sheet states a latency: 3 us per ring step within a node and 10 us between nodes are
+# assumptions of the order NCCL's tests show for small messages, not published figures.
 PROFILES = {
     "h100": DeviceProfile(
         "h100",
@@ -167,6 +186,10 @@ PROFILES = {
         64e9,
         5e-6,
         "NVIDIA H100 SXM data sheet",
+        intra_node_bandwidth=450e9,
+        intra_node_latency=3e-6,
+        inter_node_bandwidth=50e9,
+        inter_node_latency=10e-6,
     ),
     "h200": DeviceProfile(
         "h200",
@@ -175,6 +198,10 @@ PROFILES = {
         64e9,
         5e-6,
         "NVIDIA H200 SXM data sheet",
+        intra_node_bandwidth=450e9,
+        intra_node_latency=3e-6,
+        inter_node_bandwidth=50e9,
+        inter_node_latency=10e-6,
     ),
     "a100": DeviceProfile(
         "a100",
@@ -183,11 +210,26 @@ PROFILES = {
         32e9,
         5e-6,
         "NVIDIA A100 80GB SXM data sheet",
+        intra_node_bandwidth=300e9,
+        intra_node_latency=3e-6,
+        inter_node_bandwidth=25e9,
+        inter_node_latency=10e-6,
     ),
     # A modest CPU: the default for a model on a CPU or the meta device, fixed so that plans are
     # the same everywhere (device_profile="calibrated" prices on this machine's measured rates).
+    # Its links are gloo over TCP, assumed (not measured): 1 GB/s and 50 us per ring step on one
+    # host, 1 GB/s (10 Gb/s Ethernet) and 100 us between hosts.
     "cpu": DeviceProfile(
-        "cpu", {"float32": 50e9}, 10e9, 1e9, 10e-6, "fixed rates of a modest CPU; 'calibrated' measures this one"
+        "cpu",
+        {"float32": 50e9},
+        10e9,
+        1e9,
+        10e-6,
+        "fixed rates of a modest CPU; 'calibrated' measures this one",
+        intra_node_bandwidth=1e9,
+        intra_node_latency=50e-6,
+        inter_node_bandwidth=1e9,
+        inter_node_latency=100e-6,
     ),
 }
 

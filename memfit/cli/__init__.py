@@ -69,6 +69,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     _shape_flags(pl)
     pl.add_argument("--json", help="write the plan here")
+    _auto_flags(pl)
 
     c = sub.add_parser("calibrate", help="measure this machine's rates for the planner's time model; cached")
     c.add_argument("--device", default="cpu", help="the device to measure: cpu (default), cuda, cuda:1, ...")
@@ -98,6 +99,16 @@ class _DefaultsShown(argparse.ArgumentDefaultsHelpFormatter):
         if action.default is None or "default" in (action.help or ""):
             return action.help or ""
         return super()._get_help_string(action) or ""
+
+
+def _auto_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--auto",
+        action="store_true",
+        help="search micro-batch, gradient accumulation, sharding layout and checkpointing for the most tokens/s "
+        "that fits --budget per rank on --world-size ranks (memfit.autoconfigure); --batch is the example batch",
+    )
+    p.add_argument("--global-batch", type=int, help="with --auto: samples per optimizer step (default: free)")
 
 
 def _device_flag(p: argparse.ArgumentParser) -> None:

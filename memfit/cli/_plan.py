@@ -31,6 +31,8 @@ class PlanConfig:
     seq: int | None = None
     batch: int | None = None
     json: str | None = None
+    auto: bool = False  # search the configuration (memfit.autoconfigure) instead of planning one
+    global_batch: int | None = None  # with auto: samples per optimizer step (None: free)
 
     def __post_init__(self) -> None:
         if self.model not in PRESETS:
@@ -43,6 +45,8 @@ class PlanConfig:
                 f"memfit plan: --shard-size {self.shard_size} must divide --world-size {self.world_size} "
                 "(hybrid sharding: world size = replicas x shard size)"
             )
+        if self.global_batch is not None and not self.auto:
+            raise ValueError("memfit plan: --global-batch is for --auto (the search over micro-batches)")
         if self.dtype not in DTYPES:
             raise ValueError(f"memfit plan: unknown --dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.device_profile not in (None, "calibrated", *PROFILES):
@@ -70,6 +74,8 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
         f"{cfg.model}: {preset.arch} {preset.resolved()}\n{params / 1e9:.2f}B parameters, AdamW, {cfg.dtype} "
         f"parameters, gradients and optimizer state, {layout}\ntime priced on: {device.name} ({why})\n"
     )
+    if cfg.auto:
+        return auto_command(cfg, model, batch, device)
     print(f"plan: profiling one batch on fake tensors and solving for {cfg.budget}", flush=True)
     plan = memfit.plan(
         model, batch, budget=cfg.budget, world_size=cfg.world_size, shard_size=cfg.shard_size, device_profile=device
@@ -78,6 +84,27 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     if cfg.json:
         write_json(cfg.json, plan.to_dict())
     return plan
+
+
+def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.DeviceProfile) -> memfit.Plan:
+    """`memfit plan --auto`: the configurations searched, why each lost, and the chosen one's plan."""
+    global_batch = f"global batch {cfg.global_batch}" if cfg.global_batch else "no global batch (accumulation 1)"
+    print(f"plan: searching configurations for {cfg.budget} per rank, {global_batch}", flush=True)
+    result = memfit.autoconfigure(
+        model,
+        batch,
+        budget=cfg.budget,
+        world_size=cfg.world_size,
+        global_batch=cfg.global_batch,
+        device_profile=device,
+        shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
+    )
+    print(result.table(limit=20))
+    print()
+    print(result.plan.table())
+    if cfg.json:
+        write_json(cfg.json, {"auto": result.to_dict(), "plan": result.plan.to_dict()})
+    return result.plan
 
 
 def _device_profile(name: str | None) -> tuple[memfit.DeviceProfile, str]:

@@ -1,0 +1,55 @@
+"""memfit.autoconfigure and `memfit plan --auto` on a tiny Llama: one process, the world size a
+number (the search is on paper). What it chooses is the planner's plan on the real trace of
+that micro-batch; no timings are asserted (times are priced, the same on every run)."""
+
+import dataclasses
+import json
+
+import pytest
+
+import memfit
+from memfit.cli import main
+from memfit.models import Shape, llama_lm, lm_batch
+
+SHAPE = Shape(layers=2, hidden=32, heads=4, seq=16, batch=2, vocab=256, dropout=0.0)
+
+
+def test_the_pick_is_the_planners_plan_of_its_micro_batch():
+    model, batch = llama_lm(SHAPE), lm_batch(SHAPE)
+    result = memfit.autoconfigure(
+        model, batch, budget="1GB", world_size=2, global_batch=4, decisions=("keep", "full"), chunk_head=False
+    )
+    assert {(c.micro_batch, c.accumulation) for c in result.candidates} == {(1, 2), (2, 1)}
+    assert {c.layout.describe() for c in result.candidates} == {
+        "replicated x2 (DDP)",
+        "full shard",
+        "full shard, no reshard",
+    }
+    assert result.tokens_per_second == pytest.approx(4 * SHAPE.seq / result.step_time)
+    best = result.best
+    again = memfit.plan(
+        model,
+        lm_batch(dataclasses.replace(SHAPE, batch=best.micro_batch)),
+        budget="1GB",
+        world_size=2,
+        shard_size=best.layout.shard_size,
+        decisions=("keep", "full"),
+        chunk_head=False,
+    )
+    if best.layout.reshard_after_forward and best.accumulation == 1:  # as memfit.plan forecasts it
+        assert again.decisions == result.plan.decisions and again.predicted_peak == best.peak
+    assert result.plan.profile.step_time == again.profile.step_time  # the same trace, priced the same
+    assert "chosen: micro-batch" in str(result) and json.dumps(result.to_dict())
+
+
+def test_plan_auto_prints_the_table_and_the_chosen_plan(capsys, tmp_path):
+    out = tmp_path / "auto.json"
+    argv = ["plan", "--model", "llama", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "2"]
+    argv += ["--auto", "--world-size", "2", "--global-batch", "4", "--budget", "1GB", "--json", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "configurations for world size 2, global batch 4" in text and "chosen: micro-batch" in text
+    assert "terms of the peak (per rank)" in text  # the chosen plan's own table
+    saved = json.loads(out.read_text())
+    assert saved["auto"]["candidates"][0]["lost"] == "" and saved["plan"]["world_size"] == 2
+    assert main(["plan", "--model", "llama", "--budget", "1GB", "--global-batch", "4"]) == 2  # --auto only

@@ -1,0 +1,274 @@
+"""memfit.autoconfigure's search and the time model's communication, on hand-built profiles
+and a fake device: no model runs. The arithmetic is the same as the code's, so comparisons
+are exact up to float rounding (pytest.approx, rel 1e-6)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import memfit
+from memfit.testing import (
+    DECISIONS,
+    BlockProfile,
+    Layout,
+    ModelProfile,
+    OpCost,
+    Search,
+    Sharding,
+    comm,
+    forecast,
+    micro_batch_sizes,
+    smallest_budget,
+)
+from memfit.testing import PROFILES as NAMED
+
+# A device whose links are slow enough for communication to matter: 4 ranks a node.
+FAKE = memfit.DeviceProfile(
+    "fake",
+    {"float32": 1e9},
+    1e9,
+    1e8,
+    0.0,
+    intra_node_bandwidth=1e7,
+    intra_node_latency=1e-5,
+    inter_node_bandwidth=1e6,
+    inter_node_latency=1e-4,
+    ranks_per_node=4,
+)
+OPT = [OpCost("aten._foreach_lerp_", flops=0, bytes=200_000, dtype=torch.float32, elements=50_000)]  # 0.2 ms on FAKE
+N_BLOCKS, P_BLOCK, P_ROOT = 4, 4_000, 8_000
+
+
+def profile_of(b: int) -> ModelProfile:
+    """A model whose activations and compute grow with the micro-batch ``b``, its state not."""
+    blocks = []
+    for i in range(N_BLOCKS):
+        kept = {"keep": 1_000 * b, "selective": 500 * b, "full": 100 * b, "offload": 0}
+        peak = {d: kept[d] + 2_000 * b for d in DECISIONS}
+        extra = {"keep": 0.0, "selective": 3e-4 * b, "full": 1e-3 * b, "offload": 1.5e-3 * b}
+        blocks.append(BlockProfile(f"b{i}", P_BLOCK, P_BLOCK, 100 * b, 100 * b, kept, peak, 1e-3 * b + 1e-4, extra))
+    params = N_BLOCKS * P_BLOCK + P_ROOT
+    # state = parameters + AdamW's two moments; a step: 3 x (blocks' forward) + the root's + the optimizer
+    step = 3 * sum(blk.forward_time for blk in blocks) + 2e-3 * b + FAKE.ops_time(OPT)
+    return ModelProfile(
+        blocks, 3 * params, params, 2 * params, P_ROOT, 200 * b, 100 * b, 1_500 * b, 4 * params, step_time=step
+    )
+
+
+SIZES, W = [1, 2, 4, 8], 8
+LAYOUTS = [Layout(W, 1), *(Layout(W, s, r) for s in (2, 4, 8) for r in (True, False))]
+
+
+def search(budget: int, global_batch: int | None = 64, **kw) -> memfit.AutoConfig:
+    s = Search(budget, W, global_batch, FAKE, OPT, tokens=128, **kw)
+    return s.run(profile_of, SIZES, LAYOUTS)
+
+
+def test_the_pick_has_the_most_tokens_per_second_among_those_that_fit():
+    result = search(budget=80_000)
+    fits = [c for c in result.candidates if c.fits]
+    assert {c.fits for c in result.candidates} == {True, False}  # the budget rules some out
+    assert result.best.tokens_per_second == max(c.tokens_per_second for c in fits)
+    assert result.tokens_per_second == 64 * 128 / result.step_time
+    # fits are ranked by tokens/s after the pick; each one's plan is memfit.plan's at the budget
+    assert [c.tokens_per_second for c in fits] == sorted((c.tokens_per_second for c in fits), reverse=True)
+    for c in fits:
+        assert c.peak <= 80_000
+        sharding = c.layout.sharding
+        plan = memfit.plan(
+            torch.nn.Linear(1, 1),
+            torch.ones(1),
+            budget=80_000,
+            world_size=W,
+            shard_size=c.layout.shard_size,
+            profile=accumulating(profile_of(c.micro_batch), c),
+            device_profile=FAKE,
+        )
+        if sharding.reshard_after_forward:  # memfit.plan forecasts resharding layouts
+            assert plan.decisions == c.plan.decisions and plan.predicted_peak == c.peak
+
+
+def accumulating(profile, c):
+    """``profile`` with the gradients held beyond one micro-batch: accumulated ones where the
+    forward starts, and for torch DDP its buckets (a copy of every gradient) after the reducing backward."""
+    grads = profile.grad_rest_bytes + sum(b.grad_bytes for b in profile.blocks)
+    accumulated = -(-grads // c.layout.shard_size) if c.accumulation > 1 else 0
+    buckets = grads if c.layout.shard_size == 1 else 0
+    return dataclasses.replace(
+        profile,
+        before_blocks=profile.before_blocks + accumulated + (buckets if c.accumulation > 1 else 0),
+        tail_transient=profile.tail_transient + buckets,
+        optimizer_peak=profile.optimizer_peak + buckets,
+    )
+
+
+def test_the_global_batch_is_kept_and_micro_batches_divide_it():
+    result = search(budget=120_000)
+    assert {c.micro_batch * c.accumulation * W for c in result.candidates} == {64}
+    assert micro_batch_sizes(8, 64, None, 64) == [1, 2, 4, 8]
+    assert micro_batch_sizes(4, 48, None, 64) == [1, 2, 4, 12]  # powers of two dividing 12, and 12
+    assert micro_batch_sizes(2, None, None, 20) == [1, 2, 4, 8, 16]
+    with pytest.raises(ValueError, match="global_batch 30 is not a multiple of world_size 8"):
+        micro_batch_sizes(8, 30, None, 64)
+    with pytest.raises(ValueError, match=r"micro_batches \[3\] do not divide the 8 samples"):
+        micro_batch_sizes(8, 64, [2, 3], 64)
+    free = search(budget=120_000, global_batch=None)  # accumulation 1: the global batch follows b
+    assert {c.accumulation for c in free.candidates} == {1}
+
+
+def test_runner_ups_say_why_they_lost():
+    result = search(budget=80_000)
+    assert result.best.lost == ""
+    for c in result.candidates[1:]:
+        if c.fits:
+            assert c.lost.startswith("time: ") and c.tokens_per_second <= result.tokens_per_second
+        else:  # its peak is the smallest budget any plan of it fits: above this one
+            assert c.lost.startswith("memory: needs ") and c.peak > 80_000
+    table = result.table()
+    assert table.count("\n* ") == 1 and "chosen: micro-batch" in table and "exposed communication" in table
+
+
+def test_the_fastest_loses_on_memory_below_its_smallest_budget():
+    """With room for all, the pick is the fastest; below the smallest budget any plan of it fits
+    it loses on memory, and the pick is the fastest of what still fits."""
+    roomy = search(budget=10**7)
+    fastest = roomy.best
+    floor = smallest_budget(profile_of(fastest.micro_batch), fastest.layout.sharding)
+    below = int(floor * 0.995)  # smallest_budget bisects to 1/2000 of it: 0.5% below is below
+    tight = search(budget=below)
+    assert (tight.micro_batch, tight.layout) != (fastest.micro_batch, fastest.layout)
+    same = [c for c in tight.candidates if (c.micro_batch, c.layout) == (fastest.micro_batch, fastest.layout)]
+    assert not same[0].fits and same[0].lost.startswith("memory") and same[0].peak >= below
+    fits = [c for c in roomy.candidates if c.peak <= below]  # fits at the tight budget keeping everything
+    assert tight.tokens_per_second >= max(c.tokens_per_second for c in fits)
+
+
+def test_sizes_above_one_that_fits_no_layout_are_not_profiled():
+    seen = []
+
+    def counting(b):
+        seen.append(b)
+        return profile_of(b)
+
+    s = Search(50_000, W, 64, FAKE, OPT, tokens=128)
+    result = s.run(counting, SIZES, LAYOUTS)
+    assert seen == [1, 2, 4] and result.skipped == (8,)
+    assert not any(c.fits for c in result.candidates if c.micro_batch == 4)
+    with pytest.raises(memfit.PlanError, match=r"fits 29.30 KiB per rank\. The smallest budget that fits is 42.69 KiB"):
+        search(budget=30_000)
+
+
+def test_step_time_is_its_named_terms():
+    result = search(budget=10**7)
+    for c in result.candidates:
+        t, p = c.time, profile_of(c.micro_batch)
+        s = c.layout.shard_size
+        assert t["compute"] == pytest.approx(c.accumulation * (p.step_time - FAKE.ops_time(OPT)))
+        assert t["recompute"] == pytest.approx(c.accumulation * c.plan.predicted_overhead)
+        # the optimizer step over 1/s of the state: 200 kB / s at 1 GB/s
+        assert t["optimizer"] == pytest.approx(200_000 / s / 1e9)
+        assert t["step"] == pytest.approx(t["compute"] + t["recompute"] + t["optimizer"] + t["exposed_communication"])
+        assert 0 <= t["exposed_communication"] <= t["communication"] + 1e-12
+
+
+def test_collectives_cost_their_ring():
+    link = comm.Link("intra-node", 1e8, 1e-5)
+    # 4 ranks: 3 ring steps of latency, 3/4 of 1 MB sent per rank
+    assert comm.all_gather_time(1e6, 4, link) == pytest.approx(3 * 1e-5 + 0.75e6 / 1e8)
+    assert comm.reduce_scatter_time(1e6, 4, link) == comm.all_gather_time(1e6, 4, link)
+    assert comm.all_reduce_time(1e6, 4, link) == pytest.approx(2 * comm.all_gather_time(1e6, 4, link))
+    assert comm.all_gather_time(1e6, 1, link) == 0.0
+    # links: 4 consecutive ranks share a node of 4; 8 ranks, or 2 ranks 4 apart, do not
+    assert comm.link(FAKE, 4).name == "intra-node" and comm.link(FAKE, 4).bandwidth == 1e7
+    assert comm.link(FAKE, 8).name == comm.link(FAKE, 2, stride=4).name == "inter-node"
+    assert comm.link(FAKE, 2, stride=2).latency == 1e-5
+    # a profile without link figures (a calibration) prices on the cpu profile's
+    bare = memfit.DeviceProfile("bare", {"float32": 1e9}, 1e9, 1e8, 0.0)
+    assert comm.link(bare, 2) == comm.link(NAMED["cpu"], 2)
+    h100 = NAMED["h100"]
+    assert comm.link(h100, 8).bandwidth == 450e9 and comm.link(h100, 16).bandwidth == 50e9
+
+
+def test_communication_hides_behind_the_next_units_compute():
+    # forward: all-gathers 0.5, 0.5, 2.0 s, each unit computes 1 s. Unit 0 waits 0.5; unit 1's
+    # gather (issued at 0.5) is done at 1.0, before unit 0 ends (1.5); unit 2's (issued at 1.5)
+    # ends at 3.5: unit 2 waits 1.0 s. Exposed: 0.5 + 1.0 of the 3.0 s on the link.
+    end, busy = comm.phase_end([1.0, 1.0, 1.0], [0.5, 0.5, 2.0], [0.0, 0.0, 0.0])
+    assert (end - 3.0, busy) == pytest.approx((1.5, 3.0))
+    # backward: reduce-scatters of 0.5 s after each unit; the first hides behind the second
+    # unit's compute, the last has nothing after it.
+    end, busy = comm.phase_end([1.0, 1.0], [0.0, 0.0], [0.5, 0.5])
+    assert (end - 2.0, busy) == pytest.approx((0.5, 1.0))
+    # a unit that needs no all-gather does not wait behind a reduce-scatter on the link
+    end, _ = comm.phase_end([1.0, 1.0, 1.0], [0.0, 0.0, 0.0], [5.0, 0.0, 0.0])
+    assert end == pytest.approx(6.0)  # 3 s of compute; the 5 s reduce ends at 6 s
+
+
+def test_bytes_per_rank_per_micro_batch():
+    units = comm.Units(P_ROOT, P_ROOT, [P_BLOCK] * 4, [P_BLOCK] * 4, 1e-3, 2e-3, [1e-3] * 4, [2e-3] * 4)
+    blocks = 4 * P_BLOCK
+    full = comm.micro_batch_comm(units, 4, 4, True, True, FAKE)
+    # forward gathers every unit, backward every block again; gradients reduce-scattered once
+    assert full["all_gather_bytes"] == pytest.approx((P_ROOT + 2 * blocks) * 3 / 4)
+    assert full["reduce_scatter_bytes"] == pytest.approx((P_ROOT + blocks) * 3 / 4)
+    assert full["all_reduce_bytes"] == 0.0
+    kept = comm.micro_batch_comm(units, 4, 4, False, True, FAKE)  # no second gather
+    assert kept["all_gather_bytes"] == pytest.approx((P_ROOT + blocks) * 3 / 4)
+    assert kept["exposed_communication"] <= full["exposed_communication"]
+    hybrid = comm.micro_batch_comm(units, 8, 4, True, True, FAKE)  # 2 replicas: all-reduce the 1/4 shard
+    assert hybrid["all_reduce_bytes"] == pytest.approx(2 * (P_ROOT + blocks) / 4 * 1 / 2)
+    ddp_last = comm.micro_batch_comm(units, 8, 1, True, True, FAKE)
+    ddp_other = comm.micro_batch_comm(units, 8, 1, True, False, FAKE)  # under no_sync
+    assert ddp_last["all_reduce_bytes"] == pytest.approx(2 * (P_ROOT + blocks) * 7 / 8)
+    assert ddp_other["all_reduce_bytes"] == ddp_other["exposed_communication"] == 0.0
+
+
+def test_blocks_kept_gathered_from_forward_cost_their_parameters():
+    """reshard_after_forward=False: at the end of forward every block is whole on top of what
+    resharding holds; in block i's backward blocks 0..i are, instead of two blocks."""
+    p = profile_of(2)
+    keep = ["keep"] * N_BLOCKS
+    resharded, kept = Sharding(4), Sharding(4, None, False)
+    moments = lambda s: {k: v for k, v in forecast_moments(p, keep, s).items()}  # noqa: E731
+    a, b = moments(resharded), moments(kept)
+    assert b["end of forward"] - a["end of forward"] == N_BLOCKS * P_BLOCK
+    for i in range(N_BLOCKS):
+        assert b[f"backward of b{i}"] - a[f"backward of b{i}"] == (i + 1) * P_BLOCK - 2 * P_BLOCK
+    assert forecast(p, keep, kept)["peak"] >= forecast(p, keep, resharded)["peak"]
+    assert "blocks gathered forward to backward" in kept.describe()
+
+
+def forecast_moments(profile, decisions, sharding):
+    """Every moment of the forecast, by name: the peak of a profile whose moment is made the only large one."""
+    out = {}
+    for at in ["end of forward", *(f"backward of b{i}" for i in range(N_BLOCKS))]:
+        f = forecast(_only(profile, at), decisions, sharding)
+        assert f["at"] == at
+        out[at] = f["peak"]
+    return out
+
+
+def _only(profile, at):
+    """``profile`` with ``at`` the peak moment: a large head for the end of forward, a large
+    working set in one block's backward otherwise."""
+    if at == "end of forward":
+        return dataclasses.replace(profile, head_transient=10**7)
+    i = int(at.removeprefix("backward of b"))
+    blocks = list(profile.blocks)
+    blocks[i] = dataclasses.replace(blocks[i], peak={d: 10**7 for d in DECISIONS})
+    return dataclasses.replace(profile, blocks=blocks)
+
+
+def test_accumulated_gradients_and_ddp_buckets_are_held():
+    """With accumulation > 1 the gradients so far (1/s of them sharded) are alive in the next
+    micro-batch's forward and backward: the forecast adds them where the forward starts."""
+    result = search(budget=10**7)
+    grads = P_ROOT + N_BLOCKS * P_BLOCK
+    for c in result.candidates:
+        p = accumulating(profile_of(c.micro_batch), c)
+        extra = -(-grads // c.layout.shard_size) if c.accumulation > 1 else 0
+        ddp = grads if c.layout.shard_size == 1 else 0  # DDP's buckets
+        assert p.before_blocks == profile_of(c.micro_batch).before_blocks + extra + (ddp if c.accumulation > 1 else 0)
+        assert p.optimizer_peak == profile_of(c.micro_batch).optimizer_peak + ddp
+        assert c.peak == forecast(p, list(c.plan.decisions.values()), c.layout.sharding)["peak"]
