@@ -174,6 +174,8 @@ class Plan:
         p = self.profile
         if p.head_chunked is None:
             return []
+        if p.head_transient <= p.head_chunked and self.head == "plain":
+            return ["head and loss: plain (chunking them would save nothing here)"]
         saved = format_bytes(p.head_transient - p.head_chunked)
         cost = f"{p.head_chunked_time * 1e3:.1f} ms"
         if self.head == "chunked":
@@ -216,29 +218,42 @@ class Plan:
         return lines
 
     def _levers(self) -> list[str]:
-        """Every way to save memory the forecast prices, cheapest first: added step time per
-        GiB saved against this plan's reference (every activation kept, the head plain)."""
-        levers = []
-        p = self.profile
-        for kind in self._allowed():
-            saved = sum(b.kept["keep"] - b.kept[kind] for b in p.blocks)
-            if kind != "keep" and saved > 0:
-                levers.append((f"{kind} on every block", saved, sum(b.extra_time[kind] for b in p.blocks)))
-        if p.head_chunked is not None and p.head_transient > p.head_chunked:
-            levers.append(("chunk the head and loss", p.head_transient - p.head_chunked, p.head_chunked_time))
-        if self.sharding and self.sharding.shards > 1:
-            saved, seconds = state_offload(p, self.sharding)
+        """Every way to lower the peak the forecast prices, cheapest first: step time added per
+        GiB the predicted peak drops, against keeping every activation with the head plain."""
+        p, shard = self.profile, self.sharding
+        keep = ["keep"] * len(p.blocks)
+        base = _forecast(p, keep, shard, "plain")["peak"]
+        levers = [
+            (
+                f"{kind} on every block",
+                base - (f := _forecast(p, [kind] * len(p.blocks), shard, "plain"))["peak"],
+                f["extra_time"],
+            )
+            for kind in self._allowed()
+            if kind != "keep"
+        ]
+        if p.head_chunked is not None:
+            levers.append(
+                ("chunk the head and loss", base - _forecast(p, keep, shard, "chunked")["peak"], p.head_chunked_time)
+            )
+        if shard and shard.shards > 1:
+            saved, seconds = state_offload(p, shard)
             levers.append(("model state offload (memfit.shard(offload='cpu'))", saved, seconds))
+        useful = sorted((lever for lever in levers if lever[1] > 0), key=lambda lever: lever[2] / lever[1])
         if not levers:
             return []
-        levers.sort(key=lambda lever: lever[2] / lever[1])
-        lines = ["levers, cheapest first (step time added per GiB saved):"]
+        lines = [
+            f"levers that lower the peak, cheapest first (ms added a step per GiB off the keep-everything peak, {format_bytes(base)}):"
+        ]
         width = max(len(name) for name, _, _ in levers) + 2
-        for name, saved, seconds in levers:
+        for name, saved, seconds in useful:
             lines.append(
                 f"  {name:<{width}}saves {format_bytes(saved):>11} for {seconds * 1e3:>9.1f} ms"
                 f"  = {seconds * 1e3 / (saved / 2**30):>9.1f} ms/GiB"
             )
+        if useless := [name for name, saved, _ in levers if saved <= 0]:
+            at = _forecast(p, keep, shard, "plain")["at"]
+            lines.append(f"  not lowering the peak (set at {at}): {', '.join(useless)}")
         return lines
 
     def to_dict(self) -> dict:

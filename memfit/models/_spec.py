@@ -10,6 +10,7 @@ return an ``nn.Module`` (see :func:`loss_of` for what its forward may return).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Callable
@@ -34,15 +35,21 @@ class ModelSpec:
 
 
 def resolve(
-    name: str, *, layers: int | None = None, hidden: int | None = None, command: str = "memfit train"
+    name: str,
+    *,
+    layers: int | None = None,
+    hidden: int | None = None,
+    seq: int | None = None,
+    batch: int | None = None,
+    command: str = "memfit train",
 ) -> ModelSpec:
     """The ModelSpec of ``name``: a preset name, a path to a ``config.json`` (or a directory
     holding one), or ``pkg.module:function``. ``layers``/``hidden`` resize presets only;
-    ``command`` starts the error messages."""
+    ``seq``/``batch`` replace the defaults of any; ``command`` starts the error messages."""
     from memfit.models import PRESETS
 
     if name in PRESETS:
-        preset = PRESETS[name].resized(layers=layers, hidden=hidden)
+        preset = PRESETS[name].resized(layers=layers, hidden=hidden, seq=seq, batch=batch)
         arch = "bert" if preset.arch == "bert" else "causal"
         about = f"{preset.arch} {preset.resolved()}"
         return ModelSpec(name, arch, preset.build, preset.shape.seq, preset.shape.batch, about)
@@ -54,7 +61,8 @@ def resolve(
         )
     if layers or hidden:
         raise ValueError(f"{command}: --layers and --hidden resize presets; edit the config or factory instead")
-    return _from_config(name, command) if is_config else _from_factory(name, command)
+    spec = _from_config(name, command) if is_config else _from_factory(name, command)
+    return dataclasses.replace(spec, seq=seq or spec.seq, batch=batch or spec.batch)
 
 
 def _from_config(path: str, command: str) -> ModelSpec:
@@ -116,7 +124,7 @@ def layer_class(model: nn.Module) -> type[nn.Module]:
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise ValueError(
-            f"memfit train: cannot find the repeated blocks of {type(model).__name__} (no nn.ModuleList); "
+            f"memfit: cannot find the repeated blocks of {type(model).__name__} (no nn.ModuleList); "
             "keep the blocks in an nn.ModuleList"
         )
     return type(max(lists, key=len)[0])
