@@ -243,7 +243,8 @@ class Plan:
         if not levers:
             return []
         lines = [
-            f"levers that lower the peak, cheapest first (ms added a step per GiB off the keep-everything peak, {format_bytes(base)}):"
+            "levers that lower the peak, cheapest first (ms added a step per GiB off the keep-everything "
+            f"peak, {format_bytes(base)}):"
         ]
         width = max(len(name) for name, _, _ in levers) + 2
         for name, saved, seconds in useful:

@@ -126,11 +126,13 @@ def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[s
     flags.update(batch=rows, checkpointing=kind, hybrid_shards=cfg.shard_size or 0)
     flags = {k: v for k, v in flags.items() if v not in (None, 0)}
     launcher = f"torchrun --nproc-per-node {cfg.world_size} -m memfit" if cfg.world_size > 1 else "memfit"
+    budget = describe_bytes(plan.budget)
+    dtype = "" if cfg.dtype == "fp32" else f"; it trains in fp32, not {cfg.dtype}"
     lines = [
         "",
         f"memfit train applies one kind to every block: --checkpointing {kind} predicts "
-        f"{format_bytes(uniform.predicted_peak)} ({fits} {describe_bytes(plan.budget)}), {uniform.predicted_overhead * 1e3:.1f} ms of "
-        f"recompute a step{'' if cfg.dtype == 'fp32' else f'; it trains in fp32, not {cfg.dtype}'}",
+        f"{format_bytes(uniform.predicted_peak)} ({fits} {budget}), {uniform.predicted_overhead * 1e3:.1f} ms of "
+        f"recompute a step{dtype}",
     ]
     if cfg.emit:
         with open(cfg.emit, "w") as f:
