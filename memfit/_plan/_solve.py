@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -176,7 +177,7 @@ class _Moments:
             gradients=gradients,
         )
 
-    def parts_at(self, where: str, profile: ModelProfile, kept: list[float], decisions: list[str]) -> dict:
+    def parts_at(self, where: str, profile: ModelProfile, kept: Sequence[float], decisions: list[str]) -> dict:
         """The named parts of moment ``where`` under ``decisions``: they add up to its bytes."""
         if where == "end of forward":
             return {**self.parts[where], "kept_activations": sum(kept)}
