@@ -111,7 +111,7 @@ def _from_factory(spec: str, command: str) -> ModelSpec:
             raise TypeError(f"{command}: {spec} returned {type(model).__name__}, not a torch.nn.Module")
         return model
 
-    return ModelSpec(spec, "causal", build, 128, 8, f"the module {spec}() returns")
+    return ModelSpec(spec, "causal", build, 128, 8, f"what {spec}() returns")
 
 
 def layer_class(model: nn.Module) -> type[nn.Module]:

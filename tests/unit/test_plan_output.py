@@ -93,3 +93,21 @@ def test_a_decimal_budget_is_shown_with_its_binary_size():
     profile = synthetic(3)
     plan = memfit.plan(torch.nn.Linear(2, 2), {}, budget="30KB", profile=profile)
     assert "budget 30 KB = 29.30 KiB in one process:" in plan.table()
+
+
+@pytest.mark.parametrize("fraction", [0.2, 0.5, 0.8, 1.0])
+def test_the_run_handed_to_train_is_the_cheapest_uniform_kind_that_fits(tmp_path, fraction):
+    # See [Note: From a plan to a run]: memfit train takes one --checkpointing kind for all blocks.
+    from memfit.cli._plan import PlanConfig, run_lines
+
+    profile = synthetic(4)
+    peaks = {k: forecast(profile, [k] * 4) for k in ("keep", "selective", "full")}
+    budget = int(peaks["full"]["peak"] + fraction * (peaks["keep"]["peak"] - peaks["full"]["peak"]))
+    plan = memfit.plan(torch.nn.Linear(2, 2), {}, budget=budget, profile=profile)
+    fitting = {k: f["extra_time"] for k, f in peaks.items() if f["peak"] <= budget}
+    want = min(fitting, key=fitting.__getitem__)
+    emit = tmp_path / "run.toml"
+    lines = run_lines(PlanConfig(model="gpt2", budget=str(budget), emit=str(emit)), plan, 16, 2)
+    assert lines[-1] == f"run it: memfit train --config {emit}"
+    assert f"--checkpointing {want} predicts {format_bytes(peaks[want]['peak'])} (fits " in lines[-2]
+    assert f'checkpointing = "{want}"' in emit.read_text()
