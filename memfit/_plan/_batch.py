@@ -1,21 +1,5 @@
 """The example batch checked against the model before planning: a batch the real step would
 refuse must not be planned for.
-
-[Note: Checking the batch before planning]
-The planner runs the step on fake tensors, which carry shapes and dtypes but no values, and
-an embedding lookup on fake tensors never reads the ids. So a 128-token batch for a model with
-64 learned positions, or ids beyond the vocabulary, profiled without complaint and "fit", and
-the real step then failed (an index error, or a device-side assert on a GPU). ``check_batch``
-reads what the model says about itself (a transformers ``config``, or its input embedding) and
-refuses, naming the argument and the limit:
-  - token ids (``input_ids``; a tensor or the first positional argument of a transformers
-    model) must be an integer tensor [batch, seq];
-  - their values in [0, vocabulary size), and ``labels`` too, except the ignored -100;
-  - ``token_type_ids`` below the config's ``type_vocab_size``;
-  - seq at most the positions the model learned (an ``nn.Embedding`` as large as the config's
-    ``max_position_embeddings`` or ``n_positions``: BERT, GPT-2). Rotary models (Llama) have no
-    such table and run longer sequences; they are not limited here.
-Values are read only from tensors that have them (not on the meta device).
 """
 
 from __future__ import annotations
@@ -26,6 +10,21 @@ from torch import nn
 IGNORE_INDEX = -100  # the labels cross-entropy skips (transformers, torch's default)
 
 
+# [Note: Checking the batch before planning]
+# The planner runs the step on fake tensors, which carry shapes and dtypes but no values, and
+# an embedding lookup on fake tensors never reads the ids. So a 128-token batch for a model with
+# 64 learned positions, or ids beyond the vocabulary, profiled without complaint and "fit", and
+# the real step then failed (an index error, or a device-side assert on a GPU). ``check_batch``
+# reads what the model says about itself (a transformers ``config``, or its input embedding) and
+# refuses, naming the argument and the limit:
+#   - token ids (``input_ids``; a tensor or the first positional argument of a transformers
+#     model) must be an integer tensor [batch, seq];
+#   - their values in [0, vocabulary size), and ``labels`` too, except the ignored -100;
+#   - ``token_type_ids`` below the config's ``type_vocab_size``;
+#   - seq at most the positions the model learned (an ``nn.Embedding`` as large as the config's
+#     ``max_position_embeddings`` or ``n_positions``: BERT, GPT-2). Rotary models (Llama) have no
+#     such table and run longer sequences; they are not limited here.
+# Values are read only from tensors that have them (not on the meta device).
 def check_batch(model: nn.Module, example_inputs: object) -> None:
     """Raise ValueError when ``example_inputs`` cannot run through ``model``'s real step. See
     [Note: Checking the batch before planning]."""

@@ -127,7 +127,7 @@ def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[s
     flags = {k: v for k, v in flags.items() if v not in (None, 0)}
     launcher = f"torchrun --nproc-per-node {cfg.world_size} -m memfit" if cfg.world_size > 1 else "memfit"
     budget = describe_bytes(plan.budget)
-    dtype = "" if cfg.dtype == "fp32" else f"; it trains in fp32, not {cfg.dtype}"
+    dtype = "" if cfg.dtype == "fp32" else f"; it trains in fp32, which this {cfg.dtype} forecast does not cover"
     lines = [
         "",
         f"memfit train applies one kind to every block: --checkpointing {kind} predicts "
