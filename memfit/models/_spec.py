@@ -115,12 +115,16 @@ def _from_factory(spec: str, command: str) -> ModelSpec:
 
 
 def layer_class(model: nn.Module) -> type[nn.Module]:
-    """The class of the model's repeated blocks, the units to shard and checkpoint: the
-    transformers ``_no_split_modules`` class, else the class of the longest ModuleList's items."""
+    """The class of the model's repeated blocks, the units to shard and checkpoint: of the
+    transformers ``_no_split_modules`` classes, the most frequent (those kept in an nn.ModuleList
+    first: BERT lists BertEmbeddings there too, and the first one found is not the block); else
+    the class of the longest ModuleList's items."""
     names = set(getattr(model, "_no_split_modules", None) or ())
-    for m in model.modules():
-        if type(m).__name__ in names:
-            return type(m)
+    found = [type(m) for m in model.modules() if type(m).__name__ in names]
+    in_lists = {type(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+    listed = [c for c in found if c in in_lists] or found
+    if listed:
+        return max(dict.fromkeys(listed), key=listed.count)
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
     if not lists:
         raise ValueError(

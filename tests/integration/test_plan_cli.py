@@ -175,3 +175,18 @@ def test_plan_ends_with_the_run_that_applies_it(tmp_path, capsys):
     assert (train.checkpointing, train.hybrid_shards) == ("keep", 2)
     assert main(["plan", *TINY, "--budget", "1GB", "--emit", str(tmp_path / "run.json")]) == 2
     assert "--emit" in capsys.readouterr().err
+
+
+def test_the_blocks_of_a_spec_are_its_repeated_layers():
+    # BERT's _no_split_modules lists BertEmbeddings beside BertLayer: the first one found (the
+    # embeddings) was taken for the block by bench and train.
+    import torch
+
+    from memfit.models import PRESETS
+    from memfit.models._spec import layer_class
+
+    for name in ("bert", "gpt2", "llama"):
+        for layers in (1, 2):
+            with torch.device("meta"):
+                model = PRESETS[name].resized(layers=layers, hidden=32).build()
+            assert layer_class(model) is PRESETS[name].layer_class(), (name, layers)
