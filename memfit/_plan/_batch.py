@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 IGNORE_INDEX = -100  # the labels cross-entropy skips (transformers, torch's default)
 
@@ -81,10 +82,14 @@ def _where(inputs: object, name: str) -> str:
 def _check_range(t: torch.Tensor, limit: int, where: str, what: str, ignore: int | None = None) -> None:
     if t.device.type == "meta" or t.numel() == 0:
         return
-    values = t[t != ignore] if ignore is not None else t
-    if values.numel() == 0:
+    # Outside any dispatch mode: a MemoryMeter around memfit.plan would count the caller's
+    # batch as read here, and the planner holds no tensor memory of its own.
+    with _disable_current_modes():
+        low, high = int(t.min()), int(t.max())
+        if ignore is not None and low == ignore:
+            low = int(t[t != ignore].min()) if high != ignore else low
+    if ignore is not None and high == ignore:  # every value ignored
         return
-    low, high = int(values.min()), int(values.max())
     if low < 0 or high >= limit:
         bad = high if high >= limit else low
         allowed = f"in [0, {limit})" + (f" or {ignore} (ignored)" if ignore is not None else "")
