@@ -58,3 +58,15 @@ def format_bytes(n: float, *, up: bool = False) -> str:
         if abs(n) >= size:
             return f"{(math.ceil(n / size * 100) / 100 if up else n / size):.2f} {unit}"
     return f"{math.ceil(n) if up else n:.0f} B"
+
+
+def describe_bytes(n: float) -> str:
+    """``n`` as :func:`format_bytes` writes it, after the decimal amount a user wrote when it is
+    a whole number of KB, MB, GB or TB (to 2 decimals): ``describe_bytes(80 * 10**9) == "80 GB = 74.51 GiB"``."""
+    binary = format_bytes(n)
+    if n % 2**20 == 0:  # a binary amount: as written
+        return binary
+    for unit, size in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if n >= size and (n * 100) % size == 0:
+            return f"{n / size:g} {unit} = {binary}"
+    return binary

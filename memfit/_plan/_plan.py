@@ -12,7 +12,8 @@ from typing import Any
 from torch import nn
 
 from memfit._checkpoint import Decision, Offload, remove_checkpointing
-from memfit._plan._budget import format_bytes, parse_bytes
+from memfit._plan._batch import check_batch
+from memfit._plan._budget import describe_bytes, format_bytes, parse_bytes
 from memfit._plan._calibrate import device_profile as _device_profile
 from memfit._plan._head import chunk_head, unchunk_head
 from memfit._plan._profile import (
@@ -37,8 +38,17 @@ _TERMS = {
     "tail_transient": "the backward before the blocks (embeddings): gradients outside the blocks, temporaries",
     "gather_buffers": "sharded: the root's full parameters (outside the blocks), from forward to backward",
     "unit_buffers": "sharded, in backward: two blocks' full parameters (the one computing, the one prefetched)",
-    "kept_activations": "what the blocks keep for backward under their decisions",
+    "kept_activations": "what the blocks keep for backward (in a block's backward: the blocks before it)",
+    "gradients": "gradients alive at this moment (sharded: 1/shards, the block in flight whole)",
+    "block_backward": "the backward of the block computing: its recompute, its kept tensors' gradients",
+    "root_reduce": "sharded: the root's whole gradients and their send buffer, reduce-scattered last",
+    "bookkeeping": "sharded: 1 KiB per unit of reduce bookkeeping",
+    "leftover": "what the forward leaves alive after backward (cached masks)",
 }
+_LEGEND = (
+    "kept: the activations a block keeps for backward under its decision; saved: kept less than keeping "
+    "them all; extra ms: the recompute (or offload) time its decision adds to a step"
+)
 
 
 class PlanError(ValueError):
@@ -132,7 +142,7 @@ class Plan:
                 lines.append(
                     f"{path:<{width}}{d:<11}{format_bytes(kept):>12}{format_bytes(keep - kept):>12}{extra * 1e3:>10.1f}"
                 )
-        return "\n".join([*lines, "", *self._verdict(), *self._terms()])
+        return "\n".join([*lines, _LEGEND, "", *self._verdict(), *self._terms(), *self._levers()])
 
     def _verdict(self) -> list[str]:
         f, shard = self.forecast, self.sharding
@@ -144,14 +154,13 @@ class Plan:
         else:
             verdict = "fits" if f["peak"] <= self.budget else "does not fit"
             head = (
-                f"budget {format_bytes(self.budget)} {where}: {verdict}, predicted peak {format_bytes(f['peak'])} "
+                f"budget {describe_bytes(self.budget)} {where}: {verdict}, predicted peak {format_bytes(f['peak'])} "
                 f"at {f['at']} ({format_bytes(self.budget - f['peak'])} to spare)"
             )
         source = f" ({self.profile.device_source})" if self.profile.device_source else ""
         return [
             head,
             *self._head_line(),
-            *self._offload_line(),
             f"smallest budget any plan fits: {format_bytes(floor, up=True)}; keeping every activation: "
             f"{format_bytes(keep_all, up=True)}",
             f"what to change: {self._change(keep_all)}",
@@ -164,21 +173,13 @@ class Plan:
         p = self.profile
         if p.head_chunked is None:
             return []
+        if p.head_transient <= p.head_chunked and self.head == "plain":
+            return ["head and loss: plain (chunking them would save nothing here)"]
         saved = format_bytes(p.head_transient - p.head_chunked)
         cost = f"{p.head_chunked_time * 1e3:.1f} ms"
         if self.head == "chunked":
             return [f"head and loss: chunked (memfit.chunked_cross_entropy), {saved} of logits saved for {cost}"]
         return [f"head and loss: plain (chunking them would save {saved} for {cost})"]
-
-    def _offload_line(self) -> list[str]:
-        if not self.sharding or self.sharding.shards == 1:
-            return []
-        saved, seconds = state_offload(self.profile, self.sharding)
-        return [
-            f"model state in host memory (memfit.shard(offload='cpu'), every unit): would save "
-            f"{format_bytes(saved)} per rank for about {seconds * 1e3:.0f} ms a step (forecast only; not chosen by "
-            "the solver)"
-        ]
 
     def _allowed(self) -> tuple[str, ...]:
         return tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)
@@ -191,16 +192,69 @@ class Plan:
         shard = self.sharding if self.sharding and self.sharding.world_size > 1 else None
         more = format_bytes(keep_all - (self.budget if self.budget is not None else self.forecast["peak"]), up=True)
         text = f"{more} more {'per rank' if shard else 'memory'} keeps every activation (no recompute)"
+        if self.forecast["extra_time"] > 0:
+            text += f", {self.forecast['extra_time'] * 1e3:.1f} ms a step faster"
         if self.budget is not None and (wider := _wider_sharding(self.profile, shard, self.budget)):
             text += f", or {wider.describe()} ({_shard_advice(shard, wider)}) keeps them within the budget"
         return text
 
     def _terms(self) -> list[str]:
+        """The parts the peak's moment adds up (they sum to the peak), then the terms that
+        belong to other moments (not in the sum)."""
         f = self.forecast
-        terms = [(k.removeprefix("term:"), v) for k, v in f.items() if k.startswith("term:") and v]
-        terms.append(("kept_activations", f["kept_activations"]))
-        lines = ["terms of the peak (per rank):" if self.sharding else "terms of the peak:"]
-        return lines + [f"  {k:<18}{format_bytes(v):>12}  {_TERMS.get(k, '')}" for k, v in terms]
+        parts = [(k.removeprefix("part:"), v) for k, v in f.items() if k.startswith("part:") and v]
+        rank = " per rank" if self.sharding else ""
+        lines = [f"the peak{rank}, {format_bytes(f['peak'])} at {f['at']}, is the sum of:"]
+        lines += [f"  {k:<18}{format_bytes(v):>12}  {_TERMS.get(k, '')}" for k, v in parts]
+        lines.append(f"  {'= peak':<18}{format_bytes(sum(v for _, v in parts)):>12}")
+        others = [
+            f"{name} {format_bytes(v)}"
+            for k, v in f.items()
+            if k.startswith("term:") and v and (name := k.removeprefix("term:")) not in dict(parts)
+        ]
+        if others:
+            lines.append(f"other moments' terms (not in the sum): {', '.join(others)}")
+        return lines
+
+    def _levers(self) -> list[str]:
+        """Every way to lower the peak the forecast prices, cheapest first: step time added per
+        GiB the predicted peak drops, against keeping every activation with the head plain."""
+        p, shard = self.profile, self.sharding
+        keep = ["keep"] * len(p.blocks)
+        base = _forecast(p, keep, shard, "plain")["peak"]
+        levers = [
+            (
+                f"{kind} on every block",
+                base - (f := _forecast(p, [kind] * len(p.blocks), shard, "plain"))["peak"],
+                f["extra_time"],
+            )
+            for kind in self._allowed()
+            if kind != "keep"
+        ]
+        if p.head_chunked is not None:
+            levers.append(
+                ("chunk the head and loss", base - _forecast(p, keep, shard, "chunked")["peak"], p.head_chunked_time)
+            )
+        if shard and shard.shards > 1:
+            saved, seconds = state_offload(p, shard)
+            levers.append(("model state offload (memfit.shard(offload='cpu'))", saved, seconds))
+        useful = sorted((lever for lever in levers if lever[1] > 0), key=lambda lever: lever[2] / lever[1])
+        if not levers:
+            return []
+        lines = [
+            "levers that lower the peak, cheapest first (ms added a step per GiB off the keep-everything "
+            f"peak, {format_bytes(base)}):"
+        ]
+        width = max(len(name) for name, _, _ in levers) + 2
+        for name, saved, seconds in useful:
+            lines.append(
+                f"  {name:<{width}}saves {format_bytes(saved):>11} for {seconds * 1e3:>9.1f} ms"
+                f"  = {seconds * 1e3 / (saved / 2**30):>9.1f} ms/GiB"
+            )
+        if useless := [name for name, saved, _ in levers if saved <= 0]:
+            at = _forecast(p, keep, shard, "plain")["at"]
+            lines.append(f"  not lowering the peak (set at {at}): {', '.join(useless)}")
+        return lines
 
     def to_dict(self) -> dict:
         return {
@@ -324,6 +378,9 @@ def plan(
 
     Raises:
         PlanError: no plan fits; the message gives the smallest budget that does.
+        ValueError: the batch cannot run through the model (sequence longer than its learned
+            positions, token ids or labels outside its vocabulary, ids not an integer
+            [batch, seq] tensor), naming the argument and the limit.
     """
     budget_bytes = parse_bytes(budget)
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
@@ -332,6 +389,7 @@ def plan(
     device = _device_profile(device_profile, _device_type(model))
     opts: dict[str, Any] = {"decisions": decisions, "device": device}
     if profile is None:
+        check_batch(model, example_inputs)  # See [Note: Checking the batch before planning]
         blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else None
         opts["chunk_head"] = chunk_head is not False
         profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer, **opts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -133,7 +134,8 @@ def state_offload(profile: ModelProfile, sharding: Sharding) -> tuple[float, flo
 @dataclass(frozen=True)
 class _Moments:
     """The decision-independent part of every moment of [Note: The planner's memory model],
-    per rank: what ``forecast`` adds up and what ``solve`` subtracts from the budget."""
+    per rank: what ``forecast`` adds up and what ``solve`` subtracts from the budget. Each
+    moment's total is the sum of its named parts (``parts``), which ``Plan.table`` prints."""
 
     terms: dict[str, float]
     base: float  # S + the root's gathered parameters + O: alive at every forward and backward moment
@@ -142,43 +144,79 @@ class _Moments:
     end_of_backward: float  # sharded: the root's gradients reduce-scattered (0 in one process)
     tail: float  # the backward before the blocks (the embeddings'), every block's gradients done
     optimizer: float  # P_opt + L
+    parts: dict[str, dict[str, float]]  # the decision-independent parts of each moment (backward: of block 0's)
+    gradients: list[float]  # per block i: the gradients alive in its backward
+    in_flight: list[float]  # per block i: the gathered units alive in its backward (backward[i] = both)
 
     @classmethod
     def of(cls, profile: ModelProfile, sharding: Sharding | None) -> _Moments:
         t = terms(profile, sharding)
         s = sharding.shards if sharding else 1
-        backward, grads_after = [0.0] * len(profile.blocks), 0.0
+        gradients, grads_after = [0.0] * len(profile.blocks), 0.0
+        in_flight = [0.0] * len(profile.blocks)
         # The root's gradients stay whole until its reduce-scatter, the last of the step.
         rest = profile.grad_rest_bytes
         kept_whole = s > 1 and sharding is not None and not sharding.reshard_after_forward
         for i in reversed(range(len(profile.blocks))):
             own = profile.blocks[i].grad_bytes if s > 1 else 0  # unsharded until reduce-scattered
-            # in flight: two blocks, or (kept gathered from forward) blocks 0..i
-            units = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
-            backward[i] = (rest if s > 1 else t["grad_rest"]) + grads_after + own + units
+            gradients[i] = (rest if s > 1 else t["grad_rest"]) + grads_after + own
+            # units in flight: two blocks, or (kept gathered from forward) blocks 0..i
+            in_flight[i] = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
             grads_after += profile.blocks[i].grad_bytes / s
         # The root's reduce-scatter, after its parameters were freed: its whole gradients, the
         # send buffer they are copied into (as large) and the shard it receives.
-        end_of_backward = t["state"] + grads_after + 2 * rest + rest / s + _BOOKKEEPING * (len(backward) + 1)
-        end_of_backward = end_of_backward if s > 1 else 0.0
+        eob = {"state": t["state"], "gradients": grads_after + rest / s, "root_reduce": 2 * rest}
+        eob["bookkeeping"] = _BOOKKEEPING * (len(gradients) + 1)
         # The embeddings' backward: the first block's reduce-scatter still in flight (its send
         # buffer and shard), the root's full parameters.
         first = profile.blocks[0].grad_bytes * (1 + 1 / s) if s > 1 else 0.0
-        tail = t["state"] + t["gather_buffers"] + grads_after + first + t["tail_transient"]
+        tail = {"state": t["state"], "gather_buffers": t["gather_buffers"], "gradients": grads_after + first}
+        tail["tail_transient"] = t["tail_transient"]
+        base = {k: t[k] for k in ("state", "gather_buffers", "before_blocks")}
+        # blocks kept gathered from forward (reshard_after_forward=False) are whole at its end too
+        kept_gathered = t["unit_buffers"] if kept_whole else 0.0
+        end = {"last_output": t["last_output"], "head_transient": t["head_transient"]}
+        if kept_whole:
+            end["kept_gathered"] = kept_gathered
         return cls(
             terms=t,
             base=t["state"] + t["gather_buffers"] + t["before_blocks"],
-            # blocks kept gathered from forward are whole here too (unit_buffers: all of them)
-            end_of_forward=t["last_output"] + t["head_transient"] + (t["unit_buffers"] if kept_whole else 0.0),
-            backward=backward,
-            end_of_backward=end_of_backward,
-            tail=tail,
+            end_of_forward=t["last_output"] + t["head_transient"] + kept_gathered,
+            backward=[g + u for g, u in zip(gradients, in_flight)],
+            end_of_backward=sum(eob.values()) if s > 1 else 0.0,
+            tail=t["state"] + t["gather_buffers"] + grads_after + first + t["tail_transient"],
             optimizer=t["optimizer_peak"] + profile.leftover,
+            parts={
+                "end of forward": {**base, **end},
+                "backward": {**base, "unit_buffers": t["unit_buffers"]},
+                "backward before the blocks": tail,
+                "end of backward": eob,
+                "optimizer step": {"optimizer_peak": t["optimizer_peak"], "leftover": float(profile.leftover)},
+            },
+            gradients=gradients,
+            in_flight=in_flight,
         )
+
+    def parts_at(self, where: str, profile: ModelProfile, kept: Sequence[float], decisions: list[str]) -> dict:
+        """The named parts of moment ``where`` under ``decisions``: they add up to its bytes."""
+        if where == "end of forward":
+            return {**self.parts[where], "kept_activations": sum(kept)}
+        if not where.startswith("backward of "):
+            return dict(self.parts[where])
+        i = next(i for i, b in enumerate(profile.blocks) if where == f"backward of {b.path}")
+        b = profile.blocks[i]
+        return {
+            **self.parts["backward"],
+            "unit_buffers": self.in_flight[i],
+            "gradients": self.gradients[i],
+            "kept_activations": sum(kept[:i]),
+            "block_backward": b.peak[decisions[i]],
+        }
 
 
 def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> dict[str, Any]:
-    """Predicted peak of a step under ``decisions``, with the moment that sets it and its terms."""
+    """Predicted peak of a step under ``decisions``, with the moment that sets it, the
+    decision-independent terms (``term:``) and the parts the peak's moment adds up (``part:``)."""
     m = _Moments.of(profile, sharding)
     kept = [b.kept[d] for b, d in zip(profile.blocks, decisions)]
     moments = {"end of forward": m.base + sum(kept) + m.end_of_forward}
@@ -198,6 +236,7 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
         "extra_time": extra,
         "step_time": profile.step_time + extra,
         **{f"term:{k}": v for k, v in m.terms.items()},
+        **{f"part:{k}": v for k, v in m.parts_at(where, profile, kept, decisions).items()},
     }
 
 

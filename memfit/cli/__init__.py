@@ -39,10 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memfit", description="Train PyTorch models larger than your memory.")
     p.add_argument("--version", action="version", version=f"memfit {memfit.__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    models = ", ".join(sorted(PRESETS))
+    models = (
+        f"a preset ({', '.join(sorted(PRESETS))}), a local HF config.json (or its directory), or pkg.module:function"
+    )
 
     b = sub.add_parser("bench", help="memory and step time of each strategy on a real architecture")
-    b.add_argument("--model", default="bert", help=f"one of {models} (default: bert)")
+    b.add_argument("--model", default="bert", help=f"{models} (default: bert)")
     b.add_argument("--strategies", nargs="+", help=f"from {', '.join(STRATEGIES)} (default: all; one process only)")
     b.add_argument("--budget", help="memory budget of the planned strategy, e.g. 300MB (default: halfway)")
     b.add_argument("--compare", action="store_true", help="add torch.utils.checkpoint (with --world-size: FSDP2)")
@@ -54,8 +56,15 @@ def _parser() -> argparse.ArgumentParser:
     b.add_argument("--json", help="write the results here")
     b.add_argument("--plot", help="write a PNG of peak memory against step time here")
 
-    pl = sub.add_parser("plan", help="the plan and forecast for a memory budget (measures one batch)")
-    pl.add_argument("--model", default="bert", help=f"one of {models}")
+    pl = sub.add_parser(
+        "plan",
+        help="the plan and forecast for a memory budget (measures one batch)",
+        description="Plan per-block activation checkpointing for a memory budget, from shapes only (the model "
+        "on the meta device, one batch on fake tensors). Prints the decision per block, whether it fits, the "
+        "terms that add up to the peak, every lever ranked by time per GiB saved, and the `memfit train` "
+        "command that runs it. Budgets: 80GB (decimal, = 74.5 GiB), 80GiB or 80G (binary).",
+    )
+    pl.add_argument("--model", default="bert", help=f"{models} (default: bert); built on the meta device")
     pl.add_argument("--budget", required=True, help="e.g. 4GB, 3.5GiB, 800MB")
     pl.add_argument("--world-size", type=int, default=1, help="forecast per rank for a model sharded over N ranks")
     pl.add_argument(
@@ -70,6 +79,7 @@ def _parser() -> argparse.ArgumentParser:
     _shape_flags(pl)
     pl.add_argument("--json", help="write the plan here")
     _auto_flags(pl)
+    pl.add_argument("--emit", metavar="RUN.toml", help="write the run for `memfit train --config RUN.toml` here")
 
     c = sub.add_parser("calibrate", help="measure this machine's rates for the planner's time model; cached")
     c.add_argument("--device", default="cpu", help="the device to measure: cpu (default), cuda, cuda:1, ...")
@@ -118,7 +128,8 @@ def _device_flag(p: argparse.ArgumentParser) -> None:
 def _shape_flags(p: argparse.ArgumentParser, batch_note: str = "") -> None:
     for name in ("layers", "hidden", "seq", "batch"):
         note = batch_note if name == "batch" else ""
-        p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}{note} (default: the preset's)")
+        what = "the preset's" if name in ("layers", "hidden") else "the preset's, else 128 and 8"
+        p.add_argument(f"--{name}", type=int, help=f"override the preset's {name}{note} (default: {what})")
 
 
 def _config(cls: type, args: argparse.Namespace) -> Config:

@@ -24,7 +24,7 @@ from memfit.cli._flags import decision_kind
 from memfit.cli._launch import choose_device, warn_world_size
 from memfit.cli._measure import Result, run
 from memfit.cli._output import Output, plot, write_json
-from memfit.models import PRESETS, Preset
+from memfit.models._spec import ModelSpec, layer_class, resolve
 
 STRATEGIES = (*(k.value for k in memfit.DecisionKind), "planned")  # each DecisionKind on every block, or planned
 COMPARE = ("torch.utils.checkpoint",)
@@ -34,7 +34,7 @@ COMPARE = ("torch.utils.checkpoint",)
 class BenchConfig:
     """What `memfit bench` runs (each field is a command-line flag)."""
 
-    model: str = "bert"  # a preset name (memfit.models.PRESETS)
+    model: str = "bert"  # a preset, a config.json or pkg.module:function (memfit.models._spec.resolve)
     strategies: tuple[str, ...] | None = None  # one process only; None: all of STRATEGIES
     budget: str | None = None  # for "planned" (one process); default: halfway between "full" and "keep"
     compare: bool = False  # add torch.utils.checkpoint (with --world-size: torch FSDP2)
@@ -48,7 +48,7 @@ class BenchConfig:
     repeats: int = 5
     json: str | None = None
     plot: str | None = None
-    preset: Preset = field(init=False)
+    spec: ModelSpec = field(init=False)
 
     def __post_init__(self) -> None:
         if self.world_size > 1 and (self.strategies is not None or self.budget is not None):
@@ -57,8 +57,9 @@ class BenchConfig:
                 "compares DDP with memfit sharding (add --compare for torch FSDP2). Drop them, or drop --world-size"
             )
         self.strategies = tuple(STRATEGIES if self.strategies is None else map(decision_kind, self.strategies))
-        if self.model not in PRESETS:
-            raise ValueError(f"memfit bench: unknown model {self.model!r}; choose one of {sorted(PRESETS)}")
+        self.spec = resolve(
+            self.model, layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch, command="memfit bench"
+        )
         bad = [s for s in self.strategies if s not in STRATEGIES]
         if bad:
             raise ValueError(f"memfit bench: unknown strategies {bad}; choose from {list(STRATEGIES)}")
@@ -71,22 +72,20 @@ class BenchConfig:
             raise ValueError("memfit bench: --warmup and --repeats must be >= 1")
         if self.budget is not None:
             memfit.parse_bytes(self.budget)  # validates
-        self.preset = PRESETS[self.model].resized(
-            layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch
-        )
 
 
 def bench(cfg: BenchConfig, console=None) -> list[dict]:
     """Run the strategies of ``cfg``; returns one row per strategy (also printed as a table)."""
     out = Output(console)
-    preset = cfg.preset
+    spec = cfg.spec
+    rows_seq = f"batch {spec.batch} x seq {spec.seq}"
     if cfg.world_size > 1:
         rows = _distributed_rows(cfg, out)
-        title = f"{cfg.model}: {preset.arch} {preset.shape}, per rank, {cfg.world_size} ranks (ratios against DDP)"
+        title = f"{cfg.model}: {spec.about}, {rows_seq} per rank, {cfg.world_size} ranks (ratios against DDP)"
         label = f"{cfg.model}, {cfg.world_size} ranks"
     else:
         rows = _single_rows(cfg, out)
-        title = f"{cfg.model}: {preset.arch} {preset.shape}, AdamW fp32, {torch.get_num_threads()} threads"
+        title = f"{cfg.model}: {spec.about}, {rows_seq}, AdamW fp32, {torch.get_num_threads()} threads"
         label = cfg.model
     out.table(rows, title)
     if cfg.json:
@@ -98,15 +97,15 @@ def bench(cfg: BenchConfig, console=None) -> list[dict]:
 
 def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     """One process: every strategy (plus "keep", the baseline) on its own copy of one model."""
-    preset = cfg.preset
+    spec = cfg.spec
     device = choose_device(cfg.device, where="memfit bench").device
-    batch = {k: v.to(device) for k, v in batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0).items()}
-    base = preset.build().to(device)
+    batch = {k: v.to(device) for k, v in batch_at(spec.arch, spec.batch, spec.seq, step=0).items()}
+    base = spec.build(0).to(device)
     assert cfg.strategies is not None  # __post_init__ fills it
     names = [x for x in cfg.strategies if x != "planned"] + (list(COMPARE) if cfg.compare else [])
     if "keep" not in names:
         names.insert(0, "keep")
-    models = {n: _prepare(n, base, preset) for n in names}
+    models = {n: _prepare(n, base) for n in names}
     plan = None
     if "planned" in cfg.strategies:
         plan = _plan(cfg, base, batch, out)
@@ -123,14 +122,19 @@ def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     return _with_ratios(rows, next(row for row in rows if row["strategy"] == "keep"))
 
 
-def _prepare(strategy: str, base: nn.Module, preset: Preset) -> nn.Module:
+def _prepare(strategy: str, base: nn.Module) -> nn.Module:
     model = copy.deepcopy(base)
     if strategy == "torch.utils.checkpoint":
+        if not hasattr(model, "gradient_checkpointing_enable"):
+            raise ValueError(
+                f"memfit bench: --compare runs torch.utils.checkpoint through transformers' "
+                f"gradient_checkpointing_enable(), which {type(model).__name__} lacks; drop --compare"
+            )
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})  # type: ignore[operator]
     else:
-        memfit.Decision.parse(strategy).apply_to(model, preset.layer_class())
+        memfit.Decision.parse(strategy).apply_to(model, layer_class(model))
     model.train()
     return model
 
@@ -140,7 +144,7 @@ def _plan(cfg: BenchConfig, base: nn.Module, batch: dict, out: Output) -> memfit
     if cfg.budget is not None:
         return memfit.plan(base, batch, budget=cfg.budget)
     out.say("planned: measuring the all-full and all-keep peaks to set the budget halfway")
-    layer_paths = [p for p, m in base.named_modules() if isinstance(m, cfg.preset.layer_class())]
+    layer_paths = [p for p, m in base.named_modules() if isinstance(m, layer_class(base))]
     probe = memfit.plan(base, batch, budget="1TB")
     keep_peak = memfit.Plan.fixed(dict.fromkeys(layer_paths, "keep"), probe.profile).measure(base, batch)
     full_peak = memfit.Plan.fixed(dict.fromkeys(layer_paths, "full"), probe.profile).measure(base, batch)
@@ -152,7 +156,7 @@ def _distributed_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     warn_world_size(cfg.world_size)
     strategies = ("DDP", "memfit", *(("torch FSDP2",) if cfg.compare else ()))
     out.say(f"{cfg.world_size} spawned ranks: {', '.join(strategies)}")
-    results = run_distributed(cfg.preset, cfg.world_size, strategies, cfg.warmup, cfg.repeats, cfg.device)
+    results = run_distributed(_spec_args(cfg), cfg.world_size, strategies, cfg.warmup, cfg.repeats, cfg.device)
     rows = [_row(r, breakdown_rank0=r.breakdown) for r in results]
     return _with_ratios(rows, rows[0])
 
@@ -171,7 +175,12 @@ def _with_ratios(rows: list[dict], base: dict) -> list[dict]:
     return rows
 
 
+def _spec_args(cfg: BenchConfig) -> dict:
+    """What each spawned rank resolves its model from (a ModelSpec's builder does not pickle)."""
+    return {"name": cfg.model, "layers": cfg.layers, "hidden": cfg.hidden, "seq": cfg.seq, "batch": cfg.batch}
+
+
 def _jsonable(cfg: BenchConfig) -> dict:
-    d = {k: v for k, v in asdict(cfg).items() if k != "preset"}
-    d["shape"] = asdict(cfg.preset.shape)
+    d = {k: v for k, v in asdict(cfg).items() if k != "spec"}
+    d.update(model_about=cfg.spec.about, seq=cfg.spec.seq, batch=cfg.spec.batch)
     return d

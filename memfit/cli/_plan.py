@@ -1,5 +1,6 @@
-"""`memfit plan`: the plan and per-rank forecast of a preset for a budget, on fake tensors (the
-model is built on the meta device: an 8B model plans on a laptop); `memfit calibrate`."""
+"""`memfit plan`: the plan and per-rank forecast of a model for a budget, on fake tensors (the
+model is built on the meta device: an 8B model plans on a laptop), ending with the `memfit train`
+command that runs it; `memfit calibrate`."""
 
 from __future__ import annotations
 
@@ -9,11 +10,12 @@ from dataclasses import asdict, dataclass
 import torch
 
 import memfit
+from memfit._plan._budget import describe_bytes, format_bytes
 from memfit._plan._calibrate import cache_path, calibrate
 from memfit._plan._time import PROFILES, default_profile
 from memfit.cli._data import batch_at
 from memfit.cli._output import write_json
-from memfit.models import PRESETS, Preset
+from memfit.models._spec import ModelSpec, resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -33,10 +35,12 @@ class PlanConfig:
     json: str | None = None
     auto: bool = False  # search the configuration (memfit.autoconfigure) instead of planning one
     global_batch: int | None = None  # with auto: samples per optimizer step (None: free)
+    emit: str | None = None  # write the `memfit train --config` TOML that runs the plan here
 
     def __post_init__(self) -> None:
-        if self.model not in PRESETS:
-            raise ValueError(f"memfit plan: unknown model {self.model!r}; choose one of {sorted(PRESETS)}")
+        self.spec()  # an unknown model fails here
+        if self.emit is not None and not self.emit.endswith(".toml"):
+            raise ValueError(f"memfit plan: --emit {self.emit!r}: name a .toml file (memfit train --config reads it)")
         memfit.parse_bytes(self.budget)
         if self.world_size < 1:
             raise ValueError("memfit plan: --world-size must be >= 1")
@@ -55,24 +59,27 @@ class PlanConfig:
                 f"{sorted(PROFILES)} or 'calibrated'"
             )
 
-    def preset(self) -> Preset:
-        return PRESETS[self.model].resized(layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch)
+    def spec(self) -> ModelSpec:
+        return resolve(
+            self.model, layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch, command="memfit plan"
+        )
 
 
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
-    preset = cfg.preset()
+    spec = cfg.spec()
+    seq, rows = spec.seq, spec.batch
     print(f"plan: building {cfg.model} on the meta device", flush=True)
-    with torch.device("meta"):  # planning needs shapes only: nothing is allocated
-        model = preset.build().to(DTYPES[cfg.dtype])
-    batch = batch_at(preset.arch, preset.shape.batch, preset.shape.seq, step=0)
+    with torch.device("meta"):  # planning needs shapes only: nothing is allocated, no weights are read
+        model = spec.build(0).to(DTYPES[cfg.dtype])
+    batch = batch_at(spec.arch, rows, seq, step=0)
     params = sum(p.numel() for p in model.parameters())
     device, why = _device_profile(cfg.device_profile)
     layout = f"world size {cfg.world_size}"
     if cfg.shard_size and cfg.shard_size < cfg.world_size:
         layout += f" as {cfg.world_size // cfg.shard_size} replicas x {cfg.shard_size} shards (hybrid sharding)"
     print(
-        f"{cfg.model}: {preset.arch} {preset.resolved()}\n{params / 1e9:.2f}B parameters, AdamW, {cfg.dtype} "
-        f"parameters, gradients and optimizer state, {layout}\ntime priced on: {device.name} ({why})\n"
+        f"{cfg.model}: {spec.about}\nbatch {rows} x seq {seq} per rank, {_count(params)} parameters, AdamW, "
+        f"{cfg.dtype} parameters, gradients and optimizer state, {layout}\ntime priced on: {device.name} ({why})\n"
     )
     if cfg.auto:
         return auto_command(cfg, model, batch, device)
@@ -83,6 +90,7 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     print(plan.table())
     if cfg.json:
         write_json(cfg.json, plan.to_dict())
+    print("\n".join(run_lines(cfg, plan, seq, rows)))
     return plan
 
 
@@ -107,6 +115,10 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
     return result.plan
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.2f}M"
+
+
 def _device_profile(name: str | None) -> tuple[memfit.DeviceProfile, str]:
     """The profile ``--device-profile`` names, or the default: the named profile of this
     machine's accelerator, or "cpu" (never a cached calibration: see [Note: The default device
@@ -122,6 +134,51 @@ def _device_profile(name: str | None) -> tuple[memfit.DeviceProfile, str]:
         f"the default for this machine's {target}, {profile.source}; --device-profile h100|h200|a100|cpu names "
         "the target, 'calibrated' measures this machine"
     )
+
+
+# [Note: From a plan to a run]
+# `memfit train` takes one --checkpointing kind for every block (keep, selective or full; not
+# offload, untested under sharding), not a plan's per-block decisions, and computes its loss
+# with the head whole. So the run `memfit plan` hands over is the uniform kind of least
+# predicted extra time whose forecast (Plan.fixed, plain head) fits the budget, else full; its
+# own forecast is printed beside it, so the user sees what the uniform kind costs against the
+# plan. The command's flags (model, sizes, layout) are those that planned.
+def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[str]:
+    """What runs the plan: `memfit train`'s flags (or, with --emit, its --config file), with the
+    uniform kind's forecast. See [Note: From a plan to a run]."""
+    kind, uniform = _uniform_kind(plan)
+    assert plan.budget is not None  # a solved plan
+    fits = "fits" if uniform.predicted_peak <= plan.budget else "does not fit"
+    flags: dict[str, object] = {"model": cfg.model, "layers": cfg.layers, "hidden": cfg.hidden, "seq": seq}
+    flags.update(batch=rows, checkpointing=kind, hybrid_shards=cfg.shard_size or 0)
+    flags = {k: v for k, v in flags.items() if v not in (None, 0)}
+    launcher = f"torchrun --nproc-per-node {cfg.world_size} -m memfit" if cfg.world_size > 1 else "memfit"
+    budget = describe_bytes(plan.budget)
+    dtype = "" if cfg.dtype == "fp32" else f"; it trains in fp32, which this {cfg.dtype} forecast does not cover"
+    lines = [
+        "",
+        f"memfit train applies one kind to every block: --checkpointing {kind} predicts "
+        f"{format_bytes(uniform.predicted_peak)} ({fits} {budget}), {uniform.predicted_overhead * 1e3:.1f} ms of "
+        f"recompute a step{dtype}",
+    ]
+    if cfg.emit:
+        with open(cfg.emit, "w") as f:
+            f.write("# memfit train --config: the run `memfit plan` chose\n[train]\n")
+            f.writelines(f"{k.replace('_', '-')} = {json.dumps(v)}\n" for k, v in flags.items())
+        return [*lines, f"run it: {launcher} train --config {cfg.emit}"]
+    args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
+    return [*lines, f"run it: {launcher} train {args}"]
+
+
+def _uniform_kind(plan: memfit.Plan) -> tuple[str, memfit.Plan]:
+    """The kind `memfit train --checkpointing` takes of least predicted extra time that fits."""
+    options = []
+    for kind in ("keep", "selective", "full"):
+        if kind in plan.profile.blocks[0].kept:
+            options.append((kind, memfit.Plan.fixed(dict.fromkeys(plan.decisions, kind), plan.profile, plan.sharding)))
+    assert plan.budget is not None
+    fitting = [o for o in options if o[1].predicted_peak <= plan.budget]
+    return min(fitting, key=lambda o: o[1].predicted_overhead) if fitting else options[-1]
 
 
 @dataclass

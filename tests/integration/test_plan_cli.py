@@ -3,6 +3,7 @@ prices the step (the named one by default, never a cached calibration), what to 
 process and for a sharded layout, and hybrid-sharded layouts."""
 
 import json
+import re
 import sys
 
 import torch.distributed as dist
@@ -98,3 +99,94 @@ def test_main_called_from_a_program_leaves_its_process_group(tmp_path, monkeypat
     finally:
         dist.destroy_process_group()
     capsys.readouterr()
+
+
+def _tiny_config(directory, **sizes):
+    from transformers import GPT2Config
+
+    config = dict(n_positions=64, n_embd=32, n_layer=2, n_head=2, vocab_size=300, bos_token_id=0, eos_token_id=0)
+    GPT2Config(**{**config, **sizes}).save_pretrained(directory)  # writes directory/config.json
+    return directory / "config.json"
+
+
+FACTORY = """
+from transformers import GPT2Config, GPT2LMHeadModel
+
+def build():
+    return GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=32, n_layer=3, n_head=2, vocab_size=300))
+"""
+
+
+def test_plan_bench_and_train_take_the_same_model_specs(tmp_path, monkeypatch, capsys):
+    # One resolver (memfit.models._spec.resolve) reads --model for every command: a preset, a
+    # config.json or its directory, pkg.module:function. The planner builds them on the meta device.
+    from memfit.cli import BenchConfig, TrainConfig, parse_config
+    from memfit.models._spec import resolve
+
+    file = _tiny_config(tmp_path)
+    (tmp_path / "user_models.py").write_text(FACTORY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert resolve(str(file)).about == resolve(str(tmp_path)).about == f"gpt2 from {file}"
+    for spec, about, blocks in [
+        (str(tmp_path), f"gpt2 from {file}", "\ntransformer.h.1 "),  # 2 blocks
+        ("user_models:build", "what user_models:build() returns", "\ntransformer.h.0 ..2 (3) "),
+    ]:
+        assert main(["plan", "--model", spec, "--budget", "1GB", "--batch", "2", "--seq", "32"]) == 0
+        out = capsys.readouterr().out
+        assert f"{spec}: {about}\nbatch 2 x seq 32 per rank" in out
+        assert blocks in out and "fits, predicted peak" in out
+    for spec, seq in [(str(file), 64), (str(tmp_path), 64), ("user_models:build", 128), ("gpt2", 128)]:
+        # a config's default seq: 128, or its positions if fewer
+        assert BenchConfig(model=spec).spec.seq == TrainConfig(model=spec).spec().seq == seq
+        assert parse_config(["plan", "--model", spec, "--budget", "1GB"]).spec().name == spec
+    for command in ("plan", "bench", "train"):
+        argv = [command, "--model", "no-such-model", *(["--budget", "1GB"] if command == "plan" else [])]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"memfit {command}: unknown model 'no-such-model'" in err and "config.json" in err and ":function" in err
+
+
+def test_a_config_whose_vocabulary_the_batch_exceeds_is_refused(tmp_path, capsys):
+    # The CLI's batch is byte tokens (ids up to 255; this one's largest is above 100): a
+    # 100-token vocabulary cannot take it.
+    _tiny_config(tmp_path, vocab_size=100)
+    assert main(["plan", "--model", str(tmp_path), "--budget", "1GB"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"example_inputs\['input_ids'\] holds 1\d\d, but the model's vocabulary size is 100", err)
+    assert main(["plan", "--model", str(tmp_path / "config.json"), "--budget", "1GB", "--seq", "65"]) == 2
+    assert "has 65 positions (shape [8, 65]) but the model learned 64" in capsys.readouterr().err
+
+
+def test_plan_ends_with_the_run_that_applies_it(tmp_path, capsys):
+    from memfit.cli import parse_config
+
+    argv = ["plan", *TINY, "--budget", "1GB", "--world-size", "4", "--shard-size", "2"]
+    assert main(argv) == 0
+    last = capsys.readouterr().out.rstrip().splitlines()[-1]
+    flags = "--model llama --layers 2 --hidden 64 --seq 16 --batch 2 --checkpointing keep --hybrid-shards 2"
+    assert last == f"run it: torchrun --nproc-per-node 4 -m memfit train {flags}"
+    run = tmp_path / "run.toml"
+    assert main([*argv, "--emit", str(run)]) == 0
+    out = capsys.readouterr().out.rstrip().splitlines()
+    assert out[-1] == f"run it: torchrun --nproc-per-node 4 -m memfit train --config {run}"
+    assert "memfit train applies one kind to every block: --checkpointing keep predicts" in out[-2]
+    train = parse_config(["train", "--config", str(run)])  # what `memfit train --config` reads
+    assert (train.model, train.layers, train.hidden, train.seq, train.batch) == ("llama", 2, 64, 16, 2)
+    assert (train.checkpointing, train.hybrid_shards) == ("keep", 2)
+    assert main(["plan", *TINY, "--budget", "1GB", "--emit", str(tmp_path / "run.json")]) == 2
+    assert "--emit" in capsys.readouterr().err
+
+
+def test_the_blocks_of_a_spec_are_its_repeated_layers():
+    # BERT's _no_split_modules lists BertEmbeddings beside BertLayer: the first one found (the
+    # embeddings) was taken for the block by bench and train.
+    import torch
+
+    from memfit.models import PRESETS
+    from memfit.models._spec import layer_class
+
+    for name in ("bert", "gpt2", "llama"):
+        for layers in (1, 2):
+            with torch.device("meta"):
+                model = PRESETS[name].resized(layers=layers, hidden=32).build()
+            assert layer_class(model) is PRESETS[name].layer_class(), (name, layers)

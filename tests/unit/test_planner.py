@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import memfit
+from memfit._plan._budget import format_bytes
 from memfit.testing import DECISIONS, BlockProfile, ModelProfile, Sharding, forecast, smallest_budget, solve, terms
 
 
@@ -329,5 +330,6 @@ def test_model_state_offload_is_forecast_per_rank():
     assert seconds == pytest.approx((2 * PARAMS + grads) / 4 / 1e6 + host)  # float64 division order
     assert saved == state_offload(profile, Sharding(8, shard_size=4))[0]  # HSDP: the shard group's
     text = memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile, Sharding(4)).table()
-    assert "model state in host memory (memfit.shard(offload='cpu'), every unit): would save" in text
-    assert "host memory" not in memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile).table()
+    lever = next(line for line in text.splitlines() if "model state offload (memfit.shard(offload='cpu'))" in line)
+    assert f"saves {format_bytes(saved)} for" in " ".join(lever.split())  # a ranked lever, priced
+    assert "model state offload" not in memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile).table()
