@@ -56,7 +56,7 @@ __all__ = ["FSDPModule", "UnshardHandle", "fully_shard"]
 
 
 _NO_MIXED_PRECISION = MixedPrecisionPolicy()  # FSDP2's defaults
-_NO_OFFLOAD = OffloadPolicy()
+_NO_OFFLOAD = OffloadPolicy()  # FSDP2's default: no offload
 
 
 class UnshardHandle:

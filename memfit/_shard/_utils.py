@@ -62,10 +62,9 @@ def clip_grad_norm_tensor(model: nn.Module, max_norm: float, norm_type: float = 
     if coef < 1.0:
         for part in _by_device(grads):
             torch._foreach_mul_(part, coef)
-    homes = {g.device for g in grads}
     dtypes = {g.dtype for g in grads}  # a few: promoted once per distinct dtype, not per gradient
     dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
-    return total.to(homes.pop() if len(homes) == 1 else device, dtype), total_f
+    return total.to(dtype), total_f  # on the compute device, as torch FSDP1 returns it
 
 
 def _counts(unit) -> bool:

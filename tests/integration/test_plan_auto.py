@@ -49,7 +49,7 @@ def test_plan_auto_prints_the_table_and_the_chosen_plan(capsys, tmp_path):
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "configurations for world size 2, global batch 4" in text and "chosen: micro-batch" in text
-    assert "terms of the peak (per rank)" in text  # the chosen plan's own table
+    assert "is the sum of:" in text  # the chosen plan's own table
     saved = json.loads(out.read_text())
     assert saved["auto"]["candidates"][0]["lost"] == "" and saved["plan"]["world_size"] == 2
     assert main(["plan", "--model", "llama", "--budget", "1GB", "--global-batch", "4"]) == 2  # --auto only

@@ -62,6 +62,7 @@ def test_a_config_round_trips_through_its_flags():
         checkpoint_dir="ck",
         save_every=3,
         keep_last=2,
+        async_save=True,
         resume="auto",
         export="out",
         log_every=2,
