@@ -32,8 +32,23 @@ SLOW_TESTS = {
     # every architecture of transformers' auto mappings, tiny (~340; the sample runs in the fast tier)
     "tests/integration/test_archs.py::test_checkpointing_matches_plain",
     "tests/integration/test_archs.py::test_planner_forecast_of_the_second_step",  # the planner on the sample
+    # the spawn helper's own tests (~27 s): every other distributed test exercises it too
+    "tests/distributed/test_dist_helper.py::test_results_and_failures_in_one_group",
+    "tests/distributed/test_dist_helper.py::test_one_group_per_world_size_and_a_failed_group_fails_every_case",
 }
-SLOW_WORLDS = (3, 4)  # test_shard / test_plan_sharded at W=3, 4 (the same cases run at W=1, 2 in the fast tier)
+SLOW_CASES = {  # one parameter of a test (the other stays in the fast tier)
+    "tests/distributed/test_shard.py::test_diverged_ranks_fail_naming_rank_and_unit[debug_per_collective]",  # ~12 s
+}
+# Spawned groups of these world sizes (each group runs all its module's cases; the same cases
+# run at W=1 or 2 in the fast tier). Seconds: each group's wall time, quiet, 2 cores.
+SLOW_WORLDS = {
+    "tests/distributed/test_shard.py": (3, 4),
+    "tests/distributed/test_plan_sharded.py": (3, 4),
+    "tests/distributed/test_shard_hot_path.py": (4,),  # ~19 s
+    "tests/distributed/test_shard_checkpoint.py": (3, 4),  # load at W=3 and 4 what W=2 saved (~26 s)
+    "tests/distributed/test_shard_dcp.py": (3,),  # ~14 s
+    "tests/distributed/test_shard_init.py": (3,),  # ~12 s
+}
 DOCS_BLOCKS = ("tests/integration/test_docs.py::test_python_block", "tests/integration/test_docs.py::test_shell_block")
 
 
@@ -41,11 +56,11 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         path, _, _ = item.nodeid.partition("::")
         params = getattr(getattr(item, "callspec", None), "params", {})
-        by_world = path in ("tests/distributed/test_shard.py", "tests/distributed/test_plan_sharded.py")
         if (
             path in SLOW_MODULES
             or item.nodeid.split("[")[0] in SLOW_TESTS
-            or (by_world and params.get("world") in SLOW_WORLDS)
+            or item.nodeid in SLOW_CASES
+            or params.get("world") in SLOW_WORLDS.get(path, ())
             or (item.nodeid.split("[")[0] in DOCS_BLOCKS and params.get("page") != "README.md")
         ):
             item.add_marker(pytest.mark.slow)
