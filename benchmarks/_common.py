@@ -15,10 +15,10 @@ from dataclasses import dataclass, fields
 import torch
 
 import memfit
+from memfit.cli._data import batch_at
+from memfit.cli._measure import Result, run
 from memfit.models import Shape
-from memfit.testing import StepResult as Result
-from memfit.testing import batch_at, run_distributed, spawn
-from memfit.testing import run_steps as run
+from memfit.testing import run_distributed, spawn
 
 __all__ = [
     "MIB",

@@ -28,8 +28,8 @@ from _common import MIB, command, emit, spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
+from memfit.cli._data import batch_at
 from memfit.models import Preset, Shape
-from memfit.testing import batch_at
 
 
 def _config(result: memfit.AutoConfig) -> list[tuple]:

@@ -19,8 +19,9 @@ from _common import MIB, command, emit
 from torch import nn
 
 import memfit
+from memfit.cli._data import batch_at
 from memfit.models import PRESETS
-from memfit.testing import batch_at, host_offload_on_cpu, offload_stats
+from memfit.testing import host_offload_on_cpu, offload_stats
 
 
 def _every_save(model: nn.Module, layer: type) -> list[int]:

@@ -33,8 +33,12 @@ import torch
 from _common import MIB, command, emit, progress_log
 
 import memfit
+from memfit._plan._calibrate import calibrate
+from memfit._plan._profile import BlockProfile, ModelProfile
+from memfit._plan._solve import forecast, solve
+from memfit._plan._validate import measured_sharded_peak
 from memfit.models import PRESETS, Preset, Shape, lm_batch, mlm_batch
-from memfit.testing import BlockProfile, ModelProfile, calibrate, forecast, measured_sharded_peak, solve, spawn
+from memfit.testing import spawn
 
 GIB = 2**30
 SMALL = {"layers": 4, "hidden": 128, "heads": 4, "seq": 64, "batch": 4, "dropout": 0.0}
@@ -243,7 +247,9 @@ def real_sizes(log) -> list[str]:
         "memfit model states GiB | DeepSpeed GiB |",
         "|---|---:|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    from memfit.testing import DTYPES, batch_at, smallest_budget
+    from memfit._plan._solve import smallest_budget
+    from memfit.cli._data import batch_at
+    from memfit.cli._plan import DTYPES
 
     for name, world, budget, dtype, device in cases:
         preset = PRESETS[name]

@@ -1,7 +1,11 @@
 """Hooks for tests of memfit and of code built on it: counters and views of internal state.
 
 Not part of the stable API (names may change between releases); nothing here is needed to
-train. memfit's own tests reach internals only through this module.
+train. What is here: counters (host syncs, ops, collectives, offload), the stream trace and
+the switches of memfit._instrument.HOOKS (See [Note: Instrumentation switches]), views of
+internal state, the pretend accelerator, and the process-group helpers the CLI uses. Tests
+that need an internal class or function (the planner's profile and solver, a parameter's
+layout) import it from its own module.
 """
 
 from __future__ import annotations
@@ -18,88 +22,41 @@ from memfit._checkpoint._host import STATS as _OFFLOAD_STATS
 from memfit._checkpoint._host import OffloadStats, offloadable
 from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu
 from memfit._instrument import Hooks, Trace, switched
-from memfit._plan import _comm as comm
-from memfit._plan._autoconfig import Layout, Search, micro_batch_sizes
-from memfit._plan._calibrate import calibrate, device_profile
-from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
-from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, terms
-from memfit._plan._time import PROFILES, CostRecorder, OpCost
-from memfit._plan._validate import measured_sharded_peak
 from memfit._shard import _checkpoint_files
 from memfit._shard._collectives import STATS, CommStats
 from memfit._shard._counters import HostSyncCounter, OpCounter
 from memfit._shard._device import audit as device_audit
-from memfit._shard._mixed import _NORMS
-from memfit._shard._param import ShardedParam
 from memfit._shard._unit import ShardedModule
 from memfit.cli._bench_dist import run_distributed  # the CLI's pieces, for benchmarks timing steps as `memfit bench`
-from memfit.cli._data import batch_at
-from memfit.cli._launch import choose_device, end_process_group, free_port, init_process_group, spawn
-from memfit.cli._measure import Result as StepResult
-from memfit.cli._measure import run as run_steps
-from memfit.cli._plan import DTYPES
+from memfit.cli._launch import end_process_group, free_port, init_process_group, spawn
 
 __all__ = [
-    "DECISIONS",
-    "DTYPES",
-    "NORM_LAYERS",
-    "PROFILES",
-    "BlockProfile",
-    "CostRecorder",
     "HostSyncCounter",
-    "Layout",
-    "ModelProfile",
-    "OpCost",
     "OpCounter",
-    "Search",
-    "ShardedParam",
-    "Sharding",
-    "StepResult",
     "Trace",
-    "batch_at",
-    "calibrate",
     "checkpoint_checksums",
     "checkpoint_chunks",
-    "choose_device",
     "collective_stats",
-    "comm",
     "debug_collectives",
     "device_audit",
-    "device_profile",
     "end_process_group",
     "fake_allocator",
-    "forecast",
     "free_port",
     "held_recomputed_tensors",
     "host_offload_on_cpu",
     "init_process_group",
     "live_checkpoint_frames",
-    "measured_sharded_peak",
     "meta_accelerator",
-    "micro_batch_sizes",
     "offload_stats",
     "offload_writer",
     "offloadable",
     "placed_optimizer_state",
     "run_distributed",
-    "run_steps",
     "save_steps",
     "sharded_units",
-    "smallest_budget",
-    "solve",
     "spawn",
-    "state_offload",
-    "terms",
     "trace_streams",
 ]
-# The planner's pieces, for tests that build a profile by hand: DECISIONS (the decision kinds),
-# BlockProfile / ModelProfile (what plan() measures), Sharding (per-rank accounting),
-# terms / forecast / solve (the memory model and the solver on a profile).
-# ShardedParam: one parameter's chunk and slot layout, built without a process group (unit tests).
-# smallest_budget: the least budget the solver fits a profile into (what PlanError reports).
-
-NORM_LAYERS: tuple[type[nn.Module], ...] = _NORMS
-"""The module classes whose parameters mixed precision keeps in full precision."""
 
 
 def collective_stats() -> CommStats:

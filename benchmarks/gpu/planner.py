@@ -65,7 +65,7 @@ def run(env: Env) -> dict:
         "meter_breakdown": meter.breakdown(),
     }
     peak = plain["allocator_peak"] or plain["meter_peak"]
-    from memfit.testing import forecast, smallest_budget
+    from memfit._plan._solve import forecast, smallest_budget
 
     key = (str(env.device), tuple(batch["input_ids"].shape))  # part b may have profiled this already
     profile = memfit.plan(model, batch, budget=10 * peak, profile=PROFILES.get(key)).profile

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 import memfit
+from memfit._plan._validate import measured_sharded_peak
 from memfit.models import Preset, Shape, lm_batch, mlm_batch
-from memfit.testing import measured_sharded_peak
 from tests._dist import Subtests, case_id
 
 SMALL = {"layers": 2, "hidden": 64, "heads": 4, "seq": 32, "batch": 2, "dropout": 0.0}

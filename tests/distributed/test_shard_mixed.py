@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
-from memfit.testing import NORM_LAYERS
+from memfit._shard._mixed import _NORMS as NORM_LAYERS
 from tests._dist import Subtests, case_id, test_device
 
 

@@ -101,7 +101,7 @@ def test_calibrate_caches_the_rates_the_planner_uses_when_asked(tmp_path, monkey
     out = capsys.readouterr().out
     assert (tmp_path / "device-cpu.json").exists() and "memory_bandwidth" in out
     assert f"cached in {tmp_path / 'device-cpu.json'}" in out and "--device-profile calibrated" in out
-    from memfit.testing import device_profile
+    from memfit._plan._calibrate import device_profile
 
     cached = device_profile("calibrated")
     assert cached.name == "calibrated-cpu" and device_profile(None).name == "cpu"  # only when asked for

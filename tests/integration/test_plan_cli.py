@@ -9,9 +9,10 @@ import sys
 import torch.distributed as dist
 
 import memfit
+from memfit._plan._calibrate import device_profile
+from memfit._plan._time import PROFILES
 from memfit.cli import main
 from memfit.models import Shape, llama_lm, lm_batch
-from memfit.testing import PROFILES, device_profile
 
 TINY = ["--model", "llama", "--layers", "2", "--hidden", "64", "--seq", "16", "--batch", "2"]
 

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import memfit
+from memfit._plan._time import CostRecorder
 from memfit.models import Shape, bert_mlm, mlm_batch
-from memfit.testing import CostRecorder
 
 # Round numbers, with checkpoint's own cost: every term of the formula shows in a price.
 FLAT = memfit.DeviceProfile("flat", {"float32": 1e9}, 1e9, 1e8, 1e-6, checkpoint_block=1e-4, checkpoint_op=2e-6)

@@ -8,20 +8,12 @@ import pytest
 import torch
 
 import memfit
-from memfit.testing import (
-    DECISIONS,
-    BlockProfile,
-    Layout,
-    ModelProfile,
-    OpCost,
-    Search,
-    Sharding,
-    comm,
-    forecast,
-    micro_batch_sizes,
-    smallest_budget,
-)
-from memfit.testing import PROFILES as NAMED
+from memfit._plan import _comm as comm
+from memfit._plan._autoconfig import Layout, Search, micro_batch_sizes
+from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
+from memfit._plan._solve import Sharding, forecast, smallest_budget
+from memfit._plan._time import PROFILES as NAMED
+from memfit._plan._time import OpCost
 
 # A device whose links are slow enough for communication to matter: 4 ranks a node.
 FAKE = memfit.DeviceProfile(

@@ -7,7 +7,7 @@ from torch import nn
 
 import memfit
 from memfit import Decision
-from memfit.testing import DECISIONS
+from memfit._plan._profile import DECISIONS
 
 
 def small():

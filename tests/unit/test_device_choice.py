@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from memfit.cli import BenchConfig, TrainConfig, main, parse_config
-from memfit.testing import choose_device
+from memfit.cli._launch import choose_device
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.testing import NORM_LAYERS
+from memfit._shard._mixed import _NORMS as NORM_LAYERS
 
 
 def test_defaults():

@@ -11,7 +11,8 @@ import torch
 
 import memfit
 from memfit._plan._budget import describe_bytes, format_bytes
-from memfit.testing import DECISIONS, Sharding, forecast
+from memfit._plan._profile import DECISIONS
+from memfit._plan._solve import Sharding, forecast
 from tests.unit.test_planner import synthetic
 
 LAYOUTS = [None, Sharding(4), Sharding(8, shard_size=4)]

@@ -8,7 +8,8 @@ import torch
 
 import memfit
 from memfit._plan._budget import format_bytes
-from memfit.testing import DECISIONS, BlockProfile, ModelProfile, Sharding, forecast, smallest_budget, solve, terms
+from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
+from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, terms
 
 
 def synthetic(n, seed=0):
@@ -320,7 +321,8 @@ def test_fixed_plan_needs_a_decision_for_every_block():
 
 def test_model_state_offload_is_forecast_per_rank():
     # See [Note: Model-state offload, forecast only]: the formula on the hand-built profile.
-    from memfit.testing import PROFILES, state_offload
+    from memfit._plan._solve import state_offload
+    from memfit._plan._time import PROFILES
 
     profile = dataclasses.replace(hand_built(), offload_bandwidth=1e6)
     saved, seconds = state_offload(profile, Sharding(4))

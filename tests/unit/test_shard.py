@@ -7,7 +7,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
-from memfit.testing import ShardedParam
+from memfit._shard._param import ShardedParam
 from tests._parity import my_rows
 
 

@@ -8,7 +8,8 @@ import torch
 
 import memfit
 from memfit._plan import _calibrate
-from memfit.testing import PROFILES, OpCost, device_profile
+from memfit._plan._calibrate import device_profile
+from memfit._plan._time import PROFILES, OpCost
 
 FLAT = memfit.DeviceProfile("flat", {"float32": 1e9}, 1e9, 1e8, 1e-6)
 # pytest.approx (rel 1e-6) throughout: float64 prices, the model's sum and division in another
@@ -35,7 +36,7 @@ def test_rates_per_dtype_and_named_profiles():
 
 
 def test_views_move_no_bytes_and_prim_ops_are_not_priced():
-    from memfit.testing import CostRecorder
+    from memfit._plan._time import CostRecorder
 
     x = torch.ones(64, 64)
     with CostRecorder() as rec:
@@ -69,7 +70,7 @@ def test_bandwidth_curve_and_math_rates():
 def test_a_calibration_round_trips_through_its_cache(tmp_path, monkeypatch):
     import json
 
-    from memfit.testing import calibrate
+    from memfit._plan._calibrate import calibrate
 
     monkeypatch.setenv("MEMFIT_CACHE_DIR", str(tmp_path))
     # The round trip is under test, not the rates: operand pools of 4 MiB, not 64 (see [Note:
@@ -92,7 +93,7 @@ def test_a_calibration_round_trips_through_its_cache(tmp_path, monkeypatch):
 
 
 def test_attention_ops_price_their_scores():
-    from memfit.testing import CostRecorder
+    from memfit._plan._time import CostRecorder
 
     q = torch.randn(2, 3, 16, 8, requires_grad=True)
     k = torch.randn(2, 3, 24, 8)
