@@ -24,6 +24,7 @@ import tempfile
 import time
 
 import torch
+from _common import emit
 
 import memfit
 from memfit.models import PRESETS, lm_batch
@@ -97,11 +98,7 @@ def main() -> None:
         in_call = statistics.median(c for c, _ in times[mode])
         extra = statistics.median(t for _, t in times[mode]) - base
         lines.append(f"| {mode} | {in_call:.3f} | {extra:.2f} |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit([*lines, ""], args.out)
     sys.stdout.flush()
 
 

@@ -20,6 +20,7 @@ import tempfile
 import time
 
 import torch
+from _common import emit
 
 import memfit
 from memfit.models import PRESETS
@@ -71,11 +72,7 @@ def main() -> None:
     for what in ("save", "load"):
         off, on = med[(False, what)], med[(True, what)]
         lines.append(f"| {what} | {off:.3f} | {on:.3f} | {on / off:.2f}x |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    emit([*lines, ""], args.out)
     sys.stdout.flush()
 
 
