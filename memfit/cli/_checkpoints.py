@@ -95,6 +95,8 @@ def remove_all(root: str) -> None:
 def _remove_unfinished(root: str) -> None:
     """Delete the temporary directories of saves a killed run left (nothing is saving at the
     start of a run), and restore a whole copy a save killed between two renames left aside."""
+    if not os.path.isdir(root):
+        return
     for _, path in complete(root):
         _atomic.recover(path, _whole, _JSON)
     for name in os.listdir(root):
