@@ -309,6 +309,45 @@ def _check(arch: Arch) -> dict:
     return result
 
 
+# [Note: Initialised like eager]
+# memfit.materialize of a model built on the meta device is compared with the eager build of the
+# same config: the same keys; constants (integer tensors, one element, or zero spread: norms 1,
+# biases 0) and rotary tables exact; everything else finite with its standard deviation within
+# max(5%, 6/sqrt(n)) of the eager one's. Two samples of n draws of one distribution differ in
+# std by about 1/sqrt(n) relative (one standard error), so 6 of them is no tighter than the
+# arithmetic, and a wrong init (std 1 or 0.07 for 0.02; a tied head's std for its embedding's)
+# is several times outside it for every tensor of 128 elements or more.
+def assert_like_eager(want: dict, got: dict, what: str) -> None:
+    assert set(got) == set(want), f"{what}: keys differ {sorted(set(got) ^ set(want))[:4]}"
+    for name, e in want.items():
+        g = got[name]
+        g = g.full_tensor() if hasattr(g, "full_tensor") else g
+        if not e.is_floating_point() or e.numel() < 2 or e.std() == 0 or name.endswith(_TABLES):
+            assert torch.equal(g, e), f"{what} {name}: {g.flatten()[:4]} vs {e.flatten()[:4]}"
+            continue
+        assert torch.isfinite(g).all(), f"{what} {name}: not finite"
+        se, sg = e.std().item(), g.std().item()
+        tol = max(0.05, 6 / e.numel() ** 0.5)
+        assert abs(sg - se) <= tol * se, f"{what} {name}: std {sg:.4g}, eager {se:.4g} ({e.numel()} elements)"
+
+
+_TABLES = ("inv_freq", "_cos_cached", "_sin_cached")
+
+
+def materialized(arch: Arch, eager: torch.nn.Module) -> torch.nn.Module:
+    """The config of ``eager`` built on the meta device, sharded (its ``_no_split_modules``
+    blocks, then the root) in the current process group, and materialized."""
+    import transformers
+
+    import memfit
+
+    with torch.device("meta"):
+        meta = getattr(transformers, arch.class_name)(tiny_config(arch))
+    names = set(eager._no_split_modules or ())
+    blocks = {type(m) for m in meta.modules() if type(m).__name__ in names}
+    return memfit.materialize(memfit.FullyShardedDataParallel(meta, auto_wrap_policy=blocks))
+
+
 if __name__ == "__main__":
     wanted = set(sys.argv[1:])
     counts: dict[str, int] = {}

@@ -32,6 +32,7 @@ SLOW_TESTS = {
     # every architecture of transformers' auto mappings, tiny (~340; the sample runs in the fast tier)
     "tests/integration/test_archs.py::test_checkpointing_matches_plain",
     "tests/integration/test_archs.py::test_planner_forecast_of_the_second_step",  # the planner on the sample
+    "tests/integration/test_archs.py::test_materialize_initialises_like_eager",  # every architecture (~2 min)
     # the spawn helper's own tests (~27 s): every other distributed test exercises it too
     "tests/distributed/test_dist_helper.py::test_results_and_failures_in_one_group",
     "tests/distributed/test_dist_helper.py::test_one_group_per_world_size_and_a_failed_group_fails_every_case",

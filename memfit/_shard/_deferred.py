@@ -3,9 +3,10 @@ one tensor at a time, so the full model never exists on one rank."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
-from typing import cast
+from collections.abc import Callable, Iterator
+from typing import NamedTuple, cast
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,11 @@ __all__ = ["load_full_state_dict", "materialize"]
 #   then, inside a transformers model, the `_init_weights(module)` of the nearest enclosing
 #   `PreTrainedModel` (what `from_config` does eagerly: embeddings std `initializer_range`,
 #   norms 1, biases 0, GPT-2's scaled residual projections, rotary and position buffers).
+#   Tied parameters are untied while their unit initialises (the tied copy gets a scratch
+#   tensor): transformers initialises before it ties, so the eager value is the source's init
+#   (the input embedding's std, not the output head's). A source outside the unit that owns the
+#   tensor is initialised there with its other tensors set aside; a source that nothing writes
+#   (its constructor's value, lost on the meta device: a tied bias) takes the copy's init.
 # Before that the tensors to fill (deferred parameters, and buffers built on the meta device,
 # which sharding zeroed) are set to NaN (integer buffers: their version counter is noted);
 # afterwards any still NaN somewhere (or, integer, never written) is an error naming the module
@@ -60,6 +66,7 @@ def materialize(
             raise TypeError("memfit.materialize: pass init= or param_init_fn= (the same thing), not both")
         init = param_init_fn
     hf = _hf_owners(model) if init is None else {}
+    ties = _ties(model) if hf else []
     paths = {id(m): p for p, m in model.named_modules(remove_duplicate=False)}
     for i, unit in enumerate(units_of(model)):
         todo = [sp for sp in unit.params if sp.deferred]
@@ -73,15 +80,7 @@ def materialize(
         try:
             before = [cast(torch.Tensor, m._buffers[n]) for m, n in buffers]  # meta buffers: tensors
             marks = [_mark(sp.full) for sp in todo] + [_mark(b) for b in before]
-            for m in _children_first(unit):
-                if init is not None:
-                    init(m)
-                    continue
-                if hasattr(m, "reset_parameters") and (m._parameters or m._buffers):
-                    m.reset_parameters()  # type: ignore[operator]
-                owner = hf.get(id(m))
-                if owner is not None:
-                    owner._init_weights(m)  # type: ignore[operator]
+            _init_unit(unit, init, hf, ties)
             replaced = _take_replaced(todo, buffers, before)
             _refuse_unwritten(todo, buffers, marks, replaced, paths, init is not None, hf)
             for sp in todo:
@@ -94,6 +93,29 @@ def materialize(
                 sp.register(sp.sharded)
                 sp.free_full()
     return model
+
+
+def _init_unit(unit: Unit, init, hf: dict[int, nn.Module], ties: list[_Tie]) -> None:
+    """Initialise the modules of ``unit`` (its full parameters registered), untying the tied
+    parameters it owns meanwhile (See [Note: What materialize initialises])."""
+    if init is not None:
+        for m in _children_first(unit):
+            init(m)
+        return
+    owned = {id(sp.full) for sp in unit.params}
+    untie = [t for t in ties if id(t.target._parameters.get(t.target_name)) in owned]
+    with contextlib.ExitStack() as stack:
+        copies = [
+            (getattr(t.target, t.target_name), stack.enter_context(_scratch(t.target, {t.target_name}))) for t in untie
+        ]
+        for m, aside in _visits(unit, untie):
+            with _scratch(m, aside):
+                if hasattr(m, "reset_parameters") and (m._parameters or m._buffers):
+                    m.reset_parameters()  # type: ignore[operator]
+                owner = hf.get(id(m))
+                if owner is not None:
+                    owner._init_weights(m)  # type: ignore[operator]
+    _fill_from_copies([(param, scratch[t.target_name]) for t, (param, scratch) in zip(untie, copies)])
 
 
 def _hf_owners(model: nn.Module) -> dict[int, nn.Module]:
@@ -115,6 +137,81 @@ def _hf_owners(model: nn.Module) -> dict[int, nn.Module]:
 
     visit(model, None)
     return owners
+
+
+class _Tie(NamedTuple):
+    """``target.target_name`` is the same parameter as ``source.source_name`` (transformers' tying)."""
+
+    target: nn.Module
+    target_name: str
+    source: nn.Module
+    source_name: str
+
+
+def _ties(model: nn.Module) -> list[_Tie]:
+    """The tied parameters of every transformers model inside ``model`` (each one's
+    ``all_tied_weights_keys``, target -> source), where the two are the same tensor."""
+    out = []
+    for owner in model.modules():
+        for target, source in (getattr(owner, "all_tied_weights_keys", None) or {}).items():
+            t_mod, _, t_name = target.rpartition(".")
+            s_mod, _, s_name = source.rpartition(".")
+            try:
+                tm, sm = owner.get_submodule(t_mod), owner.get_submodule(s_mod)
+            except AttributeError:
+                continue
+            t = tm._parameters.get(t_name)
+            if t is not None and t is sm._parameters.get(s_name) and tm is not sm:
+                out.append(_Tie(tm, t_name, sm, s_name))
+    return out
+
+
+def _visits(unit, ties: list[_Tie]) -> list[tuple[nn.Module, set[str]]]:
+    """The modules to initialise for ``unit``, children first, each with the names of tensors its
+    init must not write (set aside): none for the unit's own; then the source modules outside the
+    unit of the tied parameters it owns (``ties``), each with all but that parameter set aside."""
+    out: list[tuple[nn.Module, set[str]]] = [(m, set()) for m in _children_first(unit)]
+    managed = {id(m) for m in unit.managed}
+    for t in ties:
+        if id(t.source) not in managed:
+            others = set(t.source._parameters) | set(t.source._buffers)
+            out.append((t.source, {n for n in others if n != t.source_name and getattr(t.source, n) is not None}))
+    return out
+
+
+@contextlib.contextmanager
+def _scratch(module: nn.Module, names: set[str]) -> Iterator[dict[str, torch.Tensor]]:
+    """Give ``module`` NaN-filled throwaway tensors for ``names`` while it initialises; yields them."""
+    saved: dict[str, torch.Tensor] = {n: getattr(module, n) for n in names}
+    scratch = {
+        n: torch.full_like(t, float("nan")) if t.is_floating_point() else torch.empty_like(t) for n, t in saved.items()
+    }
+    for n, t in scratch.items():
+        if n in module._parameters:
+            module._parameters[n] = nn.Parameter(t, requires_grad=saved[n].requires_grad)
+        else:
+            module._buffers[n] = t
+    try:
+        yield scratch
+    finally:
+        for n, t in saved.items():
+            if n in module._parameters:
+                module._parameters[n] = t  # type: ignore[assignment]
+            else:
+                module._buffers[n] = t
+
+
+def _fill_from_copies(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """A tied parameter its source module left unwritten (its value came from the source's
+    constructor, lost on the meta device) takes what its copy's module wrote, when that is whole."""
+    for param, copy in copies:
+        if (
+            param.is_floating_point()
+            and not param.is_meta
+            and bool(param.isnan().all())
+            and not bool(copy.isnan().any())
+        ):
+            param.copy_(copy)
 
 
 def _children_first(unit) -> list[nn.Module]:

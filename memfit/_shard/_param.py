@@ -56,7 +56,7 @@ class ShardedParam:
         self.shape = param.shape
         self.requires_grad = param.requires_grad
         self.rows = param.shape[0] if param.dim() > 0 else 1
-        self.row_numel = param[0].numel() if param.dim() > 0 else 1
+        self.row_numel = math.prod(param.shape[1:])  # 1 for a scalar; shapes with no rows allowed
         self.chunk_rows = math.ceil(self.rows / world)  # rows per rank's slot
         self.slot_numel = self.chunk_rows * self.row_numel
         self.world = world

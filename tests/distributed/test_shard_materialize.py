@@ -1,6 +1,6 @@
 """memfit.materialize on models built on the meta device: transformers models get their own init
-(statistically the eager build's: per-tensor std within a few percent, constants exact, buffers
-exact), the same on every rank; modules that nothing initialises are refused by name.
+(statistically the eager build's: See [Note: Initialised like eager] in tests/_archs.py), the
+same on every rank; modules that nothing initialises are refused by name.
 
 One spawned group of 2 ranks runs every case; the transformers cases loop over tiny configs of
 several architectures.
@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
+from tests._archs import assert_like_eager
 from tests._dist import Subtests, case_id
 
 # Tiny configs, one per architecture: (config class, model class, extra config fields).
@@ -76,27 +77,8 @@ def check_like_eager(arch, rank, world):
     digests = [None] * world
     dist.all_gather_object(digests, digest(model))
     assert len(set(digests)) == 1, f"{arch[1]}: ranks hold different values"
-    want = eager.state_dict()
     with memfit.summon_full_params(model, writeback=False):
-        got = model.state_dict()
-        assert set(got) == set(want), f"{arch[1]}: keys differ {set(got) ^ set(want)}"
-        for name, e in want.items():
-            g = got[name]
-            what = f"{arch[1]} {name}"
-            if not e.is_floating_point() or e.numel() < 2 or e.std() == 0:  # constants: exact
-                assert torch.equal(g, e), f"{what}: {g.flatten()[:4]} vs {e.flatten()[:4]}"
-                continue
-            if name.endswith(("inv_freq", "_cos_cached", "_sin_cached")):
-                assert torch.equal(g, e), what
-                continue
-            assert torch.isfinite(g).all(), f"{what}: not finite"
-            # Two samples of one distribution: stds within 5% (20% under 2048 elements, where one
-            # standard error is 1/sqrt(2n) > 1.5%), means within 6 standard errors of their difference.
-            tol = 0.05 if e.numel() >= 2048 else 0.2
-            se, sg = e.std().item(), g.std().item()
-            assert abs(sg - se) <= tol * se, f"{what}: std {sg:.4g}, eager {se:.4g}"
-            bound = 6 * se / e.numel() ** 0.5
-            assert abs(g.mean().item() - e.mean().item()) <= bound, f"{what}: mean {g.mean():.4g} vs {e.mean():.4g}"
+        assert_like_eager(eager.state_dict(), model.state_dict(), arch[1])  # [Note: Initialised like eager]
     ids = torch.randint(301, (2, 8))
     out = model(input_ids=ids, labels=ids)
     assert torch.isfinite(out.loss), arch[1]

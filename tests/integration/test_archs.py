@@ -7,13 +7,29 @@ reason, and so is one with no repeated blocks; anything else is a failure (or an
 CHECKPOINT_XFAIL). The full enumeration is in the slow tier; `make test` runs a sample. Counts
 and one line per architecture: ``PYTHONPATH=. python -m tests._archs``. Then the planner on
 the sample (slow tier): its forecast of the second AdamW step's peak is within 0..+3% of the
-measured peak."""
+measured peak. And memfit.materialize of each built on the meta device, sharded at world size 1:
+the eager build's init (See [Note: Initialised like eager]), or a refusal naming the tensor that
+nothing initialises (full enumeration: slow tier)."""
+
+import re
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import memfit
-from tests._archs import Arch, architectures, batch_for, blocks, build, check
+from tests._archs import (
+    Arch,
+    ShrinkError,
+    _reason,
+    architectures,
+    assert_like_eager,
+    batch_for,
+    blocks,
+    build,
+    check,
+    materialized,
+)
 
 ALL = architectures()
 SAMPLE = {
@@ -28,40 +44,55 @@ SAMPLE = {
 }
 # Architectures whose checkpointing check fails, and why; strict: a fix flips them (remove the entry).
 _SHRINK = "the tiny config is not tiny (a size the shrinker in tests/_archs.py does not know): add OVERRIDES"
+_TOO_BIG = [  # over MAX_PARAMS after shrinking (tests/_archs.py), in parameters
+    "BltForCausalLM",  # 96M
+    "CvtForImageClassification",
+    "DiaForConditionalGeneration",
+    "EfficientNetForImageClassification",
+    "Gemma4ForCausalLM",  # 134M
+    "Gemma4ForConditionalGeneration",
+    "HGNetV2ForImageClassification",
+    "LongcatFlashForCausalLM",
+    "LukeForMaskedLM",
+    "Nemotron3_5TranscribeForConditionalGeneration",
+    "PerceiverForImageClassificationLearned",  # 272M
+    "PerceiverForMaskedLM",
+    "Phi4MultimodalForCausalLM",
+    "RecurrentGemmaForCausalLM",
+    "RoCBertForCausalLM",
+    "RoCBertForMaskedLM",
+    "SeamlessM4TForSpeechToText",
+    "SeamlessM4Tv2ForSpeechToText",
+    "VibeVoiceAsrForConditionalGeneration",
+    "VibeVoiceForConditionalGeneration",
+    "Zamba2ForCausalLM",
+    "ZambaForCausalLM",
+]
 CHECKPOINT_XFAIL: dict[str, str] = {
-    **dict.fromkeys(
-        [
-            "BailingHybridForCausalLM",  # over 60 s
-            "BltForCausalLM",  # 96M parameters
-            "CvtForImageClassification",
-            "DiaForConditionalGeneration",
-            "EfficientNetForImageClassification",
-            "Gemma4ForCausalLM",  # 134M
-            "Gemma4ForConditionalGeneration",
-            "HGNetV2ForImageClassification",
-            "KimiLinearForCausalLM",  # over 60 s
-            "LongcatFlashForCausalLM",
-            "LukeForMaskedLM",
-            "Nemotron3_5TranscribeForConditionalGeneration",
-            "PerceiverForImageClassificationLearned",  # 272M
-            "PerceiverForMaskedLM",
-            "Phi4MultimodalForCausalLM",
-            "RecurrentGemmaForCausalLM",
-            "RoCBertForCausalLM",
-            "RoCBertForMaskedLM",
-            "SeamlessM4TForSpeechToText",
-            "SeamlessM4Tv2ForSpeechToText",
-            "VibeVoiceAsrForConditionalGeneration",
-            "VibeVoiceForConditionalGeneration",
-            "Zamba2ForCausalLM",
-            "ZambaForCausalLM",
-        ],
-        _SHRINK,
-    ),
+    **dict.fromkeys([*_TOO_BIG, "BailingHybridForCausalLM", "KimiLinearForCausalLM"], _SHRINK),  # those two: over 60 s
     "Swinv2ForImageClassification": 'save="linear": an op mutates a Linear output in place (torch: "Tensor cached '
     'during selective activation checkpoint has been mutated")',
     "IBertForMaskedLM": 'save="linear": recompute takes another path than forward (torch: "aten.mul.Tensor invocation '
     'index 5 encountered during backward but not found in storage")',
+}
+# Architectures whose tensors neither reset_parameters nor transformers' _init_weights writes (their
+# constructors set them: lost on the meta device): materialize must refuse them by name.
+MATERIALIZE_REFUSED = {
+    "ApertusForCausalLM": "alpha_p' of XIELUActivation",
+    "FalconH1ForCausalLM": "mup_vector' of FalconH1Mixer",
+    "OpenAIGPTLMHeadModel": "c_attn.weight' of Conv1D",
+    "ImageGPTForImageClassification": "c_attn.weight' of Conv1D",
+    "LevitForImageClassification": "attention_biases' of LevitAttentionSubsample",
+    "LevitForImageClassificationWithTeacher": "attention_biases' of LevitAttentionSubsample",
+    "SpeechEncoderDecoderModel": "weight.original0' of ParametrizationList",  # weight_norm's g and v
+    "SpeechT5ForSpeechToText": "weight.original0' of ParametrizationList",
+}
+# The sample plus tied heads whose init differs from their embedding's, and a tied bias.
+MATERIALIZE_SAMPLE = SAMPLE | {
+    "causal_lm-ModernBertDecoderForCausalLM",
+    "causal_lm-YoutuForCausalLM",
+    "masked_lm-FNetForMaskedLM",
+    "causal_lm-OpenAIGPTLMHeadModel",
 }
 # Planner failures of the sample: class name -> why (strict: a fix flips them). None now.
 PLANNER_XFAIL: dict[str, str] = {}
@@ -71,6 +102,15 @@ def _params(archs, xfail: dict[str, str]):
     for a in archs:
         reason = xfail.get(a.class_name)
         yield pytest.param(a, id=a.id, marks=[pytest.mark.xfail(reason=reason, strict=True)] if reason else [])
+
+
+@pytest.fixture
+def one_rank():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)
@@ -113,3 +153,30 @@ def test_planner_forecast_of_the_second_step(arch):  # the slow tier: 30-100 s e
     plan = memfit.plan(model, batch, budget="1TB", candidates=blocks(model), device_profile="cpu")
     measured = plan.measure(model, batch)
     assert 1.0 <= plan.predicted_peak / measured <= 1.03, plan.compare(measured)
+
+
+def _materialize(arch: Arch) -> None:
+    try:
+        eager = build(arch)
+    except ShrinkError:
+        raise
+    except Exception as e:
+        pytest.skip(f"{arch.class_name}: transformers cannot build its tiny config: {_reason(e)}")
+    refused = MATERIALIZE_REFUSED.get(arch.class_name)
+    if refused is not None:
+        with pytest.raises(RuntimeError, match=f"nothing initialised .*{re.escape(refused)}.*init=fn"):
+            materialized(arch, eager)
+        return
+    model = materialized(arch, eager)
+    with memfit.summon_full_params(model, writeback=False):
+        assert_like_eager(eager.state_dict(), model.state_dict(), arch.class_name)  # [Note: Initialised like eager]
+
+
+@pytest.mark.parametrize("arch", [a for a in ALL if a.id in MATERIALIZE_SAMPLE], ids=lambda a: a.id)
+def test_materialize_initialises_like_eager_on_a_sample(arch, one_rank):
+    _materialize(arch)
+
+
+@pytest.mark.parametrize("arch", _params(ALL, dict.fromkeys(_TOO_BIG, _SHRINK)))
+def test_materialize_initialises_like_eager(arch, one_rank):  # the slow tier: every architecture
+    _materialize(arch)
