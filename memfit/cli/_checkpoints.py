@@ -18,7 +18,7 @@ import os
 import re
 import uuid
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -148,10 +148,12 @@ def claim(cfg: TrainConfig) -> None:
         )
 
 
-def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, log: RunLog) -> tuple[int, dict]:
+def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, log: RunLog) -> tuple[int, dict, dict]:
     """Load the checkpoint that --resume asks for into ``model`` and ``opt``: the newest that
-    loads and verifies, naming those skipped and why. The step to start at, and the run."""
+    loads and verifies, naming those skipped and why. The step to start at, the run, and the
+    ``extra`` values the checkpoint recorded ({} when none was loaded)."""
     step, run = 0, None  # run: what the loaded checkpoint recorded (None: it recorded none)
+    extra: dict[str, Any] = {}
     if dist.get_rank() == 0 and cfg.overwrite:
         assert cfg.checkpoint_dir is not None  # TrainConfig requires one with --overwrite
         remove_all(cfg.checkpoint_dir)
@@ -159,12 +161,13 @@ def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
         assert cfg.checkpoint_dir is not None  # TrainConfig requires one with --resume
         _remove_unfinished(cfg.checkpoint_dir)
     if cfg.resume != "no":
-        step, run = _load_newest(cfg, model, opt, log)
+        step, extra = _load_newest(cfg, model, opt, log)
+        run = extra.get("run") if isinstance(extra.get("run"), dict) else None
     box = [run["id"] if run else uuid.uuid4().hex[:12]]
     dist.broadcast_object_list(box, src=0)  # one id for every rank (and after --overwrite deleted)
     run_identity = identity(cfg, box[0])
     if run is None:
-        return step, run_identity
+        return step, run_identity, extra
     changed = sorted(k for k, v in run_identity["config"].items() if run.get("config", {}).get(k, v) != v)
     if changed:
         was = run["config"]
@@ -173,7 +176,7 @@ def resume(cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer,
         warning = schedule_change(cfg, was, step)
         if warning:
             log.say(warning)
-    return step, run_identity
+    return step, run_identity, extra
 
 
 _SCHEDULE = ("steps", "warmup", "lr")  # the flags TrainConfig.lr_at reads
@@ -197,7 +200,7 @@ def schedule_change(cfg: TrainConfig, was: dict, step: int) -> str | None:
     )
 
 
-def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict | None]:
+def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict]:
     assert cfg.checkpoint_dir is not None  # TrainConfig requires one with --resume
     found = complete(cfg.checkpoint_dir)
     if not found:
@@ -206,7 +209,7 @@ def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict |
                 f"memfit train: --resume, but {cfg.checkpoint_dir!r} holds no checkpoint; run without "
                 "--resume (or with --resume auto) to start from scratch"
             )
-        return 0, None
+        return 0, {}
     skipped = []
     for _, path in reversed(found):
         try:
@@ -218,7 +221,6 @@ def _load_newest(cfg: TrainConfig, model, opt, log: RunLog) -> tuple[int, dict |
             log.say(f"skipped checkpoint {why}")
         step = extra["step"]
         log.say(f"resumed from step {step} ({path})")
-        run = extra.get("run")
-        return step, run if isinstance(run, dict) else None
+        return step, extra
     bad = "; ".join(skipped)
     raise ValueError(f"memfit train: cannot resume from any checkpoint in {cfg.checkpoint_dir!r}: {bad}")

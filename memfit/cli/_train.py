@@ -63,6 +63,14 @@ class TrainConfig:
     lr: float = field(default=3e-4, metadata=flag("peak learning rate"))
     warmup: int = field(default=2, metadata=flag("linear warm-up steps, then cosine decay"))
     accumulate: int = field(default=1, metadata=flag("micro-batches per step"))  # each of --batch rows per rank
+    global_batch: int | None = field(
+        default=None,
+        metadata=flag(
+            "sequences per step over all ranks: sets --accumulate to N / (--batch x world size) (default: "
+            "--batch x --accumulate x world size; a run resumed at another world size keeps its checkpoint's)",
+            metavar="N",
+        ),
+    )
     clip: float = field(default=1.0, metadata=flag("max global gradient norm"))
     checkpointing: str = field(default="full", metadata=flag("per block", choices=CHECKPOINTING, type=decision_kind))
     hybrid_shards: int = field(
@@ -130,6 +138,8 @@ class TrainConfig:
             )
         if min(self.steps, self.accumulate, self.log_every, self.eval_batches) < 1 or self.warmup < 0:
             raise ValueError("memfit train: --steps, --accumulate, --log-every, --eval-batches >= 1, --warmup >= 0")
+        if self.global_batch is not None and (self.global_batch < 1 or self.accumulate != 1):
+            raise ValueError("memfit train: --global-batch must be >= 1, and sets --accumulate: pass one of the two")
         if min(self.save_every, self.keep_last, self.eval_every, self.hybrid_shards) < 0:
             raise ValueError("memfit train: --save-every, --keep-last, --eval-every and --hybrid-shards must be >= 0")
         self.spec()  # an unknown model fails here, before any process group forms
@@ -169,6 +179,7 @@ class _Run:
     batch: int
     params: int  # parameters of the whole model (not this rank's shard)
     device: torch.device  # where this rank computes (--device)
+    accumulate: int  # micro-batches per step (--accumulate, or from the global batch: See [Note: Elastic restarts])
     identity: dict | None = None  # what its checkpoints record about it (See memfit/cli/_checkpoints.py)
 
 
@@ -197,7 +208,8 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
-    run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device)
+    accumulate = accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
+    run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device, accumulate)
     log.say(_configuration(run, block, blocks))
     return run
 
@@ -214,8 +226,8 @@ def _configuration(run: _Run, block: type, blocks: int) -> str:
         saving = f"checkpoints to {cfg.checkpoint_dir} {every}at the end and on SIGTERM/SIGINT{keep}"
     return (
         f"memfit train: {cfg.model} ({run.params / 1e6:.2f}M parameters, {run.spec.arch} LM), world size {world} "
-        f"({layout}, {run.device.type}/{dist.get_backend()}), global batch {run.batch * cfg.accumulate * world} "
-        f"sequences of {run.seq} tokens ({cfg.accumulate} x {run.batch} per rank), {plural(cfg.steps, 'step')}; "
+        f"({layout}, {run.device.type}/{dist.get_backend()}), global batch {run.batch * run.accumulate * world} "
+        f"sequences of {run.seq} tokens ({run.accumulate} x {run.batch} per rank), {plural(cfg.steps, 'step')}; "
         f"activation checkpointing {cfg.checkpointing} on {blocks} {block.__name__} blocks; {saving}; "
         f"data: {run.tokens.source}"
     )
@@ -252,7 +264,7 @@ def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict
     with meter if meter else contextlib.nullcontext():
         for i, mb in enumerate(micro):
             with contextlib.nullcontext() if i == len(micro) - 1 else model.no_sync():  # type: ignore[operator]
-                loss = loss_of(model, mb) / cfg.accumulate
+                loss = loss_of(model, mb) / run.accumulate
                 loss.backward()
             total += loss.detach()
         norm = memfit.clip_grad_norm_(model, cfg.clip)
@@ -266,7 +278,7 @@ def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict
         "loss": loss_sum / run.world,
         "grad_norm": float(norm),
         "lr": cfg.lr_at(step),
-        "tokens_per_s": cfg.accumulate * run.batch * run.world * run.seq / (time.perf_counter() - t0),
+        "tokens_per_s": run.accumulate * run.batch * run.world * run.seq / (time.perf_counter() - t0),
         "step_s_slowest": seconds[slowest],
         "slowest_rank": slowest,
     }
@@ -309,11 +321,11 @@ def _agree(run: _Run, total: torch.Tensor, votes: list[float], seconds: float, p
 def _micro_batches(run: _Run, step: int) -> list[dict[str, torch.Tensor]]:
     """This rank's rows of the step's window, on its device (from pinned memory, without
     waiting, on an accelerator), split into --accumulate micro-batches."""
-    rows = run.batch * run.cfg.accumulate
+    rows = run.batch * run.accumulate
     cfg = run.cfg
     whole = window_batch(run.tokens.train, run.spec.arch, rows * run.world, run.seq, step, cfg.seed, run.tokens.mask_id)
     mine = {k: _to_device(v[run.rank * rows : (run.rank + 1) * rows], run.device) for k, v in whole.items()}
-    return [{k: v.split(run.batch)[i] for k, v in mine.items()} for i in range(cfg.accumulate)]
+    return [{k: v.split(run.batch)[i] for k, v in mine.items()} for i in range(run.accumulate)]
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -343,7 +355,14 @@ def _save(run: _Run, step: int, last: bool) -> str:
     of the run or a stop: See [Note: Asynchronous checkpoints])."""
     assert run.cfg.checkpoint_dir is not None and run.identity is not None  # only with a dir; resume set it
     path = _checkpoints.path_at(run.cfg.checkpoint_dir, step)
-    extra = {"step": step, "run": run.identity, "saved_at": time.time()}
+    global_batch = run.batch * run.accumulate * run.world
+    extra = {
+        "step": step,
+        "run": run.identity,
+        "saved_at": time.time(),
+        "global_batch": global_batch,
+        "world": run.world,
+    }
     background = run.cfg.async_save and not last
     # Waits for the save in flight first, raising its error: a failed background write stops the run.
     memfit.save_checkpoint(path, run.model, run.opt, extra=extra, async_=background)
@@ -382,7 +401,8 @@ def train(cfg: TrainConfig, *, on_step: Callable[[int], object] | None = None) -
 
 def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None) -> dict:
     cfg = run.cfg
-    start, run.identity = _checkpoints.resume(cfg, run.model, run.opt, run.log)
+    start, run.identity, resumed = _checkpoints.resume(cfg, run.model, run.opt, run.log)
+    _keep_global_batch(run, resumed)
     if start >= cfg.steps:
         run.log.say(f"the run is finished: the checkpoint is at step {start} of --steps {cfg.steps}; nothing to train")
     can_eval = cfg.eval_every and len(run.tokens.val) > run.seq + 1
@@ -403,7 +423,7 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
         if done % cfg.log_every == 0 or done == cfg.steps or measure or stopped:
             eta = (time.perf_counter() - t_run) / (done - start) * (cfg.steps - done)
             run.log.step_line(entry, cfg.steps, eta)
-            global_batch = run.batch * cfg.accumulate * run.world
+            global_batch = run.batch * run.accumulate * run.world
             run.log.record({**entry, "world_size": run.world, "global_batch": global_batch, "params": run.params})
         if can_eval and not stopped and (done % cfg.eval_every == 0 or done == cfg.steps):
             evals.append(_evaluate(run, done))
@@ -412,7 +432,7 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
             saved.append(_save(run, done, last=bool(stopped) or done == cfg.steps))
         if stopped:
             break
-    tokens = len(log) * cfg.accumulate * run.batch * run.world * run.seq
+    tokens = len(log) * run.accumulate * run.batch * run.world * run.seq
     run.log.summary(len(log), tokens, time.perf_counter() - t_run, saved)
     if stopped:
         return _stop(run, stopped, start + len(log), saved[-1] if saved else None, log, evals)
@@ -422,6 +442,46 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
         write_json(cfg.json, {**result, "config": asdict(cfg)})
     dist.barrier()
     return result
+
+
+# [Note: Elastic restarts]
+# A step trains on the global rows [step x G, (step + 1) x G) of the data (G = --batch x
+# accumulate x world size; rank r takes its slice of them), so a run that keeps G keeps its data
+# order at any world size. Each checkpoint records G and the world size; a run resumed at another
+# world size (torchrun --nnodes 1:2 restarting with fewer nodes, or another --nproc-per-node) keeps
+# the checkpoint's G by changing the accumulation (when --batch x world size divides it: an error
+# otherwise, saying what to pass), unless --global-batch says otherwise. The gradient is the mean
+# over the same G rows, so the loss curve continues as the unchanged run's would, to rounding (the
+# sums run in another order) and dropout (each rank draws its own masks); the model and optimizer
+# states are resharded by memfit.load_checkpoint.
+
+
+def accumulation(global_batch: int, batch: int, world: int) -> int:
+    """Micro-batches per step for ``global_batch`` sequences at --batch ``batch`` on ``world`` ranks."""
+    if global_batch % (batch * world):
+        raise ValueError(
+            f"memfit train: a global batch of {global_batch} sequences is not a multiple of --batch {batch} x "
+            f"world size {world}; pass a --batch whose product with {world} divides {global_batch} "
+            "(or --global-batch to change the global batch)"
+        )
+    return global_batch // (batch * world)
+
+
+def _keep_global_batch(run: _Run, saved: dict) -> None:
+    """A resumed run keeps its checkpoint's global batch (See [Note: Elastic restarts])."""
+    was, now = saved.get("global_batch"), run.batch * run.accumulate * run.world
+    if not isinstance(was, int) or was == now:
+        return
+    if run.cfg.global_batch is not None:
+        run.log.say(f"the global batch changes from the checkpoint's {was} to --global-batch {now} sequences")
+        return
+    before = run.accumulate
+    run.accumulate = accumulation(was, run.batch, run.world)
+    run.log.say(
+        f"world size {run.world} (the checkpoint's run had {saved.get('world', '?')}): accumulating "
+        f"{run.accumulate} micro-batches of {run.batch} per rank (was {before}) keeps its global batch of "
+        f"{was} sequences"
+    )
 
 
 def _stop(run: _Run, signum: int, done: int, path: str | None, log: list[dict], evals: list[dict]) -> NoReturn:

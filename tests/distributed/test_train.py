@@ -78,6 +78,38 @@ def test_async_saves_resume_exactly_from_the_newest_whole_checkpoint(tmp_path):
     assert left[-1] == "step-00000006" and not [n for n in left if ".tmp-" in n], (left, killed.stdout, resumed.stdout)
 
 
+def test_elastic_restarts_keep_the_global_batch_and_the_loss_curve(tmp_path):
+    # 2 ranks, killed after the step-2 checkpoint; restarted with the same flags on 1 rank, killed
+    # after step 4; then on 3 (torchrun with another --nproc-per-node): the global batch of 6
+    # sequences stays (accumulation 3, 6, 2), so every step trains on the same rows as the
+    # uninterrupted run's (See [Note: Elastic restarts] in memfit/cli/_train.py).
+    llama = ["--model", "llama", "--batch", "1"]
+    memfit_train(*llama, "--global-batch", "6", "--json", str(tmp_path / "whole.json"), torchrun=2)
+    flags = [*llama, "--accumulate", "3", "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2"]
+    metrics = [str(tmp_path / f"part{i}.jsonl") for i in range(3)]
+    first = memfit_train(*flags, "--metrics", metrics[0], torchrun=2, fail_at_step=2, restarts=0, check=False)
+    assert first.returncode != 0, first.stdout[-2000:]
+    second = memfit_train(*flags, "--resume", "--metrics", metrics[1], fail_at_step=4, check=False)
+    assert second.returncode == -signal.SIGKILL, second.stdout[-2000:] + second.stderr[-2000:]
+    assert (
+        "world size 1 (the checkpoint's run had 2): accumulating 6 micro-batches of 1 per rank (was 3)" in second.stdout
+    )
+    third = memfit_train(*flags, "--resume", "--metrics", metrics[2], torchrun=3)
+    assert (
+        "world size 3 (the checkpoint's run had 1): accumulating 2 micro-batches of 1 per rank (was 3)" in third.stdout
+    )
+    parts = [json.loads(line) for m in metrics for line in Path(m).read_text().splitlines()]
+    assert [(e["step"], e["world_size"], e["global_batch"]) for e in parts] == [
+        (1, 2, 6), (2, 2, 6), (3, 1, 6), (4, 1, 6), (5, 3, 6), (6, 3, 6)
+    ]  # fmt: skip
+    whole = [e["loss"] for e in read(tmp_path / "whole.json")["log"]]
+    assert [e["loss"] for e in parts[:2]] == whole[:2]  # the same world size and accumulation: bitwise
+    # Elsewhere the same rows and the same mean gradient, summed in another order: the loss curve
+    # continues to rounding (float32 sums of 6 rows' gradients, then AdamW; 1e-4 relative is ~1000 ulps).
+    for got, want in zip(parts[2:], whole[2:]):
+        assert abs(got["loss"] - want) <= 1e-4 * abs(want), (got["step"], got["loss"], want)
+
+
 def test_torchrun_restarts_after_a_killed_rank(tmp_path):
     memfit_train("--json", str(tmp_path / "whole.json"), torchrun=2)
     # Known flake of torch 2.13's gloo on this machine, not of memfit: in about one run in five

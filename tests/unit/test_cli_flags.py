@@ -71,7 +71,8 @@ def test_a_config_round_trips_through_its_flags():
         json="run.json",
         device="cpu",
     )
-    fresh = dataclasses.replace(cfg, resume="no", overwrite=True)  # --overwrite and --resume exclude each other
+    # --overwrite and --resume exclude each other, and so do --global-batch and --accumulate
+    fresh = dataclasses.replace(cfg, resume="no", overwrite=True, accumulate=1, global_batch=8)
     defaults = TrainConfig()
     exercised = set()
     for config in (cfg, fresh):

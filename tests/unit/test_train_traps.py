@@ -17,7 +17,7 @@ from memfit.cli import TrainConfig, main
 from memfit.cli._checkpoints import identity, schedule_change
 from memfit.cli._log import RunLog
 from memfit.cli._preempt import ECHO_S, StopRequests, agreed_signal, resume_command
-from memfit.cli._train import _build, _save_due, _step
+from memfit.cli._train import _build, _save_due, _step, accumulation
 from memfit.models import PRESETS
 from memfit.models._spec import layer_class, loss_of, settle_loss_type
 from memfit.testing import HostSyncCounter, end_process_group
@@ -86,6 +86,14 @@ def test_a_checkpoint_dir_alone_saves_at_the_end():
     every = TrainConfig(checkpoint_dir="ck", steps=5, save_every=2)
     assert [d for d in range(1, 6) if _save_due(every, d)] == [2, 4, 5]
     assert not any(_save_due(TrainConfig(steps=5), d) for d in range(1, 6))
+
+
+def test_a_global_batch_the_ranks_cannot_share_is_refused_with_what_to_pass():
+    assert accumulation(6, 1, 3) == 2 and accumulation(6, 2, 1) == 3
+    with pytest.raises(ValueError, match=r"global batch of 6 sequences is not a multiple of --batch 4 x world size 1"):
+        accumulation(6, 4, 1)
+    with pytest.raises(ValueError, match=r"--global-batch must be >= 1, and sets --accumulate: pass one of the two"):
+        TrainConfig(global_batch=8, accumulate=2)
 
 
 def test_the_continue_command_swaps_resume_and_overwrite_for_resume_auto():
