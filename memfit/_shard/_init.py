@@ -4,6 +4,7 @@ ownership, wrap policies, and the root's initialisation at its first forward.
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -273,20 +274,37 @@ def shard_parameters(
     sync: bool = False,
 ) -> list[ShardedParam]:
     """Replace each new parameter, wherever it is registered, by this rank's chunk of it; with
-    ``sync``, of rank 0's values (rank 0 of every replica's ranks), broadcast one parameter at a
-    time on the compute device."""
+    ``sync``, of rank 0's values (rank 0 of every replica's ranks), broadcast one rank's rows at
+    a time on the compute device: a parameter built in host memory is never there in full."""
     # See [Note: Sharded parameter layout] and [Note: Devices and the meta test device]
     rank, world = dist.get_rank(layout.shard), dist.get_world_size(layout.shard)
     everyone = layout.everyone
     params = []
     for p, p_uses in owned.new:
         dtype = mixed_precision.compute_dtype(p_uses[0][0]) if mixed_precision else None
-        values = None
+        rows = None
         if sync and dist.get_world_size(everyone) > 1 and not p.is_meta:
-            values = moved(p.detach(), device)  # a temporary copy when p is not on the device
-            dist.broadcast(values, src=dist.get_global_rank(everyone, 0), group=everyone)
-        params.append(ShardedParam(p, p_uses, owned.paths[p], rank, world, device, dtype, shard_device, values))
+            rows = _synced_rows(p.detach(), rank, world, device, everyone)
+        params.append(ShardedParam(p, p_uses, owned.paths[p], rank, world, device, dtype, shard_device, rows))
     return params
+
+
+def _synced_rows(p: torch.Tensor, rank: int, world: int, device: torch.device, group) -> torch.Tensor:
+    """This rank's rows of rank 0's ``p`` (rows as [Note: Sharded parameter layout] deals them),
+    on ``device``: rank 0 broadcasts each shard rank's rows in turn (W broadcasts of 1/W of the
+    parameter: the bytes of one broadcast of it, never more than one rank's rows on the device)."""
+    n = p.shape[0] if p.dim() > 0 else 1
+    flat = p.reshape(n, -1)
+    chunk = math.ceil(n / world)
+    src = dist.get_global_rank(group, 0)
+    mine = None
+    for r in range(world):
+        part = moved(flat[min(r * chunk, n) : min((r + 1) * chunk, n)], device, copy=True)
+        dist.broadcast(part, src=src, group=group)
+        if r == rank:
+            mine = part
+    assert mine is not None
+    return mine.reshape((mine.shape[0], *p.shape[1:]) if p.dim() > 0 else (mine.shape[0],))
 
 
 def new_unit(

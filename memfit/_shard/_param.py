@@ -66,16 +66,19 @@ class ShardedParam:
         # The chunk lives on the compute device `device`, or in host memory (`shard_device`,
         # CPU offload); the full tensor always on the compute device. A parameter on the meta
         # device has no values yet: its chunk is filled by memfit.materialize or
-        # memfit.load_full_state_dict (deferred init). Otherwise the chunk is copied from
-        # `values` (rank 0's, after sync_module_states; default the parameter) straight to
-        # where it lives: the full parameter never moves (See [Note: Devices and the meta test device]).
+        # memfit.load_full_state_dict (deferred init). Otherwise the chunk is `values` (this
+        # rank's rows of rank 0's parameter, after sync_module_states) or copied from the
+        # parameter's rows straight to where it lives: the full parameter never moves (See
+        # [Note: Devices and the meta test device]).
         device = device if device is not None else (param.device if not param.is_meta else torch.device("cpu"))
         home = shard_device or device
         self.deferred = param.is_meta
         if self.deferred:
             local = torch.empty(local_shape, dtype=param.dtype, device=home)
+        elif values is not None:  # this rank's rows, synced from rank 0 on the compute device
+            local = moved(values.detach(), home).reshape(local_shape)  # a fresh tensor already
         else:
-            src = (values if values is not None else param).detach().reshape(self.rows, self.row_numel)
+            src = param.detach().reshape(self.rows, self.row_numel)
             local = moved(src[start : start + self.local_rows], home, copy=True).reshape(local_shape)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
         self.owner: Unit | None = None  # the Unit that gathers this parameter; set when a unit takes it

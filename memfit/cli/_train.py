@@ -190,8 +190,6 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     tokens = load_tokens(cfg.data, cfg.tokenizer, cfg.val_fraction, seq)
     model = spec.build(cfg.seed)
     settle_loss_type(model)
-    if device.type != "cpu":  # pragma: no cover (needs a GPU); sharding then computes there
-        model = model.to(device)
     vocab = vocab_size(model)
     needed = max(tokens.vocab, tokens.mask_id + 1) if spec.arch == "bert" else tokens.vocab
     if vocab is not None and needed > vocab:
@@ -203,7 +201,9 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     block = layer_class(model)
     blocks = sum(isinstance(m, block) for m in model.modules())
     memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
-    options = memfit.ShardOptions(auto_wrap_policy={block}, mesh=_hybrid_mesh(cfg, world))
+    # Built in host memory; sharding copies each rank's rows to ``device``: the whole model is
+    # never there (the point of sharding), only the chunks and one unit's gathered parameters.
+    options = memfit.ShardOptions(auto_wrap_policy={block}, mesh=_hybrid_mesh(cfg, world), device=device)
     model = cast(torch.nn.Module, memfit.FullyShardedDataParallel(model, options=options))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
 from memfit.cli import TrainConfig, main
@@ -20,7 +21,7 @@ from memfit.cli._preempt import ECHO_S, StopRequests, agreed_signal, resume_comm
 from memfit.cli._train import _build, _save_due, _step, accumulation
 from memfit.models import PRESETS
 from memfit.models._spec import layer_class, loss_of, settle_loss_type
-from memfit.testing import HostSyncCounter, end_process_group
+from memfit.testing import HostSyncCounter, end_process_group, meta_accelerator, sharded_units
 
 TINY = {"layers": 2, "hidden": 32, "seq": 16, "batch": 4}
 
@@ -171,6 +172,34 @@ def test_exported_files_follow_the_umask(group_of_one, tmp_path):
         files = sorted(os.listdir(tmp_path / oct(mask)))
         assert any(f.endswith(".safetensors") for f in files)
         assert {f: stat.S_IMODE(os.stat(tmp_path / oct(mask) / f).st_mode) for f in files} == dict.fromkeys(files, mode)
+
+
+class _Copies(TorchDispatchMode):
+    """Records the shapes of the tensors copied onto the meta device (the pretend accelerator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default) and out.is_meta:
+            self.shapes.add(tuple(out.shape))
+        return out
+
+
+def test_the_trainer_puts_only_chunks_of_the_model_on_the_device():
+    """The model is built in host memory and sharding copies to the device only each rank's rows
+    (sync_module_states too: rank 0 broadcasts one rank's rows at a time): no parameter of two or
+    more rows is ever copied there in full (a whole-model .to(device) did, and the broadcast of
+    each full parameter)."""
+    with meta_accelerator(2):
+        with _Copies() as copied:
+            run = _build(TrainConfig(device="cpu", **TINY), torch.device("meta"))
+        full = {tuple(sp.shape) for u in sharded_units(run.model) for sp in u.params if sp.shape[0] >= 2}
+        assert full and not full & copied.shapes, sorted(full & copied.shapes)[:4]
+        assert {p.device.type for p in run.model.parameters()} == {"meta"}
+        run.log.close()
 
 
 def test_a_step_reads_the_device_once_beyond_the_librarys_reads(group_of_one):
