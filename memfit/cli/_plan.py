@@ -13,6 +13,7 @@ import memfit
 from memfit._plan._budget import describe_bytes, format_bytes
 from memfit._plan._calibrate import cache_path, calibrate
 from memfit._plan._time import PROFILES, default_profile
+from memfit.cli._choose import PLANNED_KINDS
 from memfit.cli._data import batch_at
 from memfit.cli._output import write_json
 from memfit.models._spec import ModelSpec, resolve
@@ -137,11 +138,12 @@ def _device_profile(name: str | None) -> tuple[memfit.DeviceProfile, str]:
 
 
 # [Note: From a plan to a run]
-# `memfit train` takes one --checkpointing kind for every block (keep, selective or full; not
-# offload, untested under sharding), not a plan's per-block decisions, and computes its loss
-# with the head whole. So the run `memfit plan` hands over is the uniform kind of least
-# predicted extra time whose forecast (Plan.fixed, plain head) fits the budget, else full; its
-# own forecast is printed beside it, so the user sees what the uniform kind costs against the
+# `memfit train` takes one --checkpointing kind for every block, or a plan's per-block decisions
+# (--plan FILE) when they are kinds it runs (keep, selective or full; not offload, untested under
+# sharding), and computes its loss with the head whole. So with --json FILE and such a plan (head
+# whole), the run `memfit plan` hands over is `--plan FILE`; otherwise the uniform kind of least
+# predicted extra time whose forecast (Plan.fixed, plain head) fits the budget, else full, its
+# own forecast printed beside it, so the user sees what the uniform kind costs against the
 # plan. The command's flags (model, sizes, layout) are those that planned.
 def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[str]:
     """What runs the plan: `memfit train`'s flags (or, with --emit, its --config file), with the
@@ -161,6 +163,10 @@ def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[s
         f"{format_bytes(uniform.predicted_peak)} ({fits} {budget}), {uniform.predicted_overhead * 1e3:.1f} ms of "
         f"recompute a step{dtype}",
     ]
+    if cfg.json and plan.head == "plain" and all(k in PLANNED_KINDS for k in plan.decisions.values()):
+        del flags["checkpointing"]  # the plan's own per-block decisions, as saved
+        flags["plan"] = cfg.json
+        lines = ["", f"memfit train --plan {cfg.json} applies these per-block decisions (forecast above)"]
     if cfg.emit:
         with open(cfg.emit, "w") as f:
             f.write("# memfit train --config: the run `memfit plan` chose\n[train]\n")

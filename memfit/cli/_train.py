@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit.cli import _checkpoints
+from memfit.cli._choose import MIXED, choose, mixed_precision
 from memfit.cli._data import Tokens, load_tokens, window_batch
 from memfit.cli._flags import DEVICE_HELP, DEVICES, decision_kind, flag
 from memfit.cli._launch import choose_device, init_process_group, pg_timeout
@@ -73,6 +74,26 @@ class TrainConfig:
     )
     clip: float = field(default=1.0, metadata=flag("max global gradient norm"))
     checkpointing: str = field(default="full", metadata=flag("per block", choices=CHECKPOINTING, type=decision_kind))
+    budget: str | None = field(
+        default=None,
+        metadata=flag("plan checkpointing per block to fit SIZE per rank (e.g. 70GiB; memfit.plan)", metavar="SIZE"),
+    )
+    plan: str | None = field(
+        default=None, metadata=flag("apply the per-block checkpointing of a saved plan (memfit plan --json FILE)")
+    )
+    auto: bool = field(
+        default=False,
+        metadata=flag(
+            "with --budget: choose --batch, the accumulation, the sharding layout and per-block checkpointing "
+            "for the most predicted tokens/s (memfit.autoconfigure; --global-batch fixes the global batch)"
+        ),
+    )
+    mixed_precision: str = field(
+        default="no",
+        metadata=flag(
+            "bf16: gather and compute in bf16, reduce gradients in fp32, fp32 master weights", choices=list(MIXED)
+        ),
+    )
     hybrid_shards: int = field(
         default=0,
         metadata=flag(
@@ -140,9 +161,27 @@ class TrainConfig:
             raise ValueError("memfit train: --steps, --accumulate, --log-every, --eval-batches >= 1, --warmup >= 0")
         if self.global_batch is not None and (self.global_batch < 1 or self.accumulate != 1):
             raise ValueError("memfit train: --global-batch must be >= 1, and sets --accumulate: pass one of the two")
+        self._check_choice()
         if min(self.save_every, self.keep_last, self.eval_every, self.hybrid_shards) < 0:
             raise ValueError("memfit train: --save-every, --keep-last, --eval-every and --hybrid-shards must be >= 0")
         self.spec()  # an unknown model fails here, before any process group forms
+
+    def _check_choice(self) -> None:
+        """--checkpointing, --budget and --plan each choose the checkpointing: one at most."""
+        chosen = [f for f, on in (("--budget", self.budget), ("--plan", self.plan)) if on]
+        if len(chosen) > 1 or (chosen and self.checkpointing != "full"):
+            raise ValueError(
+                f"memfit train: {' and '.join(chosen + ['--checkpointing'] * (self.checkpointing != 'full'))} each "
+                "choose the checkpointing: pass one"
+            )
+        if self.budget:
+            memfit.parse_bytes(self.budget)  # a bad size fails here
+        if self.auto and not self.budget:
+            raise ValueError("memfit train: --auto searches configurations that fit a --budget: pass one")
+        if self.auto and (self.batch or self.accumulate != 1 or self.hybrid_shards):
+            raise ValueError("memfit train: --auto chooses --batch, --accumulate and --hybrid-shards: leave them out")
+        if self.mixed_precision not in MIXED:
+            raise ValueError(f"memfit train: --mixed-precision takes {list(MIXED)}")
 
     def spec(self) -> ModelSpec:
         return resolve(self.model, layers=self.layers, hidden=self.hidden)
@@ -159,7 +198,7 @@ def _digest(model: torch.nn.Module) -> str:
     with memfit.summon_full_params(model, writeback=False):
         for name, p in model.named_parameters():
             h.update(name.encode())
-            h.update(p.detach().to("cpu", copy=True).numpy().tobytes())
+            h.update(p.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())  # any dtype
     return h.hexdigest()
 
 
@@ -199,25 +238,28 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
         )
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
-    blocks = sum(isinstance(m, block) for m in model.modules())
-    memfit.Decision.parse(cfg.checkpointing).apply_to(model, block)
+    choice = choose(cfg, model, block, (tokens, spec.arch, seq, batch), world, device.type)
+    choice.apply(model)
     # Built in host memory; sharding copies each rank's rows to ``device``: the whole model is
     # never there (the point of sharding), only the chunks and one unit's gathered parameters.
-    options = memfit.ShardOptions(auto_wrap_policy={block}, mesh=_hybrid_mesh(cfg, world), device=device)
+    options = memfit.ShardOptions(
+        auto_wrap_policy={block}, mesh=_hybrid_mesh(choice.hybrid_shards, world), device=device,
+        reshard_after_forward=choice.reshard_after_forward, mixed_precision=mixed_precision(cfg.mixed_precision),
+    )  # fmt: skip
     model = cast(torch.nn.Module, memfit.FullyShardedDataParallel(model, options=options))
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
-    accumulate = accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
+    batch = choice.batch
+    accumulate = choice.accumulate or accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
     run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device, accumulate)
-    log.say(_configuration(run, block, blocks))
+    log.say(_configuration(run, block, len(choice.decisions), choice.about, choice.hybrid_shards))
     return run
 
 
-def _configuration(run: _Run, block: type, blocks: int) -> str:
+def _configuration(run: _Run, block: type, blocks: int, checkpointing: str, n: int) -> str:
     """The start line: what the flags resolved to (the model, layout, batch, checkpointing, saving)."""
     cfg, world = run.cfg, run.world
-    n = cfg.hybrid_shards
     layout = f"hybrid: {world // n} replicas x {n} shards" if n else f"sharded over {world}"
     saving = "no --checkpoint-dir: nothing is saved"
     if cfg.checkpoint_dir:
@@ -228,25 +270,26 @@ def _configuration(run: _Run, block: type, blocks: int) -> str:
         f"memfit train: {cfg.model} ({run.params / 1e6:.2f}M parameters, {run.spec.arch} LM), world size {world} "
         f"({layout}, {run.device.type}/{dist.get_backend()}), global batch {run.batch * run.accumulate * world} "
         f"sequences of {run.seq} tokens ({run.accumulate} x {run.batch} per rank), {plural(cfg.steps, 'step')}; "
-        f"activation checkpointing {cfg.checkpointing} on {blocks} {block.__name__} blocks; {saving}; "
+        f"activation checkpointing on {blocks} {block.__name__} blocks: {checkpointing}"
+        f"{'; mixed precision ' + cfg.mixed_precision if cfg.mixed_precision != 'no' else ''}; {saving}; "
         f"data: {run.tokens.source}"
     )
 
 
-def _hybrid_mesh(cfg: TrainConfig, world: int):
+def _hybrid_mesh(shards: int, world: int):
     """--hybrid-shards N: the (world / N) x N mesh, a shard group per N consecutive ranks (a
     node under torchrun), the replicas across them (hybrid sharding); None without it."""
-    if not cfg.hybrid_shards:
+    if not shards:
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    if world % cfg.hybrid_shards:
+    if world % shards:
         raise ValueError(
-            f"memfit train: --hybrid-shards {cfg.hybrid_shards} does not divide the world size {world}; "
+            f"memfit train: --hybrid-shards {shards} does not divide the world size {world}; "
             "use the number of processes per node (torchrun --nproc-per-node)"
         )
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    shape = (world // cfg.hybrid_shards, cfg.hybrid_shards)
+    shape = (world // shards, shards)
     return init_device_mesh(device, shape, mesh_dim_names=("replicate", "shard"))
 
 

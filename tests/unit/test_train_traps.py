@@ -3,6 +3,8 @@ changed --steps would silently change, the save at the end, exported files' mode
 outside the loop, the stop-request bookkeeping, the log's words, and the step's one host read.
 (The signals end to end, under torchrun too: tests/distributed/test_train_preempt.py.)"""
 
+import json
+import math
 import os
 import signal
 import stat
@@ -16,6 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import memfit
 from memfit.cli import TrainConfig, main
 from memfit.cli._checkpoints import identity, schedule_change
+from memfit.cli._data import window_batch
 from memfit.cli._log import RunLog
 from memfit.cli._preempt import ECHO_S, StopRequests, agreed_signal, resume_command
 from memfit.cli._train import _build, _save_due, _step, accumulation
@@ -229,3 +232,86 @@ def _first_rows(run):
     from memfit.cli._data import window_batch
 
     return window_batch(run.tokens.train, run.spec.arch, 12, run.seq, 0, 0, run.tokens.mask_id)
+
+
+def _kinds(model, paths) -> dict[str, str]:
+    """The checkpointing applied to the blocks at ``paths``: keep, selective (a save rule) or full."""
+    out = {}
+    for path in paths:
+        fwd = model.get_submodule(path).__dict__.get("forward")
+        out[path] = "keep" if fwd is None else "selective" if getattr(fwd, "save", None) else "full"
+    return out
+
+
+def _micro_batch(run):
+    return window_batch(run.tokens.train, run.spec.arch, run.batch, run.seq, 0, 0, run.tokens.mask_id)
+
+
+KINDS = ("keep", "selective", "full")
+
+
+def test_a_budget_trains_with_memfit_plans_decisions_within_it(group_of_one):
+    """--budget plans the trainer's model on its first micro-batch (whole head, keep/selective/
+    full) and applies the plan per block; a step's measured peak stays within the budget."""
+    run = _build(TrainConfig(device="cpu", **TINY), torch.device("cpu"))
+    keep = memfit.plan(run.spec.build(0), _micro_batch(run), budget="1TB", decisions=KINDS, chunk_head=False)
+    full = memfit.Plan.fixed(dict.fromkeys(keep.decisions, "full"), keep.profile).predicted_peak
+    budget = (full + keep.predicted_peak) // 2  # between all-full and keep-all
+    run = _build(TrainConfig(device="cpu", budget=str(budget), **TINY), torch.device("cpu"))
+    wanted = memfit.plan(run.spec.build(0), _micro_batch(run), budget=budget, decisions=KINDS, chunk_head=False)
+    assert _kinds(run.model, wanted.decisions) == dict(wanted.decisions)
+    assert set(wanted.decisions.values()) != {"keep"}, wanted.decisions  # the budget made it checkpoint
+    stop = StopRequests(rank=0)
+    _step(run, 0, False, stop)
+    entry, _ = _step(run, 1, True, stop)  # the second step: AdamW state exists
+    assert entry["peak_bytes"] <= budget, (entry["peak_bytes"], budget)
+
+
+def test_a_saved_plan_is_applied_block_by_block_or_refused_by_name(group_of_one, tmp_path):
+    paths = ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    decisions = dict(zip(paths, ["selective", "keep"]))
+    (tmp_path / "plan.json").write_text(json.dumps({"plan": {"decisions": decisions}}))  # plan --auto's nesting
+    run = _build(TrainConfig(device="cpu", plan=str(tmp_path / "plan.json"), **TINY), torch.device("cpu"))
+    assert _kinds(run.model, paths) == decisions
+    (tmp_path / "other.json").write_text(json.dumps({"decisions": {"encoder.layer.7": "full"}}))
+    with pytest.raises(ValueError, match=r"decides for blocks this model lacks \(encoder\.layer\.7\).*--layers"):
+        _build(TrainConfig(device="cpu", plan=str(tmp_path / "other.json"), **TINY), torch.device("cpu"))
+    (tmp_path / "offload.json").write_text(json.dumps({"decisions": dict.fromkeys(paths, "offload")}))
+    with pytest.raises(ValueError, match=r"kind 'offload'; memfit train applies"):
+        _build(TrainConfig(device="cpu", plan=str(tmp_path / "offload.json"), **TINY), torch.device("cpu"))
+
+
+def test_auto_trains_with_autoconfigures_pick(group_of_one):
+    shape = {k: v for k, v in TINY.items() if k != "batch"}
+    run = _build(TrainConfig(device="cpu", budget="1GB", auto=True, global_batch=8, **shape), torch.device("cpu"))
+    example = window_batch(run.tokens.train, run.spec.arch, run.spec.batch, run.seq, 0, 0, run.tokens.mask_id)
+    best = memfit.autoconfigure(
+        run.spec.build(0), example, budget="1GB", world_size=1, global_batch=8, device_profile="cpu",
+        decisions=("keep", "selective", "full"), chunk_head=False,
+    ).best  # fmt: skip
+    assert (run.batch, run.accumulate) == (best.micro_batch, best.accumulation) and run.batch * run.accumulate == 8
+    assert best.plan is not None and _kinds(run.model, best.plan.decisions) == dict(best.plan.decisions)
+
+
+def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
+    run = _build(TrainConfig(device="cpu", mixed_precision="bf16", **TINY), torch.device("cpu"))
+    units = sharded_units(run.model)
+    assert {p.dtype for p in run.model.parameters()} == {torch.float32}  # the shards the optimizer steps
+    assert torch.bfloat16 in {sp.full.dtype for u in units for sp in u.params}  # norms stay fp32
+    entry, _ = _step(run, 0, False, StopRequests(rank=0))
+    assert math.isfinite(entry["loss"])
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        ({"budget": "1GB", "plan": "p.json"}, r"--budget and --plan each choose the checkpointing"),
+        ({"budget": "1GB", "checkpointing": "selective"}, r"--budget and --checkpointing each choose"),
+        ({"auto": True}, r"--auto searches configurations that fit a --budget"),
+        ({"auto": True, "budget": "1GB", "batch": 2}, r"--auto chooses --batch, --accumulate and --hybrid-shards"),
+        ({"budget": "lots"}, r"lots"),
+    ],
+)
+def test_conflicting_choices_are_refused(flags, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**flags)

@@ -1,0 +1,145 @@
+"""What `memfit train` checkpoints, and at which batch and layout: one --checkpointing kind for
+every block, a plan for a --budget (memfit.plan), a saved plan (--plan FILE), or the whole
+configuration (--auto: memfit.autoconfigure). See [Note: Choosing a run's configuration]."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+import memfit
+from memfit._plan._budget import format_bytes
+from memfit._plan._time import default_profile
+from memfit.cli._data import window_batch
+
+if TYPE_CHECKING:
+    from memfit.cli._data import Tokens
+    from memfit.cli._train import TrainConfig
+
+# [Note: Choosing a run's configuration]
+# `memfit train` builds the model in host memory, then decides before sharding it:
+# - --checkpointing KIND (default full): that kind for every block;
+# - --budget SIZE: memfit.plan on the first micro-batch of the data, sharded over the world size
+#   (hybrid with --hybrid-shards), whole head (the trainer computes its loss whole), the kinds
+#   keep / selective / full (offload is untested under sharding): its per-block decisions;
+# - --plan FILE: the per-block decisions of a saved plan (`memfit plan --json FILE`), every path
+#   checked against the model before anything runs;
+# - --auto with --budget: memfit.autoconfigure over micro-batch sizes (the global batch fixed
+#   when --global-batch is given), accumulation, shard group sizes and reshard_after_forward,
+#   and the per-block decisions at each; the pick (most predicted tokens/s within the budget)
+#   sets --batch, the accumulation, the layout and the decisions.
+# Time is priced on the named profile of the device the run computes on. With --mixed-precision
+# bf16 the forecast is the fp32 one (the planner does not price mixed precision): an upper bound
+# of what bf16 compute keeps.
+PLANNED_KINDS = ("keep", "selective", "full")
+
+
+@dataclass
+class Choice:
+    """The configuration a run trains with (See [Note: Choosing a run's configuration])."""
+
+    decisions: dict[str, str]  # block path -> kind
+    batch: int  # rows per rank per micro-batch
+    accumulate: int | None  # micro-batches per step (None: from --accumulate / --global-batch)
+    hybrid_shards: int  # shard group size (0: all ranks)
+    reshard_after_forward: bool
+    about: str  # what the start line says of it
+
+    def apply(self, model: nn.Module, rule: str = "linear") -> None:
+        for path, kind in self.decisions.items():
+            memfit.Decision.parse(kind, save=rule).apply(model.get_submodule(path), name=path)
+
+
+def choose(
+    cfg: TrainConfig, model: nn.Module, block: type, data: tuple[Tokens, str, int, int], world: int, device: str
+) -> Choice:
+    """The run's configuration from the flags; ``model`` (in host memory, not yet sharded) is
+    planned on its first micro-batch when --budget asks, never changed here. ``data``: the
+    tokens, the model's arch, the sequence length and --batch; ``device``: the device type the
+    run computes on."""
+    tokens, arch, seq, batch = data
+    paths = [p for p, m in model.named_modules() if isinstance(m, block)]
+    layout = (cfg.hybrid_shards, True)
+    if cfg.plan:
+        decisions = _saved_decisions(cfg.plan, model)
+        return Choice(decisions, batch, None, *layout, f"from the plan {cfg.plan}: {_counts(decisions)}")
+    if not cfg.budget:
+        return Choice(dict.fromkeys(paths, str(cfg.checkpointing)), batch, None, *layout, f"{cfg.checkpointing}")
+    example = window_batch(tokens.train, arch, batch, seq, 0, cfg.seed, tokens.mask_id)
+    profile = default_profile("cuda" if device == "cuda" else "cpu")
+    if cfg.auto:
+        return _auto(cfg, model, example, world, profile, paths)
+    plan = memfit.plan(
+        model, example, budget=cfg.budget, world_size=world, shard_size=cfg.hybrid_shards or None,
+        candidates=paths, decisions=PLANNED_KINDS, chunk_head=False, device_profile=profile,
+    )  # fmt: skip
+    about = f"planned for {cfg.budget} per rank: {_counts(plan.decisions)}, forecast peak {_gib(plan.predicted_peak)}"
+    return Choice(dict(plan.decisions), batch, None, *layout, about + _fp32_note(cfg))
+
+
+def _auto(cfg: TrainConfig, model: nn.Module, example: dict, world: int, device, paths: list[str]) -> Choice:
+    result = memfit.autoconfigure(
+        model, example, budget=str(cfg.budget), world_size=world, global_batch=cfg.global_batch,
+        device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
+    )  # fmt: skip
+    best = result.best
+    assert best.plan is not None  # autoconfigure raises when nothing fits
+    decisions = {p: best.plan.decisions.get(p, "keep") for p in paths}
+    shards = best.layout.shard_size if best.layout.shard_size < world else 0
+    about = (
+        f"--auto for {cfg.budget} per rank: micro-batch {best.micro_batch} x accumulation {best.accumulation}, "
+        f"{best.layout.describe()}, {_counts(decisions)}, forecast peak {_gib(best.peak)}, "
+        f"{best.tokens_per_second:,.0f} tokens/s predicted on {device.name}{_fp32_note(cfg)}"
+    )
+    return Choice(decisions, best.micro_batch, best.accumulation, shards, best.layout.reshard_after_forward, about)
+
+
+def _saved_decisions(path: str, model: nn.Module) -> dict[str, str]:
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"memfit train: --plan {path!r}: cannot read it as JSON ({e})") from None
+    saved = saved.get("plan", saved) if isinstance(saved, dict) else saved  # `memfit plan --auto --json` nests it
+    decisions = saved.get("decisions") if isinstance(saved, dict) else None
+    if not isinstance(decisions, dict) or not decisions:
+        raise ValueError(f"memfit train: --plan {path!r} has no 'decisions' (write one with memfit plan --json FILE)")
+    names = dict(model.named_modules())
+    missing = [p for p in decisions if p not in names]
+    if missing:
+        raise ValueError(
+            f"memfit train: --plan {path!r} decides for blocks this model lacks ({', '.join(missing[:4])}): "
+            "plan the same --model, --layers and --hidden"
+        )
+    bad = [k for k in decisions.values() if k not in PLANNED_KINDS]
+    if bad:
+        raise ValueError(f"memfit train: --plan {path!r}: kind {bad[0]!r}; memfit train applies {PLANNED_KINDS}")
+    return {str(p): str(k) for p, k in decisions.items()}
+
+
+def _counts(decisions: dict[str, str]) -> str:
+    counts = {k: sum(v == k for v in decisions.values()) for k in PLANNED_KINDS}
+    return ", ".join(f"{n} {k}" for k, n in counts.items() if n)
+
+
+def _gib(n: float) -> str:
+    return format_bytes(int(n))
+
+
+def _fp32_note(cfg: TrainConfig) -> str:
+    return "" if cfg.mixed_precision == "no" else " (forecast in fp32: an upper bound for bf16 compute)"
+
+
+MIXED = {"no": None, "bf16": torch.bfloat16}
+
+
+def mixed_precision(name: str) -> memfit.MixedPrecision | None:
+    """--mixed-precision: bf16 gathers and computes in bf16 (norm layers in fp32), sums gradients
+    across ranks in fp32 and keeps fp32 master weights and optimizer state (FSDP2's
+    MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32), torchtitan's default)."""
+    dtype = MIXED[name]
+    return None if dtype is None else memfit.MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)
