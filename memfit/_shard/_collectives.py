@@ -2,9 +2,9 @@
 
 All-gather into one flat buffer and reduce-scatter out of one, both asynchronous (and, for
 hybrid sharding, an all-reduce of the reduced shard across replicas). On gloo the
-reduce-scatter is gloo's all-to-all or all-reduce (see :func:`reduce_scatter`). A rank
-whose peers never reach the same collective gets, after the process group's timeout, an
-error naming the unit and its rank. Bytes are counted per rank as a ring moves them
+reduce-scatter is gloo's all-to-all or all-reduce (see :func:`reduce_scatter`). On gloo a
+rank whose peers never reach the same collective gets, after the process group's timeout, an
+error naming the unit and its rank (on NCCL, torch's watchdog ends it: see :func:`wait`). Bytes are counted per rank as a ring moves them
 ((W-1)/W of the full buffer per collective) so tests and benchmarks can check the volume.
 """
 
@@ -181,8 +181,10 @@ class CollectiveError(RuntimeError):
 
 
 def wait(work: dist.Work, what: str, group) -> None:
-    """Wait for ``work``; if it fails (gloo and NCCL fail a collective that outlives the
-    process group's ``timeout``), raise an error that names this rank and ``what``."""
+    """Wait for ``work``; if it fails (gloo fails a collective that outlives the process group's
+    ``timeout``), raise an error that names this rank and ``what``. On NCCL the wait only makes
+    the current stream wait and returns: a hang is ended by NCCL's watchdog with torch's own
+    error, not this one (docs/sharding.md)."""
     try:
         work.wait()
     except RuntimeError as e:
