@@ -24,7 +24,7 @@ from memfit._plan._profile import (
     profile_model,
     step_loss,
 )
-from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload
+from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, timeline
 from memfit._plan._time import DeviceProfile
 from memfit.memory import MemoryMeter
 
@@ -256,6 +256,14 @@ class Plan:
             lines.append(f"  not lowering the peak (set at {at}): {', '.join(useless)}")
         return lines
 
+    def timeline(self) -> list[dict]:
+        """The step's moments in order (after each block's forward; end of forward; each block's
+        backward; the embeddings' backward; the end of backward when sharded; the optimizer step),
+        each ``{"moment", "parts", "total"}``: the named bytes per rank the forecast adds up there.
+        The largest total is :attr:`predicted_peak` (with a chunked head, that of the chunked head)."""
+        profile = _head_variants(self.profile, True)["chunked"] if self.head == "chunked" else self.profile
+        return timeline(profile, [self.decisions[b.path] for b in profile.blocks], self.sharding)
+
     def to_dict(self) -> dict:
         return {
             "budget": self.budget,
@@ -275,6 +283,7 @@ class Plan:
                 {"path": b.path, "kept": b.kept, "peak": b.peak, "extra_time_s": b.extra_time}
                 for b in self.profile.blocks
             ],
+            "timeline": self.timeline(),
         }
 
     def measure(

@@ -214,6 +214,24 @@ class _Moments:
         }
 
 
+def timeline(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> list[dict]:
+    """Every moment of the step in order, each with its named parts (bytes per rank): after each
+    block's forward (the state, the units gathered and the activations kept so far: not a moment
+    the forecast's peak can be at, shown for the rise), then each moment :func:`forecast` takes
+    the peak of, which add up to its bytes."""
+    m = _Moments.of(profile, sharding)
+    kept = [b.kept[d] for b, d in zip(profile.blocks, decisions)]
+    out: list[dict[str, Any]] = []
+    base = m.parts["backward"]  # state, gathered parameters, what exists before the blocks, units in flight
+    for j, b in enumerate(profile.blocks):
+        out.append({"moment": f"forward of {b.path}", "parts": {**base, "kept_activations": sum(kept[: j + 1])}})
+    names = ["end of forward", *(f"backward of {b.path}" for b in reversed(profile.blocks))]
+    names += ["backward before the blocks", *(["end of backward"] if m.end_of_backward else []), "optimizer step"]
+    for name in names:
+        out.append({"moment": name, "parts": m.parts_at(name, profile, kept, decisions)})
+    return [{**e, "total": float(sum(e["parts"].values()))} for e in out]
+
+
 def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> dict[str, Any]:
     """Predicted peak of a step under ``decisions``, with the moment that sets it, the
     decision-independent terms (``term:``) and the parts the peak's moment adds up (``part:``)."""

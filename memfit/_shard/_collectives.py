@@ -4,8 +4,9 @@ All-gather into one flat buffer and reduce-scatter out of one, both asynchronous
 hybrid sharding, an all-reduce of the reduced shard across replicas). On gloo the
 reduce-scatter is gloo's all-to-all or all-reduce (see :func:`reduce_scatter`). On gloo a
 rank whose peers never reach the same collective gets, after the process group's timeout, an
-error naming the unit and its rank (on NCCL, torch's watchdog ends it: see :func:`wait`). Bytes are counted per rank as a ring moves them
-((W-1)/W of the full buffer per collective) so tests and benchmarks can check the volume.
+error naming the unit and its rank (on NCCL, torch's watchdog ends it: see :func:`wait`).
+Bytes are counted per rank as a ring moves them ((W-1)/W of the full buffer per collective) so
+tests and benchmarks can check the volume.
 """
 
 from __future__ import annotations

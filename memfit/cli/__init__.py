@@ -80,6 +80,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--json", help="write the plan here")
     _auto_flags(pl)
     pl.add_argument("--emit", metavar="RUN.toml", help="write the run for `memfit train --config RUN.toml` here")
+    pl.add_argument("--plot", metavar="F.png", help="draw the predicted memory over one step, by term, here")
 
     c = sub.add_parser("calibrate", help="measure this machine's rates for the planner's time model; cached")
     c.add_argument("--device", default="cpu", help="the device to measure: cpu (default), cuda, cuda:1, ...")

@@ -34,6 +34,61 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     plt.close(fig)
 
 
+# The forecast's parts (memfit/_plan/_solve.py), grouped as a plot shows them.
+CATEGORIES = {
+    "parameters and optimizer state": ("state",),
+    "gathered parameters": ("gather_buffers", "unit_buffers", "kept_gathered"),
+    "activations": ("before_blocks", "kept_activations", "last_output"),
+    "gradients": ("gradients", "root_reduce"),
+    "working memory": ("block_backward", "head_transient", "tail_transient", "leftover", "bookkeeping"),
+    "optimizer step (state, gradients, temporaries)": ("optimizer_peak",),
+}
+
+
+def categorized(parts: dict[str, float]) -> dict[str, float]:
+    """A moment's parts summed by CATEGORIES (a part it does not list is an error: add it)."""
+    out = dict.fromkeys(CATEGORIES, 0.0)
+    for name, value in parts.items():
+        found = [c for c, names in CATEGORIES.items() if name in names]
+        if not found:
+            raise KeyError(f"memfit: the forecast part {name!r} has no category to plot")
+        out[found[0]] += value
+    return out
+
+
+def plot_timeline(timeline: list[dict], budget: float | None, path: str, title: str) -> None:
+    """A PNG at ``path``: the predicted memory at each moment of one step, stacked by category,
+    with the budget as a line; y from 0."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max([e["total"] for e in timeline] + [budget or 0])
+    unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", MIB)
+    stacks = [categorized(e["parts"]) for e in timeline]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(timeline) + 2), 4.8))
+    x = range(len(timeline))
+    bottom = [0.0] * len(timeline)
+    for category in CATEGORIES:
+        heights = [s[category] / scale for s in stacks]
+        if any(heights):
+            ax.bar(x, heights, bottom=bottom, label=category, width=0.8)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    if budget:
+        ax.axhline(
+            budget / scale, color="crimson", linestyle="--", linewidth=1.2, label=f"budget {budget / scale:.2f} {unit}"
+        )
+    ax.set_xticks(list(x), [e["moment"] for e in timeline], rotation=90, fontsize=7)
+    ax.set_ylim(0, top / scale * 1.12)
+    ax.set_ylabel(f"predicted memory per rank ({unit})")
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 class Output:
     """Rich output when rich is installed (the `cli` extra), plain text otherwise."""
 

@@ -15,7 +15,7 @@ from memfit._plan._calibrate import cache_path, calibrate
 from memfit._plan._time import PROFILES, default_profile
 from memfit.cli._choose import PLANNED_KINDS
 from memfit.cli._data import batch_at
-from memfit.cli._output import write_json
+from memfit.cli._output import plot_timeline, write_json
 from memfit.models._spec import ModelSpec, resolve
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -37,9 +37,12 @@ class PlanConfig:
     auto: bool = False  # search the configuration (memfit.autoconfigure) instead of planning one
     global_batch: int | None = None  # with auto: samples per optimizer step (None: free)
     emit: str | None = None  # write the `memfit train --config` TOML that runs the plan here
+    plot: str | None = None  # draw the predicted memory over one step here (a PNG)
 
     def __post_init__(self) -> None:
         self.spec()  # an unknown model fails here
+        if self.plot is not None and not self.plot.endswith(".png"):
+            raise ValueError(f"memfit plan: --plot {self.plot!r}: name a .png file")
         if self.emit is not None and not self.emit.endswith(".toml"):
             raise ValueError(f"memfit plan: --emit {self.emit!r}: name a .toml file (memfit train --config reads it)")
         memfit.parse_bytes(self.budget)
@@ -91,8 +94,19 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     print(plan.table())
     if cfg.json:
         write_json(cfg.json, plan.to_dict())
+    _plot(cfg, plan)
     print("\n".join(run_lines(cfg, plan, seq, rows)))
     return plan
+
+
+def _plot(cfg: PlanConfig, plan: memfit.Plan) -> None:
+    if not cfg.plot:
+        return
+    title = (
+        f"{cfg.model}, world size {cfg.world_size}: peak {format_bytes(plan.predicted_peak)} at {plan.forecast['at']}"
+    )
+    plot_timeline(plan.timeline(), plan.budget, cfg.plot, title)
+    print(f"wrote the plot {cfg.plot}" + (f" (its numbers: 'timeline' in {cfg.json})" if cfg.json else ""))
 
 
 def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.DeviceProfile) -> memfit.Plan:
@@ -113,6 +127,7 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
     print(result.plan.table())
     if cfg.json:
         write_json(cfg.json, {"auto": result.to_dict(), "plan": result.plan.to_dict()})
+    _plot(cfg, result.plan)
     return result.plan
 
 

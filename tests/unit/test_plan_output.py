@@ -4,6 +4,7 @@ shows its binary size, and the levers are ranked by step time per GiB off the pe
 
 import dataclasses
 import itertools
+import json
 import re
 
 import pytest
@@ -12,7 +13,9 @@ import torch
 import memfit
 from memfit._plan._budget import describe_bytes, format_bytes
 from memfit._plan._profile import DECISIONS
-from memfit._plan._solve import Sharding, forecast
+from memfit._plan._solve import Sharding, forecast, timeline
+from memfit.cli import main
+from memfit.cli._output import categorized
 from tests.unit.test_planner import synthetic
 
 LAYOUTS = [None, Sharding(4), Sharding(8, shard_size=4)]
@@ -45,6 +48,38 @@ def _table_sum(text: str) -> tuple[list[str], str]:
     start = next(i for i, line in enumerate(lines) if line.startswith("the peak") and "is the sum of:" in line)
     end = next(i for i in range(start, len(lines)) if lines[i].strip().startswith("= peak"))
     return lines[start + 1 : end], lines[end]
+
+
+LAYOUTS_PLOTTED = [*LAYOUTS, Sharding(4, reshard_after_forward=False)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_PLOTTED, ids=["one process", "W=4", "W=8 HSDP 4", "W=4 no reshard"])
+def test_the_timeline_walks_the_step_and_peaks_where_the_forecast_does(layout):
+    base = synthetic(3)
+    profiles = [base, dataclasses.replace(base, optimizer_peak=10**6), dataclasses.replace(base, head_transient=10**6)]
+    for profile, ds in itertools.product(profiles, itertools.product(DECISIONS, repeat=3)):
+        f = forecast(profile, list(ds), layout)
+        steps = timeline(profile, list(ds), layout)
+        names = [e["moment"] for e in steps]
+        blocks = [b.path for b in profile.blocks]
+        assert names[:4] == [f"forward of {p}" for p in blocks] + ["end of forward"]
+        assert names[4:7] == [f"backward of {p}" for p in reversed(blocks)] and names[-1] == "optimizer step"
+        top = max(steps, key=lambda e: e["total"])
+        assert (top["moment"], top["total"]) == (f["at"], pytest.approx(f["peak"], rel=1e-12)), ds
+        for e in steps:  # every part is drawn in a category, and the categories add up
+            assert sum(categorized(e["parts"]).values()) == pytest.approx(e["total"], rel=1e-12)
+
+
+def test_plan_plot_writes_a_png_and_the_timeline_in_the_json(tmp_path, capsys):
+    png, js = tmp_path / "plan.png", tmp_path / "plan.json"
+    flags = ["--model", "gpt2", "--layers", "2", "--hidden", "32", "--seq", "16", "--batch", "2", "--budget", "1GB"]
+    main(["plan", *flags, "--plot", str(png), "--json", str(js)])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    saved = json.loads(js.read_text())
+    assert max(e["total"] for e in saved["timeline"]) == pytest.approx(saved["predicted_peak"], rel=1e-12)
+    assert f"wrote the plot {png} (its numbers: 'timeline' in {js})" in capsys.readouterr().out
+    assert main(["plan", *flags, "--plot", "plan.pdf"]) != 0
+    assert "error: memfit plan: --plot 'plan.pdf': name a .png file" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=["one process", "W=4", "W=8 HSDP 4"])
