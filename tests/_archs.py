@@ -1,7 +1,9 @@
 """Every architecture in transformers' auto mappings, built tiny: configs, batches, a step.
 
 Used by tests/integration/test_archs.py; ``python -m tests._archs [names]`` prints one line per
-architecture (trained, skipped and why, checkpointing equal or not) and the counts.
+architecture (trained, skipped and why, checkpointing equal or not) and the counts;
+``python -m tests._archs --plan [names]`` the same for the planner's forecast (its ratio to the
+measured peak of the second AdamW step).
 """
 
 from __future__ import annotations
@@ -348,14 +350,51 @@ def materialized(arch: Arch, eager: torch.nn.Module) -> torch.nn.Module:
     return memfit.materialize(memfit.FullyShardedDataParallel(meta, auto_wrap_policy=blocks))
 
 
+def plan_check(arch: Arch) -> dict:
+    """memfit.plan on the architecture (default candidates, a budget nothing constrains, the
+    "cpu" profile) and its forecast of the second AdamW step's peak against MemoryMeter's measure
+    (``ratio``); skipped where plain transformers cannot train it; on one thread, in SECONDS."""
+    import memfit
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    previous = signal.signal(signal.SIGALRM, _too_slow)
+    signal.alarm(2 * SECONDS)
+    try:
+        try:
+            model = build(arch)
+            batch = batch_for(arch, model)
+            step(copy.deepcopy(model), batch)
+        except ShrinkError:
+            raise
+        except Exception as e:
+            return {"status": "skip", "reason": _reason(e)}
+        try:
+            plan = memfit.plan(model, batch, budget="1TB", device_profile="cpu")
+            ratio = plan.predicted_peak / plan.measure(model, batch)
+        except ShrinkError:
+            raise
+        except Exception as e:
+            return {"status": "fail", "reason": _reason(e), "trace": traceback.format_exc(limit=-3)}
+        status = "pass" if 1.0 <= ratio <= 1.03 else "under" if ratio < 1.0 else "over"
+        return {"status": status, "ratio": round(ratio, 4), "blocks": len(plan.decisions)}
+    except ShrinkError as e:
+        return {"status": "shrink", "reason": str(e)}
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        torch.set_num_threads(threads)
+
+
 if __name__ == "__main__":
-    wanted = set(sys.argv[1:])
+    planner = "--plan" in sys.argv
+    wanted = set(sys.argv[1:]) - {"--plan"}
     counts: dict[str, int] = {}
     for arch in architectures():
         if wanted and arch.model_type not in wanted and arch.class_name not in wanted:
             continue
         t0 = time.perf_counter()
-        r = check(arch)
+        r = plan_check(arch) if planner else check(arch)
         counts[r["status"]] = counts.get(r["status"], 0) + 1
         extra = {k: v for k, v in r.items() if k not in ("status", "trace")}
         print(f"{r['status']:5} {time.perf_counter() - t0:6.2f}s {arch.id} {extra}", flush=True)
