@@ -89,9 +89,13 @@ def bench(cfg: BenchConfig, console=None) -> list[dict]:
         label = cfg.model
     out.table(rows, title)
     if cfg.json:
-        write_json(cfg.json, {"config": _jsonable(cfg), "results": rows})
+        config = _jsonable(cfg)
+        config["budget"] = next((r["budget"] for r in rows if "budget" in r), cfg.budget)  # the planned row's
+        write_json(cfg.json, {"config": config, "results": rows})
+        out.say(f"wrote {cfg.json}")
     if cfg.plot:
         plot(rows, cfg.plot, label)
+        out.say(f"wrote the plot {cfg.plot}")
     return rows
 
 
@@ -118,7 +122,9 @@ def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
         planned = {}
         if r.name == "planned" and plan is not None:
             planned = {"budget": plan.budget, "predicted_peak": plan.predicted_peak}
-        rows.append(_row(r, activation_bytes_at_peak=r.breakdown["activations_and_other"], **planned))
+        rows.append(
+            _row(r, activation_bytes_at_peak=r.breakdown["activations_and_other"], breakdown=r.breakdown, **planned)
+        )
     return _with_ratios(rows, next(row for row in rows if row["strategy"] == "keep"))
 
 
@@ -157,12 +163,19 @@ def _distributed_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     strategies = ("DDP", "memfit", *(("torch FSDP2",) if cfg.compare else ()))
     out.say(f"{cfg.world_size} spawned ranks: {', '.join(strategies)}")
     results = run_distributed(_spec_args(cfg), cfg.world_size, strategies, cfg.warmup, cfg.repeats, cfg.device)
-    rows = [_row(r, breakdown_rank0=r.breakdown) for r in results]
+    rows = [_row(r, breakdown_rank0=r.breakdown) for r in results]  # the peak's split: rank 0's
     return _with_ratios(rows, rows[0])
 
 
 def _row(r: Result, **extra) -> dict:
-    return {"strategy": r.name, "peak_bytes": r.peak, "step_seconds": r.time, "loss": r.first_loss, **extra}
+    return {
+        "strategy": r.name,
+        "peak_bytes": r.peak,
+        "step_seconds": r.time,
+        "step_seconds_each": list(r.times),  # every timed repeat, for the spread
+        "loss": r.first_loss,
+        **extra,
+    }
 
 
 def _with_ratios(rows: list[dict], base: dict) -> list[dict]:

@@ -15,20 +15,58 @@ def write_json(path: str, data: object) -> None:
         json.dump(data, f, indent=2)
 
 
+BREAKDOWN = {  # MemoryMeter's categories at the peak, as the bench plot names them
+    "parameters": "parameters",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations_and_other": "activations and other",
+}
+
+
 def plot(rows: list[dict], path: str, title: str) -> None:
-    """A PNG at ``path`` of each row's peak memory against its step time."""
+    """A PNG at ``path``: each strategy's measured peak stacked by what held it (parameters,
+    gradients, optimizer state, activations; the planner's forecast and budget drawn for the
+    planned row), and its step time (median, the bar; every repeat, the whiskers); y from 0."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for r in rows:
-        ax.scatter(r["step_seconds"], r["peak_bytes"] / MIB)
-        ax.annotate(r["strategy"], (r["step_seconds"], r["peak_bytes"] / MIB), fontsize=8)
-    ax.set_xlabel("step time (s, median)")
-    ax.set_ylabel("peak memory (MiB, live tensors)")
-    ax.set_title(f"memfit bench: {title}")
+    names = [r["strategy"] for r in rows]
+    x = list(range(len(rows)))
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(max(8.0, 1.3 * len(rows) + 4), 5.4))
+    bottom = [0.0] * len(rows)
+    for key, label in BREAKDOWN.items():
+        split = [r.get("breakdown") or r.get("breakdown_rank0") or {} for r in rows]
+        heights = [sp.get(key, 0) / MIB for sp in split]
+        if any(heights):
+            mem.bar(x, heights, bottom=bottom, label=label, width=0.7)
+            bottom = [b + h for b, h in zip(bottom, heights)]
+    rest = [r["peak_bytes"] / MIB - b for r, b in zip(rows, bottom)]  # a peak without its split, or above it
+    if any(h > 0.5 for h in rest):
+        mem.bar(x, [max(h, 0) for h in rest], bottom=bottom, label="peak (not split)", width=0.7, color="lightgray")
+    for i, r in enumerate(rows):
+        if r.get("predicted_peak"):
+            mem.scatter(
+                [i], [r["predicted_peak"] / MIB], marker="D", color="black", zorder=3, label="planner's forecast"
+            )
+        if r.get("budget"):
+            mem.axhline(r["budget"] / MIB, color="crimson", linestyle="--", linewidth=1.2, label="planned row's budget")
+    mem.set_ylim(0, max([r["peak_bytes"] for r in rows] + [r.get("budget") or 0 for r in rows]) / MIB * 1.15)
+    mem.set_ylabel("MiB (live tensors)")
+    mem.set_title("peak memory of a step, by what held it", fontsize=9)
+    mem.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
+    times = [r.get("step_seconds_each") or [r["step_seconds"]] for r in rows]
+    medians = [r["step_seconds"] for r in rows]
+    low = [m - min(t) for m, t in zip(medians, times)]
+    high = [max(t) - m for m, t in zip(medians, times)]
+    tim.bar(x, medians, yerr=[low, high], capsize=3, width=0.7, color="tab:gray")
+    tim.set_ylim(0, max(max(t) for t in times) * 1.15)
+    tim.set_ylabel("seconds")
+    tim.set_title("step time: median (bar), min-max of the repeats (whiskers)", fontsize=9)
+    for ax in (mem, tim):
+        ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
+    fig.suptitle(f"memfit bench: {title}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -16,14 +16,18 @@ def test_bench_writes_table_json_and_plot(tmp_path, capsys):
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     rc = main(["bench", *TINY, "--repeats", "1", "--warmup", "1", "--compare", "--json", str(out), "--plot", str(png)])
     assert rc == 0
-    rows = json.loads(out.read_text())["results"]
+    saved = json.loads(out.read_text())
+    rows = saved["results"]
+    assert saved["config"]["budget"] == rows[-1]["budget"] > 0  # the budget the planned row used
+    assert all(len(r["step_seconds_each"]) == 1 and r["breakdown"]["parameters"] > 0 for r in rows)
     names = [r["strategy"] for r in rows]
     assert names == ["keep", "selective", "full", "offload", "torch.utils.checkpoint", "planned"]
     assert len({round(r["loss"], 6) for r in rows}) == 1  # same model, same batch, same loss
     planned = rows[-1]
     assert planned["peak_bytes"] <= 1.05 * planned["budget"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "peak MiB" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "peak MiB" in printed and f"wrote {out}" in printed and f"wrote the plot {png}" in printed
 
 
 def test_plan_prints_table(capsys):
