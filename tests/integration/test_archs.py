@@ -69,7 +69,7 @@ _TOO_BIG = [  # over MAX_PARAMS after shrinking (tests/_archs.py), in parameters
     "ZambaForCausalLM",
 ]
 CHECKPOINT_XFAIL: dict[str, str] = {
-    **dict.fromkeys([*_TOO_BIG, "BailingHybridForCausalLM", "KimiLinearForCausalLM"], _SHRINK),  # those two: over 60 s
+    **dict.fromkeys(_TOO_BIG, _SHRINK),
     "Swinv2ForImageClassification": 'save="linear": an op mutates a Linear output in place (torch: "Tensor cached '
     'during selective activation checkpoint has been mutated")',
     "IBertForMaskedLM": 'save="linear": recompute takes another path than forward (torch: "aten.mul.Tensor invocation '
@@ -98,10 +98,13 @@ MATERIALIZE_SAMPLE = SAMPLE | {
 PLANNER_XFAIL: dict[str, str] = {}
 
 
-def _params(archs, xfail: dict[str, str]):
-    for a in archs:
-        reason = xfail.get(a.class_name)
-        yield pytest.param(a, id=a.id, marks=[pytest.mark.xfail(reason=reason, strict=True)] if reason else [])
+def _params(archs, xfail: dict[str, str]) -> list:
+    return [
+        pytest.param(a, id=a.id, marks=[pytest.mark.xfail(reason=xfail[a.class_name], strict=True)])
+        if a.class_name in xfail
+        else pytest.param(a, id=a.id)
+        for a in archs
+    ]
 
 
 @pytest.fixture
