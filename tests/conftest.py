@@ -2,6 +2,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 # MEMFIT_TEST_DEVICE=cuda: the sharding cases that take their device from tests._dist.test_device()
 # run on CUDA with NCCL (see docs/devices.md); the default is the CPU with gloo.
@@ -84,3 +85,13 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_sep("=", f"slowest {n} sub-cases of spawned groups (rank 0, seconds)")
     for (world, name), s in sorted(CASE_SECONDS.items(), key=lambda kv: -kv[1])[:n]:
         terminalreporter.write_line(f"{s:8.2f}s  W={world}  {name}")
+
+
+@pytest.fixture
+def one_rank():
+    """A gloo process group of one, in this process, for the test."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

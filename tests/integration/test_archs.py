@@ -15,7 +15,6 @@ import re
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import memfit
 from tests._archs import (
@@ -105,15 +104,6 @@ def _params(archs, xfail: dict[str, str]) -> list:
         else pytest.param(a, id=a.id)
         for a in archs
     ]
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 @pytest.fixture(autouse=True)

@@ -11,20 +11,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import memfit
 from memfit.testing import OpCounter, sharded_units
-
-
-@pytest.fixture
-def one_rank():
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def net():
