@@ -497,12 +497,13 @@ def _shard_advice(shard: Sharding | None, wider: Sharding) -> str:
 def _no_fit(profile: ModelProfile, budget_bytes: int, shard: Sharding | None, decisions) -> PlanError:
     floor = smallest_budget(profile, shard, decisions)
     least = forecast(profile, ["keep"] * len(profile.blocks), shard)
+    per_rank = " per rank" if shard is not None and shard.world_size > 1 else ""
     return PlanError(
         f"memfit.plan: no plan fits {format_bytes(budget_bytes)}. The smallest budget that fits is "
         f"{format_bytes(floor, up=True)}; keeping every activation needs {format_bytes(least['peak'], up=True)}. "
-        f"What no decision reduces: parameters, buffers and optimizer state {format_bytes(profile.state_bytes)}, "
-        f"optimizer step peak {format_bytes(profile.optimizer_peak)}, head and loss "
-        f"{format_bytes(profile.head_transient)}. {_no_fit_advice(shard)}"
+        f"What no decision reduces{per_rank}: parameters, buffers and optimizer state "
+        f"{format_bytes(least['term:state'])}, optimizer step peak {format_bytes(least['term:optimizer_peak'])}, "
+        f"head and loss {format_bytes(least['term:head_transient'])}. {_no_fit_advice(shard)}"
     )
 
 

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 import memfit
+from memfit._plan._autoconfig import Layout, held_gradients
 from memfit._plan._budget import format_bytes
 from memfit._plan._time import default_profile
 from memfit.cli._data import window_batch
@@ -32,10 +33,12 @@ if TYPE_CHECKING:
 #   when --global-batch is given), accumulation, shard group sizes and reshard_after_forward,
 #   and the per-block decisions at each; the pick (most predicted tokens/s within the budget)
 #   sets --batch, the accumulation, the layout and the decisions.
-# Time is priced on the named profile of the device the run computes on. With --mixed-precision
-# bf16 the forecast is the fp32 one (the planner does not price mixed precision): an upper bound
-# of what bf16 compute keeps.
+# Time is priced on the named profile of the device the run computes on. The planner does not
+# price mixed precision (a bf16 run holds bf16 copies of the gathered parameters beside the fp32
+# shards: one process measured 3 MiB above the fp32 forecast of a tiny GPT-2), so --budget and
+# --auto refuse --mixed-precision bf16 rather than promise a peak they did not forecast.
 PLANNED_KINDS = ("keep", "selective", "full")
+_TRAIN_ADVICE = "a smaller --batch, more ranks (torchrun --nproc-per-node), or a larger --budget."
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Choice:
     hybrid_shards: int  # shard group size (0: all ranks)
     reshard_after_forward: bool
     about: str  # what the start line says of it
+    forecast: float | None = None  # the planner's peak per rank, bytes (with --budget or --auto)
 
     def apply(self, model: nn.Module, rule: str = "linear") -> None:
         for path, kind in self.decisions.items():
@@ -55,30 +59,41 @@ class Choice:
 
 
 def choose(
-    cfg: TrainConfig, model: nn.Module, block: type, data: tuple[Tokens, str, int, int], world: int, device: str
+    cfg: TrainConfig,
+    model: nn.Module,
+    block: type,
+    data: tuple[Tokens, str, int, int],
+    world: int,
+    device: str,
+    accumulate: int = 1,
 ) -> Choice:
     """The run's configuration from the flags; ``model`` (in host memory, not yet sharded) is
     planned on its first micro-batch when --budget asks, never changed here. ``data``: the
     tokens, the model's arch, the sequence length and --batch; ``device``: the device type the
-    run computes on."""
+    run computes on; ``accumulate``: micro-batches per step (a --budget plan holds their gradients)."""
     tokens, arch, seq, batch = data
     paths = [p for p, m in model.named_modules() if isinstance(m, block)]
     layout = (cfg.hybrid_shards, True)
     if cfg.plan:
-        decisions = _saved_decisions(cfg.plan, model)
-        return Choice(decisions, batch, None, *layout, f"from the plan {cfg.plan}: {_counts(decisions)}")
+        decisions, note = _saved_decisions(cfg.plan, model, paths, world)
+        return Choice(decisions, batch, None, *layout, f"from the plan {cfg.plan}: {_counts(decisions)}{note}")
     if not cfg.budget:
         return Choice(dict.fromkeys(paths, str(cfg.checkpointing)), batch, None, *layout, f"{cfg.checkpointing}")
     example = window_batch(tokens.train, arch, batch, seq, 0, cfg.seed, tokens.mask_id)
     profile = default_profile("cuda" if device == "cuda" else "cpu")
     if cfg.auto:
         return _auto(cfg, model, example, world, profile, paths)
-    plan = memfit.plan(
-        model, example, budget=cfg.budget, world_size=world, shard_size=cfg.hybrid_shards or None,
-        candidates=paths, decisions=PLANNED_KINDS, chunk_head=False, device_profile=profile,
-    )  # fmt: skip
+    opts: dict[str, Any] = {"world_size": world, "shard_size": cfg.hybrid_shards or None}
+    opts.update(decisions=PLANNED_KINDS, candidates=paths, chunk_head=False, device_profile=profile)
+    try:
+        plan = memfit.plan(model, example, budget=cfg.budget if accumulate == 1 else 2**62, **opts)
+        if accumulate > 1:  # the gradients accumulated over the micro-batches: solved with them held
+            held = held_gradients(plan.profile, Layout(world, cfg.hybrid_shards or world), accumulate)
+            plan = memfit.plan(model, example, budget=cfg.budget, profile=held, **opts)
+    except memfit.PlanError as e:
+        raise memfit.PlanError(f"{e} For memfit train: {_TRAIN_ADVICE}") from None
     about = f"planned for {cfg.budget} per rank: {_counts(plan.decisions)}, forecast peak {_gib(plan.predicted_peak)}"
-    return Choice(dict(plan.decisions), batch, None, *layout, about + _fp32_note(cfg))
+    return Choice(dict(plan.decisions), batch, None, *layout, about, plan.predicted_peak)
 
 
 def _auto(cfg: TrainConfig, model: nn.Module, example: dict, world: int, device, paths: list[str]) -> Choice:
@@ -93,15 +108,20 @@ def _auto(cfg: TrainConfig, model: nn.Module, example: dict, world: int, device,
     about = (
         f"--auto for {cfg.budget} per rank: micro-batch {best.micro_batch} x accumulation {best.accumulation}, "
         f"{best.layout.describe()}, {_counts(decisions)}, forecast peak {_gib(best.peak)}, "
-        f"{best.tokens_per_second:,.0f} tokens/s predicted on {device.name}{_fp32_note(cfg)}"
+        f"{best.tokens_per_second:,.0f} tokens/s predicted on {device.name}"
     )
-    return Choice(decisions, best.micro_batch, best.accumulation, shards, best.layout.reshard_after_forward, about)
+    reshard = best.layout.reshard_after_forward
+    return Choice(decisions, best.micro_batch, best.accumulation, shards, reshard, about, best.peak)
 
 
-def _saved_decisions(path: str, model: nn.Module) -> dict[str, str]:
+def _saved_decisions(path: str, model: nn.Module, paths: list[str], world: int) -> tuple[dict[str, str], str]:
+    """The decisions of the plan saved at ``path`` for every block of ``model`` (``paths``), and a
+    note for the start line when it was made for another world size."""
     try:
         with open(path) as f:
             saved = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"memfit train: --plan {path!r}: no such file (relative paths start from here)") from None
     except (OSError, ValueError) as e:
         raise ValueError(f"memfit train: --plan {path!r}: cannot read it as JSON ({e})") from None
     saved = saved.get("plan", saved) if isinstance(saved, dict) else saved  # `memfit plan --auto --json` nests it
@@ -115,10 +135,22 @@ def _saved_decisions(path: str, model: nn.Module) -> dict[str, str]:
             f"memfit train: --plan {path!r} decides for blocks this model lacks ({', '.join(missing[:4])}): "
             "plan the same --model, --layers and --hidden"
         )
+    undecided = [p for p in paths if p not in decisions]
+    if undecided:
+        raise ValueError(
+            f"memfit train: --plan {path!r} decides for {len(decisions)} of this model's {len(paths)} blocks "
+            f"(not {', '.join(undecided[:4])}): plan the same --model, --layers and --hidden"
+        )
     bad = [k for k in decisions.values() if k not in PLANNED_KINDS]
     if bad:
         raise ValueError(f"memfit train: --plan {path!r}: kind {bad[0]!r}; memfit train applies {PLANNED_KINDS}")
-    return {str(p): str(k) for p, k in decisions.items()}
+    planned_for = saved.get("world_size")
+    note = (
+        ""
+        if planned_for in (None, world)
+        else f" (planned for world size {planned_for}: its forecast is not this run's)"
+    )
+    return {str(p): str(k) for p, k in decisions.items()}, note
 
 
 def _counts(decisions: dict[str, str]) -> str:
@@ -128,10 +160,6 @@ def _counts(decisions: dict[str, str]) -> str:
 
 def _gib(n: float) -> str:
     return format_bytes(int(n))
-
-
-def _fp32_note(cfg: TrainConfig) -> str:
-    return "" if cfg.mixed_precision == "no" else " (forecast in fp32: an upper bound for bf16 compute)"
 
 
 MIXED = {"no": None, "bf16": torch.bfloat16}

@@ -34,7 +34,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 
     names = [r["strategy"] for r in rows]
     x = list(range(len(rows)))
-    fig, (mem, tim) = plt.subplots(1, 2, figsize=(max(8.0, 1.3 * len(rows) + 4), 5.4))
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(max(8.0, 1.3 * len(rows) + 4), 4.8))
     bottom = [0.0] * len(rows)
     for key, label in BREAKDOWN.items():
         split = [r.get("breakdown") or r.get("breakdown_rank0") or {} for r in rows]
@@ -52,10 +52,10 @@ def plot(rows: list[dict], path: str, title: str) -> None:
             )
         if r.get("budget"):
             mem.axhline(r["budget"] / MIB, color="crimson", linestyle="--", linewidth=1.2, label="planned row's budget")
-    mem.set_ylim(0, max([r["peak_bytes"] for r in rows] + [r.get("budget") or 0 for r in rows]) / MIB * 1.15)
+    mem.set_ylim(0, max([r["peak_bytes"] for r in rows] + [r.get("budget") or 0 for r in rows]) / MIB * 1.5)
     mem.set_ylabel("MiB (live tensors)")
     mem.set_title("peak memory of a step, by what held it", fontsize=9)
-    mem.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.3), ncol=3)
+    mem.legend(fontsize=7, loc="upper left", ncol=2)  # in the room the y limit leaves above the bars
     times = [r.get("step_seconds_each") or [r["step_seconds"]] for r in rows]
     medians = [r["step_seconds"] for r in rows]
     low = [m - min(t) for m, t in zip(medians, times)]
@@ -121,7 +121,7 @@ def plot_timeline(timeline: list[dict], budget: float | None, path: str, title: 
     ax.set_ylim(0, top / scale * 1.12)
     ax.set_ylabel(f"predicted memory per rank ({unit})")
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never on them
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -178,6 +178,15 @@ def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[s
         f"{format_bytes(uniform.predicted_peak)} ({fits} {budget}), {uniform.predicted_overhead * 1e3:.1f} ms of "
         f"recompute a step{dtype}",
     ]
+    needs = sorted({k for k in plan.decisions.values() if k not in PLANNED_KINDS})
+    why = [f"{' and '.join(needs)} blocks"] * bool(needs) + ["a chunked head"] * (plan.head == "chunked")
+    if fits == "does not fit" and why:
+        lines.append(
+            f"memfit train cannot run this plan within the budget: it needs {' and '.join(why)}, which memfit "
+            "train does not apply (plan.apply(model) does, in your own loop); the closest run, over the budget:"
+        )
+    elif fits == "does not fit" and not cfg.json:
+        lines.append("its per-block kinds fit: add --json plan.json, and memfit train --plan plan.json applies them")
     if cfg.json and plan.head == "plain" and all(k in PLANNED_KINDS for k in plan.decisions.values()):
         del flags["checkpointing"]  # the plan's own per-block decisions, as saved
         flags["plan"] = cfg.json

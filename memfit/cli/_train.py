@@ -182,6 +182,12 @@ class TrainConfig:
             raise ValueError("memfit train: --auto chooses --batch, --accumulate and --hybrid-shards: leave them out")
         if self.mixed_precision not in MIXED:
             raise ValueError(f"memfit train: --mixed-precision takes {list(MIXED)}")
+        if self.budget and self.mixed_precision != "no":
+            raise ValueError(
+                f"memfit train: --budget plans in fp32 and does not forecast --mixed-precision "
+                f"{self.mixed_precision} (its bf16 copies of the gathered parameters): drop one of the two, "
+                "or choose --checkpointing yourself"
+            )
 
     def spec(self) -> ModelSpec:
         return resolve(self.model, layers=self.layers, hidden=self.hidden)
@@ -220,6 +226,8 @@ class _Run:
     device: torch.device  # where this rank computes (--device)
     accumulate: int  # micro-batches per step (--accumulate, or from the global batch: See [Note: Elastic restarts])
     identity: dict | None = None  # what its checkpoints record about it (See memfit/cli/_checkpoints.py)
+    forecast: float | None = None  # the planner's peak per rank (--budget, --auto), bytes
+    chosen: tuple = ()  # the block class, their count, the checkpointing chosen, the shard group size
 
 
 def _build(cfg: TrainConfig, device: torch.device) -> _Run:
@@ -238,7 +246,8 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
         )
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
-    choice = choose(cfg, model, block, (tokens, spec.arch, seq, batch), world, device.type)
+    wanted = cfg.global_batch or cfg.accumulate * batch * world
+    choice = choose(cfg, model, block, (tokens, spec.arch, seq, batch), world, device.type, wanted // (batch * world))
     choice.apply(model)
     # Built in host memory; sharding copies each rank's rows to ``device``: the whole model is
     # never there (the point of sharding), only the chunks and one unit's gathered parameters.
@@ -253,7 +262,8 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     batch = choice.batch
     accumulate = choice.accumulate or accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
     run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device, accumulate)
-    log.say(_configuration(run, block, len(choice.decisions), choice.about, choice.hybrid_shards))
+    run.forecast = choice.forecast
+    run.chosen = (block, len(choice.decisions), choice.about, choice.hybrid_shards)  # for the start line
     return run
 
 
@@ -266,10 +276,11 @@ def _configuration(run: _Run, block: type, blocks: int, checkpointing: str, n: i
         every = f"every {plural(cfg.save_every, 'step')}, " if cfg.save_every else ""
         keep = f", keeping the newest {cfg.keep_last}" if cfg.keep_last else ""
         saving = f"checkpoints to {cfg.checkpoint_dir} {every}at the end and on SIGTERM/SIGINT{keep}"
+    micro = f"{run.accumulate} micro-batch{'es' * (run.accumulate > 1)} of {run.batch} per rank"
     return (
         f"memfit train: {cfg.model} ({run.params / 1e6:.2f}M parameters, {run.spec.arch} LM), world size {world} "
         f"({layout}, {run.device.type}/{dist.get_backend()}), global batch {run.batch * run.accumulate * world} "
-        f"sequences of {run.seq} tokens ({run.accumulate} x {run.batch} per rank), {plural(cfg.steps, 'step')}; "
+        f"sequences of {run.seq} tokens ({micro}), {plural(cfg.steps, 'step')}; "
         f"activation checkpointing on {blocks} {block.__name__} blocks: {checkpointing}"
         f"{'; mixed precision ' + cfg.mixed_precision if cfg.mixed_precision != 'no' else ''}; {saving}; "
         f"data: {run.tokens.source}"
@@ -446,6 +457,7 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
     cfg = run.cfg
     start, run.identity, resumed = _checkpoints.resume(cfg, run.model, run.opt, run.log)
     _keep_global_batch(run, resumed)
+    run.log.say(_configuration(run, *run.chosen))  # after a resume: its accumulation is the run's
     if start >= cfg.steps:
         run.log.say(f"the run is finished: the checkpoint is at step {start} of --steps {cfg.steps}; nothing to train")
     can_eval = cfg.eval_every and len(run.tokens.val) > run.seq + 1

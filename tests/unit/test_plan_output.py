@@ -147,3 +147,12 @@ def test_the_run_handed_to_train_is_the_cheapest_uniform_kind_that_fits(tmp_path
     assert lines[-1] == f"run it: memfit train --config {emit}"
     assert f"--checkpointing {want} predicts {format_bytes(peaks[want]['peak'])} (fits " in lines[-2]
     assert f'checkpointing = "{want}"' in emit.read_text()
+
+
+def test_a_plan_train_cannot_run_says_so_and_why(capsys):
+    """Offloaded blocks and a chunked head fit where no uniform kind does: the last lines say
+    memfit train cannot run the plan, and why, before the closest run."""
+    flags = ["--model", "llama", "--layers", "2", "--hidden", "64", "--seq", "256", "--batch", "8"]
+    assert main(["plan", *flags, "--budget", "97.2MiB"]) == 0
+    out = capsys.readouterr().out
+    assert "memfit train cannot run this plan within the budget: it needs offload blocks and a chunked head" in out

@@ -267,6 +267,24 @@ def test_a_budget_trains_with_memfit_plans_decisions_within_it(group_of_one):
     assert entry["peak_bytes"] <= budget, (entry["peak_bytes"], budget)
 
 
+def test_a_budget_counts_the_gradients_accumulated_over_micro_batches(group_of_one):
+    """With --accumulate 4 the gradients of the earlier micro-batches are alive beside the last
+    one's (here where the peak is: the embeddings' backward): the plan holds them, so the
+    measured peak stays within its forecast, and a budget between the forecast without them
+    (which the plan used to take, then exceed) and with them is refused, not trained over."""
+    shape = {**TINY, "model": "gpt2", "batch": 1, "accumulate": 4}
+    run = _build(TrainConfig(device="cpu", budget="1TB", **shape), torch.device("cpu"))
+    plain = memfit.plan(run.spec.build(0), _micro_batch(run), budget="1TB", decisions=KINDS, chunk_head=False)
+    assert run.forecast > plain.predicted_peak  # the accumulated gradients are counted
+    stop = StopRequests(rank=0)
+    _step(run, 0, False, stop)
+    entry, _ = _step(run, 1, True, stop)
+    assert plain.predicted_peak < entry["peak_bytes"] <= run.forecast, (entry["peak_bytes"], run.forecast)
+    between = str(int(plain.predicted_peak + run.forecast) // 2)
+    with pytest.raises(memfit.PlanError, match=r"no plan fits .* The smallest budget that fits is"):
+        _build(TrainConfig(device="cpu", budget=between, **shape), torch.device("cpu"))
+
+
 def test_a_saved_plan_is_applied_block_by_block_or_refused_by_name(group_of_one, tmp_path):
     paths = ["bert.encoder.layer.0", "bert.encoder.layer.1"]
     decisions = dict(zip(paths, ["selective", "keep"]))
@@ -276,6 +294,14 @@ def test_a_saved_plan_is_applied_block_by_block_or_refused_by_name(group_of_one,
     (tmp_path / "other.json").write_text(json.dumps({"decisions": {"encoder.layer.7": "full"}}))
     with pytest.raises(ValueError, match=r"decides for blocks this model lacks \(encoder\.layer\.7\).*--layers"):
         _build(TrainConfig(device="cpu", plan=str(tmp_path / "other.json"), **TINY), torch.device("cpu"))
+    (tmp_path / "half.json").write_text(json.dumps({"decisions": {paths[0]: "full"}}))
+    with pytest.raises(ValueError, match=r"decides for 1 of this model's 2 blocks \(not bert\.encoder\.layer\.1\)"):
+        _build(TrainConfig(device="cpu", plan=str(tmp_path / "half.json"), **TINY), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"--plan '.*nowhere\.json': no such file"):
+        _build(TrainConfig(device="cpu", plan=str(tmp_path / "nowhere.json"), **TINY), torch.device("cpu"))
+    (tmp_path / "w2.json").write_text(json.dumps({"decisions": decisions, "world_size": 2}))
+    run = _build(TrainConfig(device="cpu", plan=str(tmp_path / "w2.json"), **TINY), torch.device("cpu"))
+    assert "(planned for world size 2: its forecast is not this run's)" in run.chosen[2]
     (tmp_path / "offload.json").write_text(json.dumps({"decisions": dict.fromkeys(paths, "offload")}))
     with pytest.raises(ValueError, match=r"kind 'offload'; memfit train applies"):
         _build(TrainConfig(device="cpu", plan=str(tmp_path / "offload.json"), **TINY), torch.device("cpu"))
@@ -310,6 +336,7 @@ def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
         ({"auto": True}, r"--auto searches configurations that fit a --budget"),
         ({"auto": True, "budget": "1GB", "batch": 2}, r"--auto chooses --batch, --accumulate and --hybrid-shards"),
         ({"budget": "lots"}, r"lots"),
+        ({"budget": "1GB", "mixed_precision": "bf16"}, r"--budget plans in fp32 and does not forecast"),
     ],
 )
 def test_conflicting_choices_are_refused(flags, message):
