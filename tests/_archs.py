@@ -153,6 +153,10 @@ def _shrink(cfg, depth: int = 0) -> None:
         for key in ("head_dim", "qk_head_dim"):
             if key in vars(cfg):
                 setattr(cfg, key, cfg.qk_rope_head_dim if key == "head_dim" else 8)
+        # MLA expands keys and values to every head (published configs: as many key/value heads as
+        # heads); fewer makes transformers repeat them again when an attention mask is given.
+        if isinstance(getattr(cfg, "num_key_value_heads", None), int) and "num_attention_heads" in vars(cfg):
+            cfg.num_key_value_heads = cfg.num_attention_heads
 
 
 def _layer_types(cfg) -> None:
