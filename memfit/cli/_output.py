@@ -15,6 +15,16 @@ def write_json(path: str, data: object) -> None:
         json.dump(data, f, indent=2)
 
 
+def _pyplot():
+    """matplotlib's pyplot on the file-only Agg backend (the `cli` extra; imported when plotting)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 BREAKDOWN = {  # MemoryMeter's categories at the peak, as the bench plot names them
     "parameters": "parameters",
     "gradients": "gradients",
@@ -27,10 +37,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     """A PNG at ``path``: each strategy's measured peak stacked by what held it (parameters,
     gradients, optimizer state, activations; the planner's forecast and budget drawn for the
     planned row), and its step time (median, the bar; every repeat, the whiskers); y from 0."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     names = [r["strategy"] for r in rows]
     x = list(range(len(rows)))
@@ -97,10 +104,7 @@ def categorized(parts: dict[str, float]) -> dict[str, float]:
 def plot_timeline(timeline: list[dict], budget: float | None, path: str, title: str) -> None:
     """A PNG at ``path``: the predicted memory at each moment of one step, stacked by category,
     with the budget as a line; y from 0."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     top = max([e["total"] for e in timeline] + [budget or 0])
     unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", MIB)

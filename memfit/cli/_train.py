@@ -227,7 +227,7 @@ class _Run:
     accumulate: int  # micro-batches per step (--accumulate, or from the global batch: See [Note: Elastic restarts])
     identity: dict | None = None  # what its checkpoints record about it (See memfit/cli/_checkpoints.py)
     forecast: float | None = None  # the planner's peak per rank (--budget, --auto), bytes
-    chosen: tuple = ()  # the block class, their count, the checkpointing chosen, the shard group size
+    chosen: tuple[type, int, str, int] | None = None  # block class, count, checkpointing chosen, shard group
 
 
 def _build(cfg: TrainConfig, device: torch.device) -> _Run:
@@ -457,6 +457,7 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
     cfg = run.cfg
     start, run.identity, resumed = _checkpoints.resume(cfg, run.model, run.opt, run.log)
     _keep_global_batch(run, resumed)
+    assert run.chosen is not None  # _build sets it
     run.log.say(_configuration(run, *run.chosen))  # after a resume: its accumulation is the run's
     if start >= cfg.steps:
         run.log.say(f"the run is finished: the checkpoint is at step {start} of --steps {cfg.steps}; nothing to train")
