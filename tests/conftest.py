@@ -38,9 +38,14 @@ SLOW_TESTS = {
     # the spawn helper's own tests (~27 s): every other distributed test exercises it too
     "tests/distributed/test_dist_helper.py::test_results_and_failures_in_one_group",
     "tests/distributed/test_dist_helper.py::test_one_group_per_world_size_and_a_failed_group_fails_every_case",
+    # re-plans six times to show plans are deterministic (~26 s); test_plan.py plans every preset
+    "tests/integration/test_plan_meta.py::test_same_plan_twice_and_identical_blocks_profiled_once",
+    # autoconfigure's search, then a run (~15 s); the budget and --plan tests run in the fast tier
+    "tests/unit/test_train_traps.py::test_auto_trains_with_autoconfigures_pick",
 }
 SLOW_CASES = {  # one parameter of a test (the other stays in the fast tier)
     "tests/distributed/test_shard.py::test_diverged_ranks_fail_naming_rank_and_unit[debug_per_collective]",  # ~12 s
+    "tests/integration/test_checkpoint_compile.py::test_compiled_matches_eager_bitwise[ind-whole]",  # ~16 s
 }
 # Spawned groups of these world sizes (each group runs all its module's cases; the same cases
 # run at W=1 or 2 in the fast tier). Seconds: each group's wall time, quiet, 2 cores.
