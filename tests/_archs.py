@@ -362,6 +362,7 @@ def plan_check(arch: Arch) -> dict:
     "cpu" profile) and its forecast of the second AdamW step's peak against MemoryMeter's measure
     (``ratio``); skipped where plain transformers cannot train it; on one thread, in SECONDS."""
     import memfit
+    from memfit._plan._profile import _layerdrop_off
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -378,6 +379,7 @@ def plan_check(arch: Arch) -> dict:
             return {"status": "skip", "reason": _reason(e)}
         try:
             plan = memfit.plan(model, batch, budget="1TB", device_profile="cpu")
+            _layerdrop_off(model)  # the plan is for the step that runs every layer: measure that one
             ratio = plan.predicted_peak / plan.measure(model, batch)
         except ShrinkError:
             raise

@@ -31,6 +31,8 @@ from memfit.memory import MemoryMeter
 _TERMS = {
     "state": "parameters and optimizer state (sharded: 1/shards each), buffers (whole on every rank)",
     "before_blocks": "the batch and what the embeddings keep for backward",
+    "between_blocks": "what the code between the blocks holds since (an encoder's output, a decoder's masks)",
+    "forward_transient": "the code before the block (embeddings, masks, positions): its temporaries",
     "grad_rest": "gradients of the parameters outside the blocks (sharded: 1/shards)",
     "last_output": "the last block's output",
     "head_transient": "the head, the loss and their backward (logits and their gradient)",
@@ -40,6 +42,7 @@ _TERMS = {
     "unit_buffers": "sharded, in backward: two blocks' full parameters (the one computing, the one prefetched)",
     "kept_activations": "what the blocks keep for backward (in a block's backward: the blocks before it)",
     "gradients": "gradients alive at this moment (sharded: 1/shards, the block in flight whole)",
+    "block_forward": "the forward of the block computing: its input, temporaries, what it keeps, its output",
     "block_backward": "the backward of the block computing: its recompute, its kept tensors' gradients",
     "root_reduce": "sharded: the root's whole gradients and their send buffer, reduce-scattered last",
     "bookkeeping": "sharded: 1 KiB per unit of reduce bookkeeping",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,17 +26,28 @@ from memfit.memory import MemoryMeter
 
 # [Note: The planner's memory model]
 # A training step's peak is the largest of three kinds of moment (named terms, all bytes):
-#   end of forward:  S + O + sum_j kept_j + y_last + T_head
-#   backward of i:   S + O + G_after_i + G_rest + sum_{j<i} kept_j + B_i
+#   end of forward:  S + O + D_end + sum_j kept_j + y_last + T_head
+#   forward before i: S + O + D_i + sum_{j<i} kept_j + x_i + F_i
+#   forward of i:    S + O + D_i + sum_{j<i} kept_j + A_i
+#   backward of i:   S + O + D_i + G_after_i + G_rest + sum_{j<i} kept_j + B_i
 #   optimizer step:  P_opt
 # S     parameters, buffers and optimizer state (per rank when sharded),
 # O     what exists when the first block starts: the batch and what the embeddings keep,
-# kept_j what block j keeps for backward under its decision, its input included unless
-#       offloaded (its output is the next block's input, counted there; the last one is y_last),
+# D_i   what the code between the blocks made after that and still holds when block i starts
+#       (an encoder's output, a decoder's masks and positions: [Note: Memory outside the blocks]),
+# F_i   the peak of the code that runs before block i (after block i-1, or the embeddings)
+#       above what is alive when block i starts, x_i its input from block i-1 (ProphetNet's
+#       relative positions: 20 MB of int64 temporaries where the whole step holds 2 MB),
+# kept_j what block j keeps for backward under its decision, its input from block j-1 included
+#       unless offloaded (its output is the next block's input, counted there; the last one is
+#       y_last); its other inputs (masks, positions, the first block's input) are in O + D_j,
 # T_head the peak of the head, the loss and their backward above the end-of-forward state,
 # G_after_i / G_rest  the gradients of the blocks after i / of the parameters outside blocks,
-# B_i   the peak of block i's forward and backward on its own (input, what it keeps, recompute,
-#       gradients of its parameters and of its input, its output and the output's gradient),
+# A_i   the peak of block i's forward on its own: its input from block i-1, its temporaries
+#       and what it keeps, its output (PegasusX's staggered local attention peaks there),
+# B_i   the peak of block i's forward and backward on its own (input from block i-1, what it
+#       keeps, recompute, gradients of its parameters and of its input, its output's gradient;
+#       not its output, which the next block released),
 # P_opt the peak of the optimizer step (parameters, gradients, state and its temporaries), plus
 #       L, what the step's forward leaves alive beside them (a mask a model caches, 4 KiB on Llama),
 # and after the blocks' backward, the backward of what comes before them (the embeddings):
@@ -59,6 +71,7 @@ class BlockProfile:
     peak: dict[str, int] = field(default_factory=dict)  # B_i per decision
     forward_time: float = 0.0  # its forward with activations kept (priced)
     extra_time: dict[str, float] = field(default_factory=dict)  # added to a step per decision
+    forward_peak: dict[str, int] = field(default_factory=dict)  # A_i per decision (none: 0)
 
 
 @dataclass
@@ -83,6 +96,27 @@ class ModelProfile:
     head_chunked: int | None = None  # T_head with the head and loss chunked
     head_chunked_time: float = 0.0  # seconds chunking adds to a step (the head's matmul again)
     distinct_blocks: int = 0  # blocks profiled (identical ones once)
+    between: list[int] = field(default_factory=list)  # D_i per block (none: 0)
+    between_end: int = 0  # D_end: at the end of forward
+    forward_transient: list[int] = field(default_factory=list)  # F_i per block (none: 0)
+
+
+# [Note: Memory outside the blocks]
+# A block's inputs are of two kinds. Its input from the block before it (the first tensor it
+# is called with, when the block before returned it) is the chain the decisions act on: kept
+# with the block, offloaded with it. Every other input -- the masks, positions and rotary
+# tables every layer of a stack is given, an encoder's output each decoder layer attends to,
+# the first block's input -- is made once by the code between the blocks and alive for all of
+# them; counting it in every block's kept bytes over-forecast encoder-decoders by 5% and still
+# missed what it holds (ProphetNet's layers get 8-row views of a 512 x 1024 mask: a copy is
+# small, the view holds the whole storage). So such inputs are taken out of each block's own
+# profile (kept, B_i), and the measured step of the whole model (every block kept) gives, at
+# each block's start, what is alive beyond O, the blocks' kept bytes and the block's input:
+# D_i, what the code between the blocks holds (the masks, an encoder's output and what its
+# final norm keeps). It does not depend on the decisions. The same step gives F_i, the peak of
+# the code before block i above what block i starts with (ProphetNet builds its relative
+# positions in 20 MB of int64 temporaries where the whole step holds 2 MB: the forecast was a
+# tenth of the peak). An offloaded first block's input stays counted (an over-forecast).
 
 
 def _stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
@@ -192,8 +226,10 @@ def _signature(block: nn.Module, args, kwargs) -> tuple:
     return (type(block), repr(block), tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
 
 
-def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) -> BlockProfile:
-    """Bytes of ``block`` under each decision (on fake tensors) and their priced extra time."""
+def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions, device) -> BlockProfile:
+    """Bytes of ``block`` under each decision (on fake tensors) and their priced extra time; its
+    backward from the outputs the step's backward reaches (``reached``: their positions among
+    the outputs with grad; T5's encoder blocks return a position bias nothing after them uses)."""
     trainable = sum(p.untyped_storage().nbytes() for p in block.parameters() if p.requires_grad)
     a, k = _fresh(args, kwargs)
     with torch.no_grad():
@@ -215,7 +251,8 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
                 out = block(*a, **k)
             forward = len(recorder.ops)
             alive = meter.current_bytes
-            outs = _outputs_with_grad(out)
+            prof.forward_peak[decision] = max(0, meter.peak_bytes - prof.param_bytes)
+            outs = [t for n, t in enumerate(_outputs_with_grad(out)) if n in reached]
             if outs:
                 grads = [torch.ones_like(t) for t in outs]
                 with recorder:
@@ -233,6 +270,7 @@ def _profile_block(path, block, args, kwargs, rule, offload, decisions, device) 
     if "offload" in measured:  # full checkpointing with the input elsewhere until backward
         prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
         prof.peak["offload"] = prof.peak["full"]
+        prof.forward_peak["offload"] = prof.forward_peak["full"]
     # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
     keep, n_keep = device.ops_time(work["keep"]), len(work["keep"])
     prices = {d: max(0.0, device.ops_time(c) - keep + device.checkpoint_time(len(c) - n_keep)) for d, c in work.items()}
@@ -355,6 +393,21 @@ def _caches_off(model: nn.Module) -> list[tuple[Any, bool]]:
     return changed
 
 
+# LayerDrop (M2M100, NLLB, SeamlessM4T, Wav2Vec2, ...) skips each layer of a training step
+# with some probability: which layers run, and so the step's memory, is random. The planner
+# plans the step that runs every layer, the largest, with the skeleton's layerdrop set to 0
+# (the skeleton is a copy: the model keeps its own).
+_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+def _layerdrop_off(skeleton: nn.Module) -> None:
+    for m in skeleton.modules():
+        for owner in (m, getattr(m, "config", None)):
+            for name in _LAYERDROP:
+                if isinstance(getattr(owner, name, None), float) and getattr(owner, name):
+                    setattr(owner, name, 0.0)
+
+
 def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None) -> dict[str, int]:
     """The candidate modules (``paths``, or every member of a stack) that run in a forward on
     ``inputs``, each with its position in the order they first ran."""
@@ -402,17 +455,21 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         inputs = tree_map(lambda t: _fake_like(t, on), example_inputs)
         skeleton.train()
         _caches_off(skeleton)
+        _layerdrop_off(skeleton)
         with fake_rules(skeleton, values):
             paths = _candidate_paths(skeleton, inputs, paths, type(model).__name__)
             blocks = [skeleton.get_submodule(p) for p in paths]
             whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
+            made = whole.made or _BlocksMade()
             profiles, seen = [], {}
             for i, (path, blk) in enumerate(zip(paths, blocks)):
                 args, kwargs = whole.block_inputs[i]
-                key = _signature(blk, args, kwargs)
+                reached = made.reached.get(i, set())
+                key = (_signature(blk, args, kwargs), made.fingerprint.get(i), tuple(sorted(reached)))
                 if key not in seen:  # identical blocks are profiled once
-                    seen[key] = _profile_block(path, blk, args, kwargs, rule, offload, decisions, device)
-                profiles.append(dataclasses.replace(seen[key], path=path, grad_bytes=_used_bytes(blk, whole.used)))
+                    seen[key] = _profile_block(path, blk, args, kwargs, reached, rule, offload, decisions, device)
+                prof = _without_shared_inputs(seen[key], made.shared.get(i, 0))
+                profiles.append(dataclasses.replace(prof, path=path, grad_bytes=_used_bytes(blk, whole.used)))
             in_blocks = {id(p) for b in blocks for p in b.parameters()}
             grad_rest = _used_bytes(skeleton, whole.used - in_blocks)
             state = _state_bytes(skeleton)
@@ -420,6 +477,7 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
             head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
             chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
     marks = whole.marks
+    between = _between(profiles, made, marks)
     return ModelProfile(
         blocks=profiles,
         state_bytes=state + whole.optimizer_bytes,
@@ -441,7 +499,34 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         device_source=device.source,
         offload_bandwidth=device.offload_bandwidth,
         distinct_blocks=len(seen),
+        between=between[:-1],
+        between_end=between[-1],
+        forward_transient=[made.transient.get(i, 0) for i in range(len(profiles))],
     )
+
+
+def _between(blocks: list[BlockProfile], made: _BlocksMade, marks: dict[str, int]) -> list[int]:
+    """D_i per block and D_end: the live bytes the measured step holds as each block starts
+    (and as the last ends) beyond what the model names, O and the blocks' kept bytes (see
+    [Note: Memory outside the blocks]); never below 0."""
+    before, kept, out = marks["before"], 0, []
+    for i, b in enumerate(blocks):
+        out.append(max(0, made.live.get(i, before) - before - kept - b.input_bytes))
+        kept += b.kept["keep"]
+    out.append(max(0, made.live_end - before - kept - marks["last_output"]))
+    return out
+
+
+def _without_shared_inputs(prof: BlockProfile, shared: int) -> BlockProfile:
+    """``prof`` less ``shared`` bytes of inputs counted outside the blocks (see [Note: Memory
+    outside the blocks]); an offloaded block's kept bytes have no input in them already."""
+    if not shared:
+        return prof
+    kept = {d: v if d == "offload" else max(0, v - shared) for d, v in prof.kept.items()}
+    peak = {d: max(0, v - shared) for d, v in prof.peak.items()}
+    forward = {d: max(0, v - shared) for d, v in prof.forward_peak.items()}
+    less = max(0, prof.input_bytes - shared)
+    return dataclasses.replace(prof, input_bytes=less, kept=kept, peak=peak, forward_peak=forward)
 
 
 # [Note: Parameters the step uses]
@@ -490,7 +575,11 @@ def _chunked_head(skeleton, inputs, blocks, plain: _WholeStep, head: LMHead, dev
 # planner holds in real memory is the skeleton's module objects and the profile; its peak of
 # real tensor storage is the optimizer's scalar step counters (4 bytes each: fake mode keeps
 # constants real), far below the bound it promises, the largest block's working set max_i B_i.
-# Identical blocks (same class, structure, shapes and inputs) are profiled once.
+# Identical blocks (same class, structure, shapes and inputs, and the same forward in the
+# measured step: its ops, the bytes it leaves and its peak) are profiled once. The forward
+# tells apart blocks that differ only in a plain attribute (PegasusX staggers the local
+# attention blocks of every other encoder layer: twice the memory; Gemma's sliding and global
+# layers).
 def _fake_copy(model: nn.Module, device) -> nn.Module:
     """The model's modules with fake parameters and buffers (ties kept); call under the mode."""
     memo: dict[int, object] = {}
@@ -520,6 +609,7 @@ class _WholeStep:
     costs: list[OpCost]  # every op of the measured step, optimizer step included
     forward_backward: list[OpCost]  # the ops of its forward and backward
     used: set[int] = field(default_factory=set)  # ids of the parameters its backward gave a gradient
+    made: _BlocksMade | None = None  # what each block's forward did ([Note: Memory outside the blocks])
 
 
 def _measure_step(
@@ -532,12 +622,17 @@ def _measure_step(
     marks: dict[str, int] = {}
     meter_box: list[MemoryMeter] = []
     recorder = CostRecorder()
+    blocks_made = _BlocksMade()
 
     def capture(i):
         def hook(module, args, kwargs):
+            if meter_box and i not in blocks_made.started:  # before the copies below
+                blocks_made.transient[i] = max(0, meter_box[0].peak_bytes - meter_box[0].current_bytes)
             if i not in captured:
                 with recorder.paused():  # the copies kept here are not the step's work
                     captured[i] = _fresh(args, kwargs)
+            if meter_box and i not in blocks_made.started:
+                blocks_made.start(i, meter_box[0], (args, kwargs), captured, len(recorder.ops))
             if i == 0 and meter_box and "before" not in marks:
                 marks["before"] = meter_box[0].current_bytes - _tensor_bytes(captured)  # not the copies kept here
                 for t in _outputs_with_grad((args, kwargs)):  # the blocks' backward is over
@@ -545,10 +640,18 @@ def _measure_step(
 
         return hook
 
+    def made(i):
+        def hook(module, args, kwargs, out):
+            if meter_box and i not in blocks_made.ended:
+                blocks_made.end(i, meter_box[0], out, [f for f, _ in recorder.ops])
+
+        return hook
+
     def after_last(module, args, kwargs, out):
         if not meter_box:
             return
         meter = meter_box[0]
+        blocks_made.live_end = meter.current_bytes - _tensor_bytes(captured)
         marks["at_last_output"] = meter.current_bytes
         marks["last_output"] = _tensor_bytes(out)
         meter.reset_peak()  # from here on: the head, the loss and their backward
@@ -560,6 +663,7 @@ def _measure_step(
             t.register_hook(head_done)
 
     handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
+    handles += [b.register_forward_hook(made(i), with_kwargs=True) for i, b in enumerate(blocks)]
     handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
     opt = _make_optimizer(optimizer, model) if optimizer else None
     try:
@@ -569,6 +673,7 @@ def _measure_step(
             opt.zero_grad(set_to_none=True)
         captured.clear()
         marks.clear()
+        blocks_made = _BlocksMade()
         with _Meter(model=model, optimizer=opt) as whole, recorder:
             meter_box.append(whole)
             step_loss(model, example_inputs, loss_fn).backward()
@@ -582,12 +687,54 @@ def _measure_step(
     forward_backward = list(recorder.costs)
     if opt is None:  # forward and backward only
         model.zero_grad(set_to_none=True)
-        return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward, used)
+        return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward, used, blocks_made)
     with _Meter(model=model, optimizer=opt) as opt_meter, recorder:
         opt.step()
     opt.zero_grad(set_to_none=True)
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
-    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, recorder.costs, forward_backward, used)
+    costs = recorder.costs
+    return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, costs, forward_backward, used, blocks_made)
+
+
+class _BlocksMade:
+    """What one measured forward holds as each block starts (see [Note: Memory outside the
+    blocks]): the live bytes, the block's inputs other than the one from the block before, and
+    the peak of the code since the block before ended."""
+
+    def __init__(self) -> None:
+        self.started: set[int] = set()
+        self.ended: set[int] = set()
+        self.live: dict[int, int] = {}  # block -> live bytes at its start (the copies kept here not)
+        self.shared: dict[int, int] = {}  # block -> its copied inputs' bytes other than the chain's
+        self.transient: dict[int, int] = {}  # block -> the peak since the block before ended, above its start
+        self.live_end = 0  # live bytes as the last block ends
+        # block -> what its forward did in the step: bytes it left, its peak above its start, its ops
+        self.fingerprint: dict[int, tuple] = {}
+        self.reached: dict[int, set[int]] = {}  # block -> its outputs (of those with grad) given a gradient
+        self._last_output: set[int] = set()  # storage keys of the output of the block that ended last
+        self._at_start = (0, 0)  # live bytes and ops recorded as the running block started
+
+    def start(self, i: int, meter: MemoryMeter, inputs: tuple, captured: dict[int, tuple], ops: int) -> None:
+        leaves, copies = tree_flatten(inputs)[0], tree_flatten(captured[i])[0]
+        tensors = [(t, c) for t, c in zip(leaves, copies) if isinstance(t, torch.Tensor)]
+        chain = tensors[:1] if tensors and tensors[0][0].untyped_storage()._cdata in self._last_output else []
+        self.shared[i] = sum(c.untyped_storage().nbytes() for _, c in tensors[len(chain) :])
+        self.live[i] = meter.current_bytes - _tensor_bytes(captured)
+        self.started.add(i)
+        meter.reset_peak()
+        self._at_start = (meter.current_bytes, ops)
+
+    def _reached(self, i: int, n: int, grad: torch.Tensor) -> None:
+        self.reached.setdefault(i, set()).add(n)
+
+    def end(self, i: int, meter: MemoryMeter, out, ops: list) -> None:
+        live, first = self._at_start
+        self.fingerprint[i] = (meter.current_bytes - live, meter.peak_bytes - live, tuple(ops[first:]))
+        for n, t in enumerate(_outputs_with_grad(out)):  # which outputs the step's backward reaches
+            t.register_hook(functools.partial(self._reached, i, n))
+        self._last_output = {t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+        self.ended.add(i)
+        meter.reset_peak()  # the code before the next block starts from here
 
 
 class _Meter(MemoryMeter):
@@ -596,6 +743,11 @@ class _Meter(MemoryMeter):
 
     def _categorise(self) -> dict[str, int]:
         return {}
+
+    def entries(self) -> dict[int, tuple]:
+        """The live storages now: key -> the meter's entry (a new entry for a reused key)."""
+        self._sweep()
+        return dict(self._live)
 
 
 def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:

@@ -146,7 +146,11 @@ class _Moments:
     optimizer: float  # P_opt + L
     parts: dict[str, dict[str, float]]  # the decision-independent parts of each moment (backward: of block 0's)
     gradients: list[float]  # per block i: the gradients alive in its backward
-    in_flight: list[float]  # per block i: the gathered units alive in its backward (backward[i] = both)
+    in_flight: list[float]  # per block i: the gathered units alive in its backward
+    between: list[float]  # per block i: D_i, what the code between the blocks added since O (backward[i] = all three)
+    forward: list[float]  # per block i: the forward before it beside base and the blocks before, D_i + x_i + F_i
+    transient: list[float]  # per block i: F_i
+    forward_units: list[float]  # per block i: the gathered units alive in its forward
 
     @classmethod
     def of(cls, profile: ModelProfile, sharding: Sharding | None) -> _Moments:
@@ -162,6 +166,7 @@ class _Moments:
             gradients[i] = (rest if s > 1 else t["grad_rest"]) + grads_after + own
             # units in flight: two blocks, or (kept gathered from forward) blocks 0..i
             in_flight[i] = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
+            # in its forward: the same blocks whole (kept gathered: 0..i; else it and the next)
             grads_after += profile.blocks[i].grad_bytes / s
         # The root's reduce-scatter, after its parameters were freed: its whole gradients, the
         # send buffer they are copied into (as large) and the shard it receives.
@@ -172,17 +177,22 @@ class _Moments:
         first = profile.blocks[0].grad_bytes * (1 + 1 / s) if s > 1 else 0.0
         tail = {"state": t["state"], "gather_buffers": t["gather_buffers"], "gradients": grads_after + first}
         tail["tail_transient"] = t["tail_transient"]
+        between = [float(d) for d in profile.between] or [0.0] * len(profile.blocks)
+        transient = [float(f) for f in profile.forward_transient] or [0.0] * len(profile.blocks)
+        # forward before block i (its input from block i-1 and the code making it), beside D_i
+        forward = [d + b.input_bytes + f for d, b, f in zip(between, profile.blocks, transient)]
         base = {k: t[k] for k in ("state", "gather_buffers", "before_blocks")}
         # blocks kept gathered from forward (reshard_after_forward=False) are whole at its end too
         kept_gathered = t["unit_buffers"] if kept_whole else 0.0
-        end = {"last_output": t["last_output"], "head_transient": t["head_transient"]}
+        end = {"between_blocks": float(profile.between_end), "last_output": t["last_output"]}
+        end["head_transient"] = t["head_transient"]
         if kept_whole:
             end["kept_gathered"] = kept_gathered
         return cls(
             terms=t,
             base=t["state"] + t["gather_buffers"] + t["before_blocks"],
-            end_of_forward=t["last_output"] + t["head_transient"] + kept_gathered,
-            backward=[g + u for g, u in zip(gradients, in_flight)],
+            end_of_forward=profile.between_end + t["last_output"] + t["head_transient"] + kept_gathered,
+            backward=[g + u + d for g, u, d in zip(gradients, in_flight, between)],
             end_of_backward=sum(eob.values()) if s > 1 else 0.0,
             tail=t["state"] + t["gather_buffers"] + grads_after + first + t["tail_transient"],
             optimizer=t["optimizer_peak"] + profile.leftover,
@@ -195,12 +205,34 @@ class _Moments:
             },
             gradients=gradients,
             in_flight=in_flight,
+            between=between,
+            forward=forward,
+            transient=transient,
+            forward_units=list(in_flight) if s > 1 else [0.0] * len(profile.blocks),
         )
 
     def parts_at(self, where: str, profile: ModelProfile, kept: Sequence[float], decisions: list[str]) -> dict:
         """The named parts of moment ``where`` under ``decisions``: they add up to its bytes."""
         if where == "end of forward":
             return {**self.parts[where], "kept_activations": sum(kept)}
+        if where.startswith("forward before "):
+            i = next(i for i, b in enumerate(profile.blocks) if where == f"forward before {b.path}")
+            return {
+                **self.parts["backward"],
+                "unit_buffers": 0.0,
+                "between_blocks": self.between[i],
+                "kept_activations": sum(kept[:i]) + profile.blocks[i].input_bytes,
+                "forward_transient": self.transient[i],
+            }
+        if where.startswith("forward of "):
+            i = next(i for i, b in enumerate(profile.blocks) if where == f"forward of {b.path}")
+            return {
+                **self.parts["backward"],
+                "unit_buffers": self.forward_units[i],
+                "between_blocks": self.between[i],
+                "kept_activations": sum(kept[:i]),
+                "block_forward": float(profile.blocks[i].forward_peak.get(decisions[i], 0)),
+            }
         if not where.startswith("backward of "):
             return dict(self.parts[where])
         i = next(i for i, b in enumerate(profile.blocks) if where == f"backward of {b.path}")
@@ -208,6 +240,7 @@ class _Moments:
         return {
             **self.parts["backward"],
             "unit_buffers": self.in_flight[i],
+            "between_blocks": self.between[i],
             "gradients": self.gradients[i],
             "kept_activations": sum(kept[:i]),
             "block_backward": b.peak[decisions[i]],
@@ -215,21 +248,25 @@ class _Moments:
 
 
 def timeline(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> list[dict]:
-    """Every moment of the step in order, each with its named parts (bytes per rank): after each
-    block's forward (the state, the units gathered and the activations kept so far: not a moment
-    the forecast's peak can be at, shown for the rise), then each moment :func:`forecast` takes
-    the peak of, which add up to its bytes."""
+    """Every moment :func:`forecast` takes the peak of, in the order of the step, each with its
+    named parts (bytes per rank), which add up to its bytes."""
     m = _Moments.of(profile, sharding)
     kept = [b.kept[d] for b, d in zip(profile.blocks, decisions)]
     out: list[dict[str, Any]] = []
-    base = m.parts["backward"]  # state, gathered parameters, what exists before the blocks, units in flight
-    for j, b in enumerate(profile.blocks):
-        out.append({"moment": f"forward of {b.path}", "parts": {**base, "kept_activations": sum(kept[: j + 1])}})
-    names = ["end of forward", *(f"backward of {b.path}" for b in reversed(profile.blocks))]
-    names += ["backward before the blocks", *(["end of backward"] if m.end_of_backward else []), "optimizer step"]
-    for name in names:
-        out.append({"moment": name, "parts": m.parts_at(name, profile, kept, decisions)})
-    return [{**e, "total": float(sum(e["parts"].values()))} for e in out]
+    for name in _moment_names(profile, m):
+        parts = m.parts_at(name, profile, kept, decisions)
+        out.append({"moment": name, "parts": parts, "total": float(sum(parts.values()))})
+    return out
+
+
+def _moment_names(profile: ModelProfile, m: _Moments) -> list[str]:
+    names = []
+    for b, f in zip(profile.blocks, m.transient):
+        names += [f"forward before {b.path}"] if f else []
+        names.append(f"forward of {b.path}")
+    names += ["end of forward", *(f"backward of {b.path}" for b in reversed(profile.blocks))]
+    names += ["backward before the blocks", *(["end of backward"] if m.end_of_backward else [])]
+    return [*names, "optimizer step"]
 
 
 def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> dict[str, Any]:
@@ -237,7 +274,13 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
     decision-independent terms (``term:``) and the parts the peak's moment adds up (``part:``)."""
     m = _Moments.of(profile, sharding)
     kept = [b.kept[d] for b, d in zip(profile.blocks, decisions)]
-    moments = {"end of forward": m.base + sum(kept) + m.end_of_forward}
+    moments = {}
+    for i, b in enumerate(profile.blocks):
+        if m.transient[i]:
+            moments[f"forward before {b.path}"] = m.base + sum(kept[:i]) + m.forward[i]
+        block_forward = m.forward_units[i] + m.between[i] + b.forward_peak.get(decisions[i], 0)
+        moments[f"forward of {b.path}"] = m.base + sum(kept[:i]) + block_forward
+    moments["end of forward"] = m.base + sum(kept) + m.end_of_forward
     for i in reversed(range(len(profile.blocks))):
         b = profile.blocks[i]
         moments[f"backward of {b.path}"] = m.base + m.backward[i] + sum(kept[:i]) + b.peak[decisions[i]]
@@ -282,11 +325,13 @@ def solve(
     cost[0] = 0.0
     choices = np.zeros((n, BINS + 1), dtype=np.int8)
     for i, b in enumerate(profile.blocks):
-        cap = budget - m.base - m.backward[i]
+        cap = budget - m.base
         new = np.full(BINS + 1, np.inf)
         pick = np.zeros(BINS + 1, dtype=np.int8)
         for d in allowed:
-            fits = bins * grain + b.peak[d] <= cap  # this block's backward moment, per prefix
+            # this block's forward and backward moments (and the forward before it where forecast has one)
+            need = max(m.backward[i] + b.peak[d], m.forward_units[i] + m.between[i] + b.forward_peak.get(d, 0))
+            fits = bins * grain + max(need, m.forward[i] if m.transient[i] else 0) <= cap  # per prefix
             q = max(0, int(np.ceil(b.kept[d] / grain)))
             if q > BINS:
                 continue

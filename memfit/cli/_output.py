@@ -83,9 +83,17 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 CATEGORIES = {
     "parameters and optimizer state": ("state",),
     "gathered parameters": ("gather_buffers", "unit_buffers", "kept_gathered"),
-    "activations": ("before_blocks", "kept_activations", "last_output"),
+    "activations": ("before_blocks", "between_blocks", "kept_activations", "last_output"),
     "gradients": ("gradients", "root_reduce"),
-    "working memory": ("block_backward", "head_transient", "tail_transient", "leftover", "bookkeeping"),
+    "working memory": (
+        "block_forward",
+        "block_backward",
+        "forward_transient",
+        "head_transient",
+        "tail_transient",
+        "leftover",
+        "bookkeeping",
+    ),
     "optimizer step (state, gradients, temporaries)": ("optimizer_peak",),
 }
 

@@ -62,7 +62,7 @@ def test_the_timeline_walks_the_step_and_peaks_where_the_forecast_does(layout):
         steps = timeline(profile, list(ds), layout)
         names = [e["moment"] for e in steps]
         blocks = [b.path for b in profile.blocks]
-        assert names[:4] == [f"forward of {p}" for p in blocks] + ["end of forward"]
+        assert names[:4] == [f"forward of {p}" for p in blocks] + ["end of forward"]  # no F_i here
         assert names[4:7] == [f"backward of {p}" for p in reversed(blocks)] and names[-1] == "optimizer step"
         top = max(steps, key=lambda e: e["total"])
         assert (top["moment"], top["total"]) == (f["at"], pytest.approx(f["peak"], rel=1e-12)), ds

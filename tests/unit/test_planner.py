@@ -26,6 +26,20 @@ def synthetic(n, seed=0):
     return ModelProfile(blocks, 10_000, 4_000, 6_000, 500, 300, 100, 3_000, 13_000)
 
 
+def with_outside(profile, seed):
+    """``profile`` with the terms of [Note: Memory outside the blocks] and each block's forward
+    peak, large enough to set the peak at some decisions."""
+    g = torch.Generator().manual_seed(100 + seed)
+    r = lambda lo, hi: int(torch.randint(lo, hi, (1,), generator=g))  # noqa: E731
+    blocks = [
+        dataclasses.replace(b, forward_peak={d: b.kept[d] + r(0, 5000) for d in DECISIONS}) for b in profile.blocks
+    ]
+    between = sorted(r(0, 3000) for _ in blocks)
+    transient = [r(0, 8000) if i % 2 else 0 for i in range(len(blocks))]
+    outside = {"between": between, "between_end": between[-1], "forward_transient": transient}
+    return dataclasses.replace(profile, blocks=blocks, **outside)
+
+
 def brute_force(profile, budget):
     best = None
     for ds in itertools.product(DECISIONS, repeat=len(profile.blocks)):
@@ -35,9 +49,10 @@ def brute_force(profile, budget):
     return best
 
 
+@pytest.mark.parametrize("outside", [False, True], ids=["chain", "outside"])
 @pytest.mark.parametrize("seed", range(4))
-def test_solver_is_optimal_on_small_chains(seed):
-    profile = synthetic(5, seed)
+def test_solver_is_optimal_on_small_chains(seed, outside):
+    profile = with_outside(synthetic(5, seed), seed) if outside else synthetic(5, seed)
     keep_peak = forecast(profile, ["keep"] * 5)["peak"]
     full_peak = forecast(profile, ["offload"] * 5)["peak"]
     for frac in (0.1, 0.4, 0.7, 1.0):
