@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -417,19 +418,50 @@ def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None) -> dict[str,
     order: dict[str, int] = {}
 
     def hook(path):
-        def first_run(module, args):
+        def first_run(module, args, kwargs):
             order.setdefault(path, len(order))
 
         return first_run
 
-    handles = [m.register_forward_pre_hook(hook(p)) for p, m in named]
-    try:
-        with torch.no_grad():
-            call(model, inputs)
-    finally:
-        for h in handles:
-            h.remove()
+    with _watching([(m, hook(p), None) for p, m in named]), torch.no_grad():
+        call(model, inputs)
     return order
+
+
+class _Watched:
+    """A block's forward, watched: ``pre(module, args, kwargs)`` before it and ``post(module,
+    args, kwargs, out)`` after it, however it is called (SqueezeBERT calls its layers'
+    ``forward`` directly, which module hooks do not see)."""
+
+    def __init__(self, module: nn.Module, pre: Callable | None, post: Callable | None) -> None:
+        self.inner = module.__dict__.get("forward")  # an instance forward (a checkpointed one) or None
+        self.module, self.pre, self.post = module, pre, post
+
+    def __call__(self, *args, **kwargs):
+        if self.pre is not None:
+            self.pre(self.module, args, kwargs)
+        forward = self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+        out = forward(*args, **kwargs)
+        if self.post is not None:
+            self.post(self.module, args, kwargs, out)
+        return out
+
+
+@contextlib.contextmanager
+def _watching(watched: list[tuple[nn.Module, Callable | None, Callable | None]]):
+    """Each (module, pre, post) watched (see _Watched) inside the block, then as it was."""
+    installed = []
+    try:
+        for module, pre, post in watched:
+            installed.append(_Watched(module, pre, post))
+            module.forward = installed[-1]
+        yield
+    finally:
+        for w in reversed(installed):
+            if w.inner is None:
+                w.module.__dict__.pop("forward", None)
+            else:
+                w.module.forward = w.inner
 
 
 def _candidate_paths(skeleton: nn.Module, inputs: Inputs, paths: list[str] | None, name: str) -> list[str]:
@@ -475,6 +507,7 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
             state = _state_bytes(skeleton)
             buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
             head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
+            head = head if head is None or _head_gives_the_logits(skeleton, inputs, head) else None
             chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
     marks = whole.marks
     between = _between(profiles, made, marks)
@@ -548,6 +581,53 @@ def _grad_bytes(model: nn.Module) -> int:
 
 def _has_labels(inputs: Inputs) -> bool:
     return isinstance(inputs, dict) and inputs.get("labels") is not None
+
+
+def _same_data(a, b) -> bool:
+    return (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and (a.shape, a.stride(), a.storage_offset()) == (b.shape, b.stride(), b.storage_offset())
+    )
+
+
+# [Note: A head the chunked loss computes exactly]
+# The chunked head computes cross_entropy(proj(transform(base(x)[0]))) itself, so it is a
+# decision only where the model's own forward computes exactly that: one forward on the
+# skeleton checks that the projection is given the base's hidden states (through the
+# transform, where there is one), that the logits the model returns are the projection's
+# output (no softcapping, scaling or extra dense layer: Gemma 2, Cohere, RemBERT's projection
+# to a wider output embedding), and that no router loss is added (output_router_logits).
+# Elsewhere the head stays plain: never a different loss.
+def _head_gives_the_logits(skeleton: nn.Module, inputs: Inputs, head: LMHead) -> bool:
+    if getattr(getattr(skeleton, "config", None), "output_router_logits", False):
+        return False
+    seen: dict[str, Any] = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            seen[name] = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
+
+        return hook
+
+    handles = [skeleton.get_submodule(head.base).register_forward_hook(keep("base"))]
+    if head.transform is not None:
+        handles.append(skeleton.get_submodule(head.transform).register_forward_hook(keep("transform")))
+    proj = skeleton.get_submodule(head.proj)
+    handles.append(proj.register_forward_pre_hook(lambda m, args: seen.setdefault("proj_in", args[0])))
+    handles.append(proj.register_forward_hook(keep("proj")))
+    try:
+        with torch.no_grad():
+            out = call(skeleton, inputs)
+    except Exception:  # any failure: not a head the chunked loss computes exactly
+        return False
+    finally:
+        for h in handles:
+            h.remove()
+    logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
+    fed = seen.get("transform" if head.transform is not None else "base")
+    return _same_data(seen.get("proj_in"), fed) and _same_data(logits, seen.get("proj"))
 
 
 def _chunked_head(skeleton, inputs, blocks, plain: _WholeStep, head: LMHead, device: DeviceProfile):
@@ -662,11 +742,16 @@ def _measure_step(
         for t in _outputs_with_grad(out):
             t.register_hook(head_done)
 
-    handles = [b.register_forward_pre_hook(capture(i), with_kwargs=True) for i, b in enumerate(blocks)]
-    handles += [b.register_forward_hook(made(i), with_kwargs=True) for i, b in enumerate(blocks)]
-    handles.append(blocks[-1].register_forward_hook(after_last, with_kwargs=True))
+    def ended(i):
+        def post(module, args, kwargs, out):
+            made(i)(module, args, kwargs, out)
+            if i == len(blocks) - 1:
+                after_last(module, args, kwargs, out)
+
+        return post
+
     opt = _make_optimizer(optimizer, model) if optimizer else None
-    try:
+    with _watching([(b, capture(i), ended(i)) for i, b in enumerate(blocks)]):
         if opt:  # the optimizer's state, as after a first step (fake); see [Note: Parameters the step uses]
             step_loss(model, example_inputs, loss_fn).backward()
             opt.step()
@@ -681,9 +766,6 @@ def _measure_step(
             # S and what outlives backward, but for the copies of the blocks' inputs kept here
             marks["after_backward"] = whole.current_bytes - _grad_bytes(model) - _tensor_bytes(captured)
             used = {id(p) for p in model.parameters() if p.grad is not None}
-    finally:
-        for h in handles:
-            h.remove()
     forward_backward = list(recorder.costs)
     if opt is None:  # forward and backward only
         model.zero_grad(set_to_none=True)

@@ -34,6 +34,40 @@ def test_chunked_head_has_the_plain_loss_and_gradients(arch):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [
+        ("Gemma2ForCausalLM", {"final_logit_softcapping": 30.0}),  # logits = cap * tanh(logits / cap)
+        ("CohereForCausalLM", {"logit_scale": 0.5}),  # logits scaled after the projection
+        ("MixtralForCausalLM", {"output_router_logits": True}),  # a router loss added to the loss
+    ],
+)
+def test_a_head_the_chunked_loss_would_change_stays_plain(name, config):
+    # [Note: A head the chunked loss computes exactly]: each of these has an nn.Linear output
+    # embedding under a base model, as Llama does, and find_head finds it.
+    import transformers
+
+    from memfit._plan._head import find_head
+
+    cfg = transformers.AutoConfig.for_model(
+        getattr(transformers, name).config_class.model_type,
+        vocab_size=256,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=16,
+        **config,
+    )
+    model = getattr(transformers, name)(cfg).train()
+    batch = {"input_ids": torch.randint(0, 256, (2, 16)), "labels": torch.randint(0, 256, (2, 16))}
+    assert find_head(model) is not None
+    plan = memfit.plan(model, batch, budget="1TB", device_profile="cpu")
+    assert plan.profile.head is None and plan.head == "plain"
+    # (the heads of BERT, GPT-2 and Llama are chunked: test_chunked_head_has_the_plain_loss_and_gradients)
+
+
 def test_chunked_head_saves_the_logits_as_forecast():
     model, batch = _model("bert", vocab=8192, seq=128, batch=4)  # logits 512 x 8192 x 4 B = 16 MiB each
     probe = memfit.plan(model, batch, budget="1TB", device_profile="cpu")
