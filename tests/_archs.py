@@ -397,10 +397,13 @@ def plan_check(arch: Arch) -> dict:
 
 if __name__ == "__main__":
     planner = "--plan" in sys.argv
-    wanted = set(sys.argv[1:]) - {"--plan"}
+    # --part K/N: every N-th architecture from the K-th (0-based), to run N processes at once
+    part = next((a.removeprefix("--part=") for a in sys.argv if a.startswith("--part=")), "0/1")
+    k, n = map(int, part.split("/"))
+    wanted = {a for a in sys.argv[1:] if not a.startswith("--")}
     counts: dict[str, int] = {}
-    for arch in architectures():
-        if wanted and arch.model_type not in wanted and arch.class_name not in wanted:
+    for index, arch in enumerate(architectures()):
+        if index % n != k or (wanted and arch.model_type not in wanted and arch.class_name not in wanted):
             continue
         t0 = time.perf_counter()
         r = plan_check(arch) if planner else check(arch)

@@ -707,7 +707,7 @@ def _measure_step(
     def capture(i):
         def hook(module, args, kwargs):
             if meter_box and i not in blocks_made.started:  # before the copies below
-                blocks_made.transient[i] = max(0, meter_box[0].peak_bytes - meter_box[0].current_bytes)
+                blocks_made.transient[i] = blocks_made.since_last_block(meter_box[0])
             if i not in captured:
                 with recorder.paused():  # the copies kept here are not the step's work
                     captured[i] = _fresh(args, kwargs)
@@ -790,6 +790,7 @@ class _BlocksMade:
         self.shared: dict[int, int] = {}  # block -> its copied inputs' bytes other than the chain's
         self.transient: dict[int, int] = {}  # block -> the peak since the block before ended, above its start
         self.live_end = 0  # live bytes as the last block ends
+        self._region_start = 0  # live bytes as the block before ended (0: none has)
         # block -> what its forward did in the step: bytes it left, its peak above its start, its ops
         self.fingerprint: dict[int, tuple] = {}
         self.reached: dict[int, set[int]] = {}  # block -> its outputs (of those with grad) given a gradient
@@ -817,6 +818,13 @@ class _BlocksMade:
         self._last_output = {t.untyped_storage()._cdata for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
         self.ended.add(i)
         meter.reset_peak()  # the code before the next block starts from here
+        self._region_start = meter.peak_bytes
+
+    def since_last_block(self, meter: MemoryMeter) -> int:
+        """F_i: the peak since the block before ended above what is alive now, where that code
+        allocated beyond the block's end (else the forward of the block before covers it)."""
+        peak = meter.peak_bytes
+        return max(0, peak - meter.current_bytes) if peak > self._region_start else 0
 
 
 class _Meter(MemoryMeter):
