@@ -32,7 +32,10 @@ from torch.utils._pytree import tree_flatten, tree_map
 # forward once on the real example batch (train mode, no gradients, the random state and the
 # buffers restored after, caches off as in the fake step) and records, for each op that reads
 # data (torch's data_dependent_output and dynamic_output_shape ops, and Tensor.tolist), what
-# it returned: a scalar, or the shape of a tensor. The fake step then gets the recorded answer
+# it returned: a scalar, or the shape of a tensor; and, for every boolean tensor that indexes
+# (x[mask], x[mask] = v), its count of True, the largest per mask shape: the backward of
+# x[mask] = v indexes its gradient by the mask, which no forward op read (SpeechT5's and
+# wav2vec2's SpecAugment mask time steps so), and gets that count. The fake step then gets the recorded answer
 # at the same place: the same op, the n-th such op inside the same module's call. A module
 # called several times keeps the largest answer (the largest count, the largest tensor), a
 # bound on what any of its calls needs. An op no module call frames (a checkpointed block's
@@ -87,6 +90,16 @@ class DataValues:
 
     answers: dict[tuple[str, int], tuple[str, object]] = field(default_factory=dict)
     by_shape: dict[tuple, object] = field(default_factory=dict)
+    mask_counts: dict[tuple[int, ...], int] = field(default_factory=dict)  # a boolean index's shape -> its Trues
+
+    def add_masks(self, func, args) -> None:
+        """The count of True of each boolean tensor indexing in ``func`` (the largest per shape)."""
+        if func not in _INDEXING or len(args) < 2:
+            return
+        for mask in args[1]:
+            if torch.is_tensor(mask) and mask.dtype == torch.bool:
+                count = int(mask.sum())
+                self.mask_counts[tuple(mask.shape)] = max(count, self.mask_counts.get(tuple(mask.shape), 0))
 
     def add(self, key: tuple[str, int], op: str, shapes: tuple, value) -> None:
         old = self.answers.get(key)
@@ -142,6 +155,7 @@ class _Record(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.values.add_masks(func, args)
         if _reads_data(func):
             self.values.add(self.calls.next_key(), str(func), _shapes((args, kwargs)), _describe(out))
         return out
@@ -175,11 +189,38 @@ def record_data_values(model: nn.Module, run: Callable[[], object]) -> DataValue
     return values
 
 
-def _replay(values: DataValues | None, key, op: str, shapes: tuple, compute: Callable, device):
+_INDEXING = {
+    torch.ops.aten.index.Tensor,
+    torch.ops.aten.index_put.default,
+    torch.ops.aten.index_put_.default,
+    torch.ops.aten._index_put_impl_.default,
+}
+
+
+def _masked_index(values: DataValues, func, args) -> _TensorLike | None:
+    """``x[mask]`` (aten.index.Tensor, one boolean index, the others None) from the count of
+    True recorded for a mask of its shape: the backward of ``x[mask] = v`` (SpecAugment's
+    masked time steps) indexes by a mask no forward op read."""
+    if func is not torch.ops.aten.index.Tensor:
+        return None
+    x, indices = args[0], list(args[1])
+    masks = [(k, i) for k, i in enumerate(indices) if i is not None]
+    if len(masks) != 1 or masks[0][1].dtype != torch.bool:
+        return None
+    k, mask = masks[0]
+    count = values.mask_counts.get(tuple(mask.shape))
+    if count is None:
+        return None
+    shape = (*x.shape[:k], count, *x.shape[k + mask.dim() :])
+    return _TensorLike(shape, torch.empty(shape, device="meta").stride(), x.dtype)
+
+
+def _replay(values: DataValues | None, key, op: str, shapes: tuple, compute: Callable, device, masked=None):
     try:
         return compute()
     except _DATA_EXCEPTIONS as e:
         found = values.find(key, op, shapes) if values is not None else None
+        found = masked() if found is None and masked is not None and values is not None else found
         if found is None:
             raise NeedsDataError(op, key[0]) from e
         return tree_map(
@@ -216,7 +257,8 @@ class _FakeRules(TorchDispatchMode):
             return func(*args, **kwargs)
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)), None)
         key, shapes = self.calls.next_key(), _shapes((args, kwargs))
-        return _replay(self.values, key, str(func), shapes, lambda: func(*args, **kwargs), device)
+        masked = (lambda: _masked_index(self.values, func, args)) if self.values is not None else None
+        return _replay(self.values, key, str(func), shapes, lambda: func(*args, **kwargs), device, masked)
 
 
 def _bf16(args) -> bool:

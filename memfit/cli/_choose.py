@@ -78,7 +78,7 @@ def choose(
         decisions, note = _saved_decisions(cfg.plan, model, paths, world)
         return Choice(decisions, batch, None, *layout, f"from the plan {cfg.plan}: {_counts(decisions)}{note}")
     if not cfg.budget:
-        return Choice(dict.fromkeys(paths, str(cfg.checkpointing)), batch, None, *layout, f"{cfg.checkpointing}")
+        return Choice(dict.fromkeys(paths, cfg.kind), batch, None, *layout, cfg.kind)
     example = window_batch(tokens.train, arch, batch, seq, 0, cfg.seed, tokens.mask_id)
     profile = default_profile("cuda" if device == "cuda" else "cpu")
     if cfg.auto:

@@ -73,7 +73,9 @@ class TrainConfig:
         ),
     )
     clip: float = field(default=1.0, metadata=flag("max global gradient norm"))
-    checkpointing: str = field(default="full", metadata=flag("per block", choices=CHECKPOINTING, type=decision_kind))
+    checkpointing: str | None = field(
+        default=None, metadata=flag("per block (default: full)", choices=CHECKPOINTING, type=decision_kind)
+    )
     budget: str | None = field(
         default=None,
         metadata=flag("plan checkpointing per block to fit SIZE per rank (e.g. 70GiB; memfit.plan)", metavar="SIZE"),
@@ -145,8 +147,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         choose_device(self.device, where="memfit train")  # --device cuda without a GPU fails here
-        self.checkpointing = decision_kind(self.checkpointing)  # "none": the old spelling of "keep"
-        if self.checkpointing not in CHECKPOINTING:
+        # None: not given (full, unless --budget or --plan chooses); "none": the old spelling of "keep"
+        self.checkpointing = None if self.checkpointing is None else decision_kind(self.checkpointing)
+        if self.checkpointing is not None and self.checkpointing not in CHECKPOINTING:
             raise ValueError(f"memfit train: unknown checkpointing {self.checkpointing!r}; choose from {CHECKPOINTING}")
         if self.resume not in ("no", "yes", "auto"):
             raise ValueError("memfit train: --resume takes no, yes or auto")
@@ -169,11 +172,9 @@ class TrainConfig:
     def _check_choice(self) -> None:
         """--checkpointing, --budget and --plan each choose the checkpointing: one at most."""
         chosen = [f for f, on in (("--budget", self.budget), ("--plan", self.plan)) if on]
-        if len(chosen) > 1 or (chosen and self.checkpointing != "full"):
-            raise ValueError(
-                f"memfit train: {' and '.join(chosen + ['--checkpointing'] * (self.checkpointing != 'full'))} each "
-                "choose the checkpointing: pass one"
-            )
+        chosen += ["--checkpointing"] * (self.checkpointing is not None)
+        if len(chosen) > 1:
+            raise ValueError(f"memfit train: {' and '.join(chosen)} each choose the checkpointing: pass one")
         if self.budget:
             memfit.parse_bytes(self.budget)  # a bad size fails here
         if self.auto and not self.budget:
@@ -188,6 +189,11 @@ class TrainConfig:
                 f"{self.mixed_precision} (its bf16 copies of the gathered parameters): drop one of the two, "
                 "or choose --checkpointing yourself"
             )
+
+    @property
+    def kind(self) -> str:
+        """The checkpointing kind for every block when neither --budget nor --plan chooses."""
+        return self.checkpointing or "full"
 
     def spec(self) -> ModelSpec:
         return resolve(self.model, layers=self.layers, hidden=self.hidden)

@@ -334,6 +334,7 @@ def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
     [
         ({"budget": "1GB", "plan": "p.json"}, r"--budget and --plan each choose the checkpointing"),
         ({"budget": "1GB", "checkpointing": "selective"}, r"--budget and --checkpointing each choose"),
+        ({"plan": "p.json", "checkpointing": "full"}, r"--plan and --checkpointing each choose"),  # the default, typed
         ({"auto": True}, r"--auto searches configurations that fit a --budget"),
         ({"auto": True, "budget": "1GB", "batch": 2}, r"--auto chooses --batch, --accumulate and --hybrid-shards"),
         ({"budget": "lots"}, r"lots"),
