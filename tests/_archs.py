@@ -395,6 +395,89 @@ def plan_check(arch: Arch) -> dict:
         torch.set_num_threads(threads)
 
 
+def _deterministic(model: torch.nn.Module) -> None:
+    """Dropout and LayerDrop off (in the modules and their configs): the halves of a batch on two
+    ranks draw other random numbers than the whole batch in one process."""
+    from memfit._plan._profile import _layerdrop_off
+
+    _layerdrop_off(model)
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = 0.0
+        for owner in (m, getattr(m, "config", None)):
+            for name, value in list(vars(owner).items()) if owner is not None else []:
+                if "dropout" in name and isinstance(value, float):
+                    setattr(owner, name, 0.0)
+
+
+def _sgd_update(model: torch.nn.Module, batch: dict) -> None:
+    torch.manual_seed(3)
+    numpy.random.seed(3)
+    model(**batch).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+
+
+def shard_check(arch: Arch, rank: int, world: int) -> dict:
+    """One SGD step (lr 1: the update is the gradient) of the architecture sharded over the
+    ranks (memfit.FullyShardedDataParallel, its _no_split_modules blocks as units), of DDP,
+    each rank on its rows of the batch, and of one process on the whole batch: memfit's
+    largest distance from the one process within twice DDP's plus 1e-5 of the largest update
+    (the halves and the reduction add their own rounding). Dropout and LayerDrop off."""
+    import memfit
+
+    model = build(arch)
+    _deterministic(model)
+    batch = batch_for(arch, model)
+    try:
+        whole = copy.deepcopy(model)
+        _sgd_update(whole, batch)
+    except ShrinkError:
+        raise
+    except Exception as e:
+        return {"status": "skip", "reason": _reason(e)}
+    rows = BATCH // world
+    mine = {
+        k: v[rank * rows : (rank + 1) * rows] if torch.is_tensor(v) and len(v) == BATCH else v for k, v in batch.items()
+    }
+    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+    _sgd_update(ddp, mine)
+    names = set(model._no_split_modules or ())
+    units = {type(m) for m in model.modules() if type(m).__name__ in names}
+    sharded = memfit.FullyShardedDataParallel(copy.deepcopy(model), auto_wrap_policy=units)
+    try:
+        _sgd_update(sharded, mine)
+    except Exception as e:
+        return {"status": "fail", "reason": _reason(e)}
+    with memfit.summon_full_params(sharded, writeback=False):
+        got = {n: p.detach().clone() for n, p in sharded.named_parameters()}
+    start = dict(model.named_parameters())
+    want = {n: p.detach() - start[n].detach() for n, p in whole.named_parameters()}
+    ddp_far = max((p.detach() - start[n] - want[n]).abs().max().item() for n, p in ddp.module.named_parameters())
+    far = max((got[n] - start[n] - want[n]).abs().max().item() for n in want)
+    scale = max(w.abs().max().item() for w in want.values())
+    status = "pass" if far <= 2 * ddp_far + 1e-5 * scale else "fail"
+    return {"status": status, "memfit": far, "ddp": ddp_far, "largest": scale}
+
+
+def shard_each(rank: int, world: int, ids: list[str]) -> dict[str, int]:
+    """shard_check on each architecture of ``ids``, in a group of ``world`` ranks; rank 0 prints
+    a line each; the counts by status."""
+    counts: dict[str, int] = {}
+    for arch in architectures():
+        if arch.id not in ids:
+            continue
+        t0 = time.perf_counter()
+        try:
+            r = shard_check(arch, rank, world)
+        except ShrinkError as e:
+            r = {"status": "shrink", "reason": str(e)}
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+        if rank == 0:
+            extra = {k: v for k, v in r.items() if k != "status"}
+            print(f"{r['status']:5} {time.perf_counter() - t0:6.2f}s {arch.id} {extra}", flush=True)
+    return counts
+
+
 if __name__ == "__main__":
     planner = "--plan" in sys.argv
     # --part K/N: every N-th architecture from the K-th (0-based), to run N processes at once
@@ -402,9 +485,17 @@ if __name__ == "__main__":
     k, n = map(int, part.split("/"))
     wanted = {a for a in sys.argv[1:] if not a.startswith("--")}
     counts: dict[str, int] = {}
-    for index, arch in enumerate(architectures()):
-        if index % n != k or (wanted and arch.model_type not in wanted and arch.class_name not in wanted):
-            continue
+    chosen = [
+        arch
+        for index, arch in enumerate(architectures())
+        if index % n == k and (not wanted or arch.model_type in wanted or arch.class_name in wanted)
+    ]
+    if "--shard" in sys.argv:  # one group of two ranks (gloo) over the chosen architectures
+        from tests._dist import run_ranks
+
+        counts = run_ranks(shard_each, 2, [a.id for a in chosen], timeout=4 * 3600)[0]
+        chosen = []
+    for arch in chosen:
         t0 = time.perf_counter()
         r = plan_check(arch) if planner else check(arch)
         counts[r["status"]] = counts.get(r["status"], 0) + 1

@@ -43,7 +43,9 @@ from memfit.memory import MemoryMeter
 #       unless offloaded (its output is the next block's input, counted there; the last one is
 #       y_last); its other inputs (masks, positions, the first block's input) are in O + D_j,
 # T_head the peak of the head, the loss and their backward above the end-of-forward state,
-# G_after_i / G_rest  the gradients of the blocks after i / of the parameters outside blocks,
+# G_after_i / G_rest_i  the gradients of the blocks after i / of the parameters outside the
+#       blocks that exist when block i's backward starts (the head's: the embeddings' come
+#       later; BART's learned positions counted there over-forecast it by 13%),
 # A_i   the peak of block i's forward on its own: its input from block i-1, its temporaries
 #       and what it keeps, its output (PegasusX's staggered local attention peaks there),
 # B_i   the peak of block i's forward and backward on its own (input from block i-1, what it
@@ -100,6 +102,9 @@ class ModelProfile:
     between: list[int] = field(default_factory=list)  # D_i per block (none: 0)
     between_end: int = 0  # D_end: at the end of forward
     forward_transient: list[int] = field(default_factory=list)  # F_i per block (none: 0)
+    # G_rest_i: the gradients outside the blocks alive as block i's backward starts (those of the
+    # head and what runs after the blocks; the embeddings' come after). None: grad_rest_bytes
+    grad_rest_at: list[int] = field(default_factory=list)
 
 
 # [Note: Memory outside the blocks]
@@ -535,6 +540,7 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         between=between[:-1],
         between_end=between[-1],
         forward_transient=[made.transient.get(i, 0) for i in range(len(profiles))],
+        grad_rest_at=[min(grad_rest, made.rest_grads.get(i, grad_rest)) for i in range(len(profiles))],
     )
 
 
@@ -575,7 +581,11 @@ def _used_bytes(module: nn.Module, used: set[int]) -> int:
 
 
 def _grad_bytes(model: nn.Module) -> int:
-    grads = {id(p.grad): p.grad for p in model.parameters() if p.grad is not None}
+    return _grad_bytes_of(model.parameters())
+
+
+def _grad_bytes_of(params) -> int:
+    grads = {id(p.grad): p.grad for p in params if p.grad is not None}
     return sum(g.untyped_storage().nbytes() for g in grads.values())
 
 
@@ -702,7 +712,9 @@ def _measure_step(
     marks: dict[str, int] = {}
     meter_box: list[MemoryMeter] = []
     recorder = CostRecorder()
-    blocks_made = _BlocksMade()
+    in_blocks = {id(p) for b in blocks for p in b.parameters()}
+    outside = [p for p in model.parameters() if id(p) not in in_blocks]
+    blocks_made = _BlocksMade(outside)
 
     def capture(i):
         def hook(module, args, kwargs):
@@ -758,7 +770,7 @@ def _measure_step(
             opt.zero_grad(set_to_none=True)
         captured.clear()
         marks.clear()
-        blocks_made = _BlocksMade()
+        blocks_made = _BlocksMade(outside)
         with _Meter(model=model, optimizer=opt) as whole, recorder:
             meter_box.append(whole)
             step_loss(model, example_inputs, loss_fn).backward()
@@ -783,7 +795,9 @@ class _BlocksMade:
     blocks]): the live bytes, the block's inputs other than the one from the block before, and
     the peak of the code since the block before ended."""
 
-    def __init__(self) -> None:
+    def __init__(self, outside: list[nn.Parameter] | None = None) -> None:
+        self._outside = outside or []  # the parameters outside the blocks
+        self.rest_grads: dict[int, int] = {}  # block -> bytes of their gradients as its backward starts
         self.started: set[int] = set()
         self.ended: set[int] = set()
         self.live: dict[int, int] = {}  # block -> live bytes at its start (the copies kept here not)
@@ -809,6 +823,8 @@ class _BlocksMade:
 
     def _reached(self, i: int, n: int, grad: torch.Tensor) -> None:
         self.reached.setdefault(i, set()).add(n)
+        if i not in self.rest_grads:  # block i's backward starts: the gradients outside the blocks so far
+            self.rest_grads[i] = _grad_bytes_of(self._outside)
 
     def end(self, i: int, meter: MemoryMeter, out, ops: list) -> None:
         live, first = self._at_start

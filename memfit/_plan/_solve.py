@@ -161,9 +161,10 @@ class _Moments:
         # The root's gradients stay whole until its reduce-scatter, the last of the step.
         rest = profile.grad_rest_bytes
         kept_whole = s > 1 and sharding is not None and not sharding.reshard_after_forward
+        rest_at = profile.grad_rest_at or [rest] * len(profile.blocks)
         for i in reversed(range(len(profile.blocks))):
             own = profile.blocks[i].grad_bytes if s > 1 else 0  # unsharded until reduce-scattered
-            gradients[i] = (rest if s > 1 else t["grad_rest"]) + grads_after + own
+            gradients[i] = rest_at[i] + grads_after + own  # whole (sharded: until the root's reduce-scatter)
             # units in flight: two blocks, or (kept gathered from forward) blocks 0..i
             in_flight[i] = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
             # in its forward: the same blocks whole (kept gathered: 0..i; else it and the next)
