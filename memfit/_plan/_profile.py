@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit._checkpoint import Decision, Offload, remove_checkpointing
@@ -44,8 +45,10 @@ from memfit.memory import MemoryMeter
 #       y_last); its other inputs (masks, positions, the first block's input) are in O + D_j,
 # T_head the peak of the head, the loss and their backward above the end-of-forward state,
 # G_after_i / G_rest_i  the gradients of the blocks after i / of the parameters outside the
-#       blocks that exist when block i's backward starts (the head's: the embeddings' come
-#       later; BART's learned positions counted there over-forecast it by 13%),
+#       blocks that the forward used after block i started (the head's, a tied embedding's:
+#       their gradients exist from the backward of that use; an embedding used only before the
+#       blocks gets its gradient after them: BART's learned positions counted in every block's
+#       backward over-forecast it by 3.3%),
 # A_i   the peak of block i's forward on its own: its input from block i-1, its temporaries
 #       and what it keeps, its output (PegasusX's staggered local attention peaks there),
 # B_i   the peak of block i's forward and backward on its own (input from block i-1, what it
@@ -102,8 +105,8 @@ class ModelProfile:
     between: list[int] = field(default_factory=list)  # D_i per block (none: 0)
     between_end: int = 0  # D_end: at the end of forward
     forward_transient: list[int] = field(default_factory=list)  # F_i per block (none: 0)
-    # G_rest_i: the gradients outside the blocks alive as block i's backward starts (those of the
-    # head and what runs after the blocks; the embeddings' come after). None: grad_rest_bytes
+    # G_rest_i: the gradients outside the blocks alive in block i's backward (those of the
+    # parameters the forward used after block i started). None: grad_rest_bytes
     grad_rest_at: list[int] = field(default_factory=list)
 
 
@@ -540,7 +543,7 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         between=between[:-1],
         between_end=between[-1],
         forward_transient=[made.transient.get(i, 0) for i in range(len(profiles))],
-        grad_rest_at=[min(grad_rest, made.rest_grads.get(i, grad_rest)) for i in range(len(profiles))],
+        grad_rest_at=[min(grad_rest, made.rest_at(i)) for i in range(len(profiles))] if made.last_use else [],
     )
 
 
@@ -773,7 +776,10 @@ def _measure_step(
         blocks_made = _BlocksMade(outside)
         with _Meter(model=model, optimizer=opt) as whole, recorder:
             meter_box.append(whole)
-            step_loss(model, example_inputs, loss_fn).backward()
+            with _Uses(blocks_made):
+                loss = step_loss(model, example_inputs, loss_fn)
+            loss.backward()
+            del loss
             marks["tail_peak"] = whole.peak_bytes - _tensor_bytes(captured)
             # S and what outlives backward, but for the copies of the blocks' inputs kept here
             marks["after_backward"] = whole.current_bytes - _grad_bytes(model) - _tensor_bytes(captured)
@@ -790,6 +796,19 @@ def _measure_step(
     return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, costs, forward_backward, used, blocks_made)
 
 
+class _Uses(TorchDispatchMode):
+    """The forward's ops, for _BlocksMade.used: the parameters each reads (views of them too,
+    by the parameter itself: a Linear reads weight.t(), whose input is the weight)."""
+
+    def __init__(self, made: _BlocksMade) -> None:
+        super().__init__()
+        self.made = made
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.made.used((args, kwargs))
+        return func(*args, **(kwargs or {}))
+
+
 class _BlocksMade:
     """What one measured forward holds as each block starts (see [Note: Memory outside the
     blocks]): the live bytes, the block's inputs other than the one from the block before, and
@@ -797,7 +816,10 @@ class _BlocksMade:
 
     def __init__(self, outside: list[nn.Parameter] | None = None) -> None:
         self._outside = outside or []  # the parameters outside the blocks
-        self.rest_grads: dict[int, int] = {}  # block -> bytes of their gradients as its backward starts
+        self._outside_ids = {id(p) for p in self._outside}
+        # parameter id -> blocks started when the forward last used it (its gradient exists from
+        # the backward of that use: in the backward of every block started before it)
+        self.last_use: dict[int, int] = {}
         self.started: set[int] = set()
         self.ended: set[int] = set()
         self.live: dict[int, int] = {}  # block -> live bytes at its start (the copies kept here not)
@@ -823,8 +845,17 @@ class _BlocksMade:
 
     def _reached(self, i: int, n: int, grad: torch.Tensor) -> None:
         self.reached.setdefault(i, set()).add(n)
-        if i not in self.rest_grads:  # block i's backward starts: the gradients outside the blocks so far
-            self.rest_grads[i] = _grad_bytes_of(self._outside)
+
+    def used(self, args) -> None:
+        """An op of the forward: the parameters outside the blocks it reads."""
+        for t in tree_flatten(args)[0]:
+            if id(t) in self._outside_ids:
+                self.last_use[id(t)] = len(self.started)
+
+    def rest_at(self, i: int) -> int:
+        """G_rest_i: bytes of the gradients of the parameters outside the blocks that the forward
+        used after block i started."""
+        return sum(p.untyped_storage().nbytes() for p in self._outside if self.last_use.get(id(p), -1) > i)
 
     def end(self, i: int, meter: MemoryMeter, out, ops: list) -> None:
         live, first = self._at_start
