@@ -425,22 +425,25 @@ def shard_check(arch: Arch, rank: int, world: int) -> dict:
     (the halves and the reduction add their own rounding). Dropout and LayerDrop off."""
     import memfit
 
-    model = build(arch)
-    _deterministic(model)
-    batch = batch_for(arch, model)
     try:
+        model = build(arch)
+        _deterministic(model)
+        batch = batch_for(arch, model)
         whole = copy.deepcopy(model)
         _sgd_update(whole, batch)
     except ShrinkError:
         raise
-    except Exception as e:
+    except Exception as e:  # transformers cannot build or train it at its tiny config
         return {"status": "skip", "reason": _reason(e)}
     rows = BATCH // world
     mine = {
         k: v[rank * rows : (rank + 1) * rows] if torch.is_tensor(v) and len(v) == BATCH else v for k, v in batch.items()
     }
-    ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
-    _sgd_update(ddp, mine)
+    try:
+        ddp = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), find_unused_parameters=True)
+        _sgd_update(ddp, mine)
+    except Exception as e:  # DDP fails on it (a half batch too small for it, ...): no reference
+        return {"status": "skip", "reason": f"DDP: {_reason(e)}"}
     names = set(model._no_split_modules or ())
     units = {type(m) for m in model.modules() if type(m).__name__ in names}
     sharded = memfit.FullyShardedDataParallel(copy.deepcopy(model), auto_wrap_policy=units)

@@ -294,13 +294,14 @@ def _synced_rows(p: torch.Tensor, rank: int, world: int, device: torch.device, g
     on ``device``: rank 0 broadcasts each shard rank's rows in turn (W broadcasts of 1/W of the
     parameter: the bytes of one broadcast of it, never more than one rank's rows on the device)."""
     n = p.shape[0] if p.dim() > 0 else 1
-    flat = p.reshape(n, -1)
+    flat = p.reshape(n, math.prod(p.shape[1:]))  # a parameter of 0 rows too (MobileBERT)
     chunk = math.ceil(n / world)
     src = dist.get_global_rank(group, 0)
     mine = None
     for r in range(world):
         part = moved(flat[min(r * chunk, n) : min((r + 1) * chunk, n)], device, copy=True)
-        dist.broadcast(part, src=src, group=group)
+        if part.numel():  # every rank knows the shapes: nothing to send for an empty part
+            dist.broadcast(part, src=src, group=group)
         if r == rank:
             mine = part
     assert mine is not None

@@ -7,13 +7,10 @@ import pytest
 from tests._archs import ShrinkError, architectures, shard_check
 from tests._dist import Subtests
 
-SAMPLE = {
+SAMPLE = {  # a decoder, an encoder, an encoder-decoder, a mixture of experts (~15 s)
     "causal_lm-LlamaForCausalLM",
-    "causal_lm-GPT2LMHeadModel",
     "masked_lm-BertForMaskedLM",
     "seq2seq_lm-T5ForConditionalGeneration",
-    "image_classification-ViTForImageClassification",
-    "speech_seq2seq-WhisperForConditionalGeneration",
     "causal_lm-MixtralForCausalLM",
 }
 # Architectures sharding fails on, and why; a fix shows as an unexpected pass (remove the entry).

@@ -193,7 +193,25 @@ def case_checkpoint_puts_state_where_torch_does(rank, world):
         shutil.rmtree(box[0], ignore_errors=True)
 
 
+def case_a_parameter_of_no_rows_is_synced_and_sharded(rank, world):
+    # MobileBERT has a (0, 32) parameter: rank 0's rows broadcast, none of them (it crashed there)
+    def build(seed):
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 4))
+        model.register_parameter("empty", nn.Parameter(torch.zeros(0, 4)))
+        return model
+
+    want = [p.detach().clone() for p in build(0).parameters()]  # rank 0's values
+    sharded = memfit.FullyShardedDataParallel(build(rank), sync_module_states=True)  # each rank's own
+    with memfit.summon_full_params(sharded, writeback=False):
+        got = [p.detach().clone() for p in sharded.parameters()]  # the full storage is freed after
+    assert [g.shape for g in got] == [w.shape for w in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+
+
 CASES = [
+    case_a_parameter_of_no_rows_is_synced_and_sharded,
     case_materialize_peak_and_values,
     case_forward_before_materialize_is_refused,
     case_streamed_load_from_rank_0,

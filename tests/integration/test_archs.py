@@ -94,7 +94,10 @@ MATERIALIZE_SAMPLE = SAMPLE | {
     "causal_lm-OpenAIGPTLMHeadModel",
 }
 # Planner failures of the sample: class name -> why (strict: a fix flips them). None now.
-PLANNER_XFAIL: dict[str, str] = {}
+PLANNER_XFAIL: dict[str, str] = {
+    # its encoder layers' backward holds 43 KB the memory model does not name (0.965x): open
+    "WhisperForConditionalGeneration": "forecast below the measured peak (0.965x) at the encoder's backward",
+}
 
 
 def _params(archs, xfail: dict[str, str]) -> list:
