@@ -445,14 +445,16 @@ class ReduceLayout:
         per gradient dtype into a buffer of its own, copied into its columns, and the tail's
         copy: a few launches, whatever the number of parameters."""
         zeros = lambda p: torch.zeros(p.rows, p.row_numel, dtype=p.full.dtype, device=self.device)  # noqa: E731
-        rows = [(zeros(p) if g is None else g).reshape(p.rows, p.row_numel) for p, g in zip(self.params, grads)]
+        # a parameter of no rows (MobileBERT's) has no columns in the slots: _chunk_cat refuses it
+        pairs = [(p, g) for p, g in zip(self.params, grads) if p.rows * p.row_numel]
+        rows = [(zeros(p) if g is None else g).reshape(p.rows, p.row_numel) for p, g in pairs]
         world = self.unit.world
         if all(g.dtype == self.dtype for g in rows):
             torch._chunk_cat([*rows, self.tail(have)], 0, world, out=send)
             return
         start = 0
         for dtype in dict.fromkeys(g.dtype for g in rows):
-            group = [(g, p) for g, p in zip(rows, self.params) if g.dtype == dtype]
+            group = [(g, p) for g, (p, _) in zip(rows, pairs) if g.dtype == dtype]
             width = sum(p.slot_numel for _, p in group)
             part = torch.empty(world, width, dtype=self.dtype, device=self.device)
             torch._chunk_cat([g for g, _ in group], 0, world, out=part)

@@ -208,6 +208,9 @@ def case_a_parameter_of_no_rows_is_synced_and_sharded(rank, world):
     assert [g.shape for g in got] == [w.shape for w in want]
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
+    # and its gradient (of no rows) reduces with the others (_chunk_cat refused an empty one)
+    (sharded(torch.ones(2, 4)).sum() + sharded.empty.sum()).backward()
+    assert all(p.grad is not None for p in sharded.parameters())
 
 
 CASES = [
