@@ -455,6 +455,7 @@ def shard_check(arch: Arch, rank: int, world: int) -> dict:
         got = {n: p.detach().clone() for n, p in sharded.named_parameters()}
     start = dict(model.named_parameters())
     want = {n: p.detach() - start[n].detach() for n, p in whole.named_parameters()}
+
     def largest(ts) -> float:
         return max((t.abs().max().item() for t in ts if t.numel()), default=0.0)  # MobileBERT has a (0, 32)
 
