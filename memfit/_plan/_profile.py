@@ -731,7 +731,7 @@ def _measure_step(
             if i == 0 and meter_box and "before" not in marks:
                 marks["before"] = meter_box[0].current_bytes - _tensor_bytes(captured)  # not the copies kept here
                 for t in _outputs_with_grad((args, kwargs)):  # the blocks' backward is over
-                    t.register_hook(lambda grad: meter_box[0].reset_peak())
+                    t.register_hook(lambda grad: _tail_starts(meter_box[0], marks))
 
         return hook
 
@@ -780,7 +780,8 @@ def _measure_step(
                 loss = step_loss(model, example_inputs, loss_fn)
             loss.backward()
             del loss
-            marks["tail_peak"] = whole.peak_bytes - _tensor_bytes(captured)
+            # no input of the first block needs a gradient: nothing runs after the blocks' backward
+            marks["tail_peak"] = whole.peak_bytes - _tensor_bytes(captured) if "tail" in marks else 0
             # S and what outlives backward, but for the copies of the blocks' inputs kept here
             marks["after_backward"] = whole.current_bytes - _grad_bytes(model) - _tensor_bytes(captured)
             used = {id(p) for p in model.parameters() if p.grad is not None}
@@ -794,6 +795,12 @@ def _measure_step(
     opt_bytes = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
     costs = recorder.costs
     return _WholeStep(captured, marks, opt_bytes, opt_meter.peak_bytes, costs, forward_backward, used, blocks_made)
+
+
+def _tail_starts(meter: MemoryMeter, marks: dict[str, int]) -> None:
+    """The blocks' backward is over: the backward before them (T_tail) starts from here."""
+    marks["tail"] = 1
+    meter.reset_peak()
 
 
 class _Uses(TorchDispatchMode):
