@@ -33,6 +33,7 @@ _TERMS = {
     "before_blocks": "the batch and what the embeddings keep for backward",
     "between_blocks": "what the code between the blocks holds since (an encoder's output, a decoder's masks)",
     "forward_transient": "the code before the block (embeddings, masks, positions): its temporaries",
+    "backward_outside": "what the step holds in the block's backward outside the blocks (the loss, labels)",
     "grad_rest": "gradients of the parameters outside the blocks (sharded: 1/shards)",
     "last_output": "the last block's output",
     "head_transient": "the head, the loss and their backward (logits and their gradient)",

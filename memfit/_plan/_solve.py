@@ -147,7 +147,8 @@ class _Moments:
     parts: dict[str, dict[str, float]]  # the decision-independent parts of each moment (backward: of block 0's)
     gradients: list[float]  # per block i: the gradients alive in its backward
     in_flight: list[float]  # per block i: the gathered units alive in its backward
-    between: list[float]  # per block i: D_i, what the code between the blocks added since O (backward[i] = all three)
+    between: list[float]  # per block i: D_i, what the code between the blocks added since O
+    outside: list[float]  # per block i: R_i, what its backward holds beside the rest (backward[i] = these four)
     forward: list[float]  # per block i: the forward before it beside base and the blocks before, D_i + x_i + F_i
     transient: list[float]  # per block i: F_i
     forward_units: list[float]  # per block i: the gathered units alive in its forward
@@ -179,6 +180,7 @@ class _Moments:
         tail = {"state": t["state"], "gather_buffers": t["gather_buffers"], "gradients": grads_after + first}
         tail["tail_transient"] = t["tail_transient"]
         between = [float(d) for d in profile.between] or [0.0] * len(profile.blocks)
+        outside = [float(r) for r in profile.backward_outside] or [0.0] * len(profile.blocks)
         transient = [float(f) for f in profile.forward_transient] or [0.0] * len(profile.blocks)
         # forward before block i (its input from block i-1 and the code making it), beside D_i
         forward = [d + b.input_bytes + f for d, b, f in zip(between, profile.blocks, transient)]
@@ -193,7 +195,7 @@ class _Moments:
             terms=t,
             base=t["state"] + t["gather_buffers"] + t["before_blocks"],
             end_of_forward=profile.between_end + t["last_output"] + t["head_transient"] + kept_gathered,
-            backward=[g + u + d for g, u, d in zip(gradients, in_flight, between)],
+            backward=[g + u + d + r for g, u, d, r in zip(gradients, in_flight, between, outside)],
             end_of_backward=sum(eob.values()) if s > 1 else 0.0,
             tail=t["state"] + t["gather_buffers"] + grads_after + first + t["tail_transient"],
             optimizer=t["optimizer_peak"] + profile.leftover,
@@ -207,6 +209,7 @@ class _Moments:
             gradients=gradients,
             in_flight=in_flight,
             between=between,
+            outside=outside,
             forward=forward,
             transient=transient,
             forward_units=list(in_flight) if s > 1 else [0.0] * len(profile.blocks),
@@ -242,6 +245,7 @@ class _Moments:
             **self.parts["backward"],
             "unit_buffers": self.in_flight[i],
             "between_blocks": self.between[i],
+            "backward_outside": self.outside[i],
             "gradients": self.gradients[i],
             "kept_activations": sum(kept[:i]),
             "block_backward": b.peak[decisions[i]],

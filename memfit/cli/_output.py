@@ -89,6 +89,7 @@ CATEGORIES = {
         "block_forward",
         "block_backward",
         "forward_transient",
+        "backward_outside",
         "head_transient",
         "tail_transient",
         "leftover",
