@@ -89,6 +89,12 @@ class Plan:
         missing = [b.path for b in profile.blocks if b.path not in decisions]
         if missing:
             raise ValueError(f"memfit.Plan.fixed: no decision for blocks {missing}")
+        for b in profile.blocks:
+            if decisions[b.path] in b.unavailable:
+                raise ValueError(
+                    f"memfit.Plan.fixed: {b.path} cannot take {decisions[b.path]!r} "
+                    f"({b.unavailable[decisions[b.path]]}); choose another decision for it"
+                )
         return cls(budget=None, decisions=dict(decisions), profile=profile, sharding=sharding, head=head)
 
     @property
@@ -146,7 +152,16 @@ class Plan:
                 lines.append(
                     f"{path:<{width}}{d:<11}{format_bytes(kept):>12}{format_bytes(keep - kept):>12}{extra * 1e3:>10.1f}"
                 )
-        return "\n".join([*lines, _LEGEND, "", *self._verdict(), *self._terms(), *self._levers()])
+        return "\n".join([*lines, _LEGEND, *self._unavailable(), "", *self._verdict(), *self._terms(), *self._levers()])
+
+    def _unavailable(self) -> list[str]:
+        """A line per decision some blocks cannot take ([Note: A decision a block cannot take])."""
+        lines = []
+        for d in self._allowed():
+            blocks = [b for b in self.profile.blocks if d in b.unavailable]
+            if blocks:
+                lines.append(f"{d} is not available on {', '.join(b.path for b in blocks)}: {blocks[0].unavailable[d]}")
+        return lines
 
     def _verdict(self) -> list[str]:
         f, shard = self.forecast, self.sharding
@@ -186,7 +201,7 @@ class Plan:
         return [f"head and loss: plain (chunking them would save {saved} for {cost})"]
 
     def _allowed(self) -> tuple[str, ...]:
-        return tuple(d for d in DECISIONS if d in self.profile.blocks[0].kept)
+        return tuple(d for d in DECISIONS if any(d in b.kept or d in b.unavailable for b in self.profile.blocks))
 
     def _change(self, keep_all: float) -> str:
         """What would let every activation be kept: more memory (per rank when sharded), or
@@ -233,7 +248,7 @@ class Plan:
                 f["extra_time"],
             )
             for kind in self._allowed()
-            if kind != "keep"
+            if kind != "keep" and all(kind in b.kept for b in p.blocks)
         ]
         if p.head_chunked is not None:
             levers.append(
@@ -406,7 +421,7 @@ def plan(
         blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else None
         opts["chunk_head"] = chunk_head is not False
         profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer, **opts)
-    if missing := sorted({d for b in profile.blocks for d in decisions if d not in b.kept}):
+    if missing := sorted({d for b in profile.blocks for d in decisions if d not in b.kept and d not in b.unavailable}):
         raise ValueError(f"memfit.plan: the profile given has no measurements for {missing}; profile again")
     offload = offload or ("disk" if device.name in ("cpu", "calibrated-cpu") else "cpu")
     t0 = time.perf_counter()

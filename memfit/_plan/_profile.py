@@ -79,6 +79,8 @@ class BlockProfile:
     forward_time: float = 0.0  # its forward with activations kept (priced)
     extra_time: dict[str, float] = field(default_factory=dict)  # added to a step per decision
     forward_peak: dict[str, int] = field(default_factory=dict)  # A_i per decision (none: 0)
+    # decisions the block cannot take, with why ([Note: A decision a block cannot take])
+    unavailable: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -129,6 +131,14 @@ class ModelProfile:
 # the code before block i above what block i starts with (ProphetNet builds its relative
 # positions in 20 MB of int64 temporaries where the whole step holds 2 MB: the forecast was a
 # tenth of the peak). An offloaded first block's input stays counted (an over-forecast).
+
+# [Note: A decision a block cannot take]
+# Some blocks cannot be recomputed as a decision asks: Swinv2's attention mutates a tensor that
+# selective checkpointing (save="linear") keeps, which torch refuses ("Tensor cached during
+# selective activation checkpoint has been mutated"). The block's profile runs every decision
+# on fake tensors; a decision other than keep that raises is left out of that block's choices,
+# with the error kept in BlockProfile.unavailable and named in Plan.table. Keep itself failing
+# is the model failing: that error is raised.
 
 # [Note: What the backward holds outside the blocks]
 # The backward of block i holds, beside the terms of [Note: The planner's memory model], what
@@ -247,7 +257,11 @@ def _signature(block: nn.Module, args, kwargs) -> tuple:
     tensors: list[tuple] = [(n, tuple(t.shape), t.dtype, t.requires_grad) for n, t in block.named_parameters()]
     tensors += [(n, tuple(t.shape), t.dtype) for n, t in block.named_buffers()]
     flat, spec = tree_flatten((args, kwargs))
-    return (type(block), repr(block), tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
+    try:
+        text = repr(block)
+    except Exception:  # a repr that reads a tensor's value (IBert's quantizers print their ranges)
+        text = str([(n, type(m).__name__) for n, m in block.named_modules()])
+    return (type(block), text, tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
 
 
 def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions, device) -> BlockProfile:
@@ -270,18 +284,27 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
         Decision.parse(decision, save=rule).apply(block)
         a, k = _fresh(args, kwargs)
         recorder = CostRecorder()
-        with _Meter(model=block) as meter:
-            meter._track_all(tree_flatten((a, k))[0])  # an input the block never reads is still held
-            with recorder:
-                out = block(*a, **k)
-            forward = len(recorder.ops)
-            alive = meter.current_bytes
-            prof.forward_peak[decision] = max(0, meter.peak_bytes - prof.param_bytes)
-            outs = [t for n, t in enumerate(_outputs_with_grad(out)) if n in reached]
-            if outs:
-                grads = [torch.ones_like(t) for t in outs]
+        try:
+            with _Meter(model=block) as meter:
+                meter._track_all(tree_flatten((a, k))[0])  # an input the block never reads is still held
                 with recorder:
-                    torch.autograd.backward(outs, grads)
+                    out = block(*a, **k)
+                forward = len(recorder.ops)
+                alive = meter.current_bytes
+                outs = [t for n, t in enumerate(_outputs_with_grad(out)) if n in reached]
+                if outs:
+                    grads = [torch.ones_like(t) for t in outs]
+                    with recorder:
+                        torch.autograd.backward(outs, grads)
+        except NeedsDataError:
+            raise
+        except Exception as e:  # see [Note: A decision a block cannot take]
+            if decision == "keep":
+                raise
+            prof.unavailable[decision] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            block.zero_grad(set_to_none=True)
+            continue
+        prof.forward_peak[decision] = max(0, meter.peak_bytes - prof.param_bytes)
         work[decision] = recorder.costs
         if decision == "keep":
             prof.forward_time = device.ops_time(recorder.costs[:forward])
@@ -292,7 +315,9 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
         block.zero_grad(set_to_none=True)
         del out, outs
     remove_checkpointing(block)
-    if "offload" in measured:  # full checkpointing with the input elsewhere until backward
+    if "offload" in measured and "full" in prof.unavailable:
+        prof.unavailable["offload"] = prof.unavailable["full"]
+    elif "offload" in measured:  # full checkpointing with the input elsewhere until backward
         prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
         prof.peak["offload"] = prof.peak["full"]
         prof.forward_peak["offload"] = prof.forward_peak["full"]
@@ -300,9 +325,9 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
     keep, n_keep = device.ops_time(work["keep"]), len(work["keep"])
     prices = {d: max(0.0, device.ops_time(c) - keep + device.checkpoint_time(len(c) - n_keep)) for d, c in work.items()}
     prices["keep"] = 0.0
-    if "offload" in measured:
+    if "offload" in prof.kept:
         prices["offload"] = prices["full"] + 2 * prof.input_bytes / device.offload_bandwidth
-    prof.extra_time = {d: prices[d] for d in measured}
+    prof.extra_time = {d: prices[d] for d in measured if d in prof.kept}
     return prof
 
 
@@ -389,7 +414,7 @@ def _record_values(model: nn.Module, inputs: Inputs, need: NeedsDataError) -> Da
             "its weights materialized (on any device), or pass profile= from such a model"
         ) from need
     training = {m: m.training for m in model.modules()}
-    buffers = {id(b): b.detach().clone() for b in model.buffers()}
+    buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     caches = _caches_off(model)
     try:
         with torch.random.fork_rng(devices=[]), torch.no_grad():
@@ -398,11 +423,23 @@ def _record_values(model: nn.Module, inputs: Inputs, need: NeedsDataError) -> Da
     finally:
         for m, mode in training.items():
             m.training = mode
-        with torch.no_grad():
-            for b in model.buffers():
-                b.copy_(buffers[id(b)])
+        _restore_buffers(model, buffers)
         for config, value in caches:
             config.use_cache = value
+
+
+def _restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    """Put back the buffers' values from before a forward; a buffer the forward replaced by a
+    new tensor (IBert's quantizers assign their ranges) gets its old tensor back."""
+    with torch.no_grad():
+        for name, old in saved.items():
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner)
+            now = module._buffers.get(leaf)
+            if now is not None and now.shape == old.shape and now.dtype == old.dtype:
+                now.copy_(old)
+            else:
+                module._buffers[leaf] = old
 
 
 def _caches_off(model: nn.Module) -> list[tuple[Any, bool]]:

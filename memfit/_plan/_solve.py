@@ -334,6 +334,8 @@ def solve(
         new = np.full(BINS + 1, np.inf)
         pick = np.zeros(BINS + 1, dtype=np.int8)
         for d in allowed:
+            if d not in b.kept:  # [Note: A decision a block cannot take]
+                continue
             # this block's forward and backward moments (and the forward before it where forecast has one)
             need = max(m.backward[i] + b.peak[d], m.forward_units[i] + m.between[i] + b.forward_peak.get(d, 0))
             fits = bins * grain + max(need, m.forward[i] if m.transient[i] else 0) <= cap  # per prefix

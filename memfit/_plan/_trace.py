@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException, FakeTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
@@ -274,9 +274,49 @@ def _grouped_mm_output(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
 
 
 @contextlib.contextmanager
+def _formatted() -> Iterator[None]:
+    """f"{t}" of a real 0-dim tensor formats its value (Tensor.__format__ calls .item()); a
+    FakeTensor's formats its repr. Switch Transformers names its experts f"expert_{idx[0]}": the
+    fake step formats the value .item() is answered with (recorded, see [Note: Values read from
+    the data]). On the class, not a TorchFunctionMode: a checkpointed block's recompute runs
+    inside backward, where no mode entered outside it is seen."""
+
+    def formatted(self, spec):
+        return format(self.item(), spec) if self.dim() == 0 else object.__format__(self, spec)
+
+    FakeTensor.__format__ = formatted
+    try:
+        yield
+    finally:
+        del FakeTensor.__format__
+
+
+@contextlib.contextmanager
+def _unchanged_to() -> Iterator[None]:
+    """Module.to() that changes nothing (Switch Transformers' router calls
+    ``self.classifier.to(self.dtype)`` in every forward) is a no-op on fake parameters too:
+    torch swaps every fake parameter for a new one, which fails while the step holds it."""
+    original = nn.Module._apply
+
+    def _apply(module, fn, recurse=True):
+        tensors = [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+        if tensors and all(isinstance(t, FakeTensor) for t in tensors):
+            with torch.no_grad():
+                if all(fn(t) is t for t in tensors):
+                    return module
+        return original(module, fn, recurse)
+
+    nn.Module._apply = _apply
+    try:
+        yield
+    finally:
+        nn.Module._apply = original
+
+
+@contextlib.contextmanager
 def fake_rules(model: nn.Module, values: DataValues | None) -> Iterator[None]:
     """Enter inside the planner's FakeTensorMode, around everything traced on ``model``'s
     skeleton (its module paths key the recorded values)."""
     calls = _Calls(model)
-    with calls.hooks(), _FakeRules(calls, values):
+    with calls.hooks(), _FakeRules(calls, values), _formatted(), _unchanged_to():
         yield

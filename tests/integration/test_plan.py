@@ -191,3 +191,35 @@ def test_what_the_backward_holds_outside_the_blocks_is_counted():
     assert plan.forecast["at"] == "backward of layers.2", plan.forecast["at"]
     assert plan.profile.backward_outside[2] > 900_000  # the scratch, less what its moment frees
     assert plan.profile.backward_outside[0] == plan.profile.backward_outside[3] == 0
+
+
+class _MutatesLinearOutput(torch.nn.Module):
+    """A block that scales its Linear's output in place: selective checkpointing keeps that
+    output and torch refuses the mutation at recompute (Swinv2's attention does so)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x):
+        h = self.fc(x)
+        h.mul_(0.5)
+        return torch.tanh(h)
+
+
+def test_a_decision_a_block_cannot_take_is_left_out_and_named():
+    # [Note: A decision a block cannot take]: the planner raised torch's error for the whole model.
+    model = torch.nn.Sequential(*[_MutatesLinearOutput() for _ in range(3)])
+    batch = torch.randn(2048, 32)  # activations above the optimizer step's peak
+    loss = {"loss_fn": lambda out: out.square().mean()}
+    plan = memfit.plan(model, batch, budget="1GB", device_profile="cpu", **loss)
+    for b in plan.profile.blocks:
+        assert "mutated" in b.unavailable["selective"], b.unavailable
+        assert {"keep", "full"} <= set(b.kept) and "selective" not in b.kept
+    assert "selective is not available on 0, 1, 2: RuntimeError" in plan.table()
+    tight = memfit.plan(model, batch, budget=plan.predicted_peak - 1, profile=plan.profile, **loss)
+    assert set(tight.decisions.values()) != {"keep"} and "selective" not in tight.decisions.values()
+    with pytest.raises(ValueError, match=r"0 cannot take 'selective'"):
+        memfit.Plan.fixed(dict.fromkeys(["0", "1", "2"], "selective"), plan.profile)
+    full = memfit.Plan.fixed(dict.fromkeys(["0", "1", "2"], "full"), plan.profile)
+    assert 1.0 <= full.predicted_peak / full.measure(model, batch, **loss) <= 1.03
