@@ -198,7 +198,8 @@ def find_candidates(model: nn.Module, ran: dict[str, int] | None = None) -> list
         raise ValueError(
             f"memfit.plan: found no repeated blocks in {type(model).__name__} (two or more modules in a ModuleList, "
             "or of one class in a Sequential, that run on the example batch); pass candidates=[...] with the module "
-            "paths of its blocks"
+            "paths of its blocks. One module run several times with the same weights (ALBERT's shared layer) is not "
+            "planned: it takes one decision for all its calls; checkpoint it by hand (memfit.checkpoint_module)"
         )
     hinted = _no_split_classes(model)
     chosen = [s for s in stacks if all(type(m).__name__ in hinted for _, m in s)]
