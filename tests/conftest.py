@@ -19,7 +19,7 @@ if DEVICE not in ("cpu", "cuda"):
 # seconds are wall times of one quiet `make test --durations` on 2 cores.
 SLOW_MODULES = {
     "tests/distributed/test_train_multinode.py",  # two torchrun launchers, a node killed (~110 s)
-    "tests/distributed/test_train.py",  # memfit train resumed, killed mid-save, restarted (~130 s)
+    "tests/distributed/test_train.py",  # memfit train resumed, killed mid-save, restarted (~200 s)
     "tests/distributed/test_train_checkpoint_dirs.py",  # 4 real memfit train runs (~30 s)
     "tests/distributed/test_train_preempt.py",  # 9 memfit train launches, signals (570-810 s, 2 loaded cores)
     "tests/distributed/test_train_inputs.py",  # memfit train on a factory model and .bin data (~30 s)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit._shard import _atomic
-from memfit._shard._checkpoint_files import _whole, whole_copy
+from memfit._shard._checkpoint_files import _read_info, _whole, whole_copy
 
 if TYPE_CHECKING:
     from memfit.cli._log import RunLog
@@ -37,6 +37,22 @@ _JSON = "memfit.json"
 
 def path_at(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
+
+
+def saved_global_batch(cfg: TrainConfig) -> int | None:
+    """The global batch the newest whole checkpoint records, when --resume may load it (None:
+    no --resume, no checkpoint, none recorded); rank 0 reads it, every rank gets it. A --budget
+    plan is made for the accumulation the resumed run will use (See [Note: Elastic restarts])."""
+    box: list[int | None] = [None]
+    if dist.get_rank() == 0 and cfg.resume != "no" and cfg.checkpoint_dir and not cfg.overwrite:
+        found = complete(cfg.checkpoint_dir)
+        try:
+            value = _read_info(found[-1][1])["extra"].get("global_batch") if found else None
+        except (OSError, RuntimeError):  # a damaged newest one: resume says which, and why
+            value = None
+        box[0] = value if isinstance(value, int) and value > 0 else None
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def complete(root: str) -> list[tuple[int, str]]:

@@ -253,7 +253,11 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
     wanted = cfg.global_batch or cfg.accumulate * batch * world
-    choice = choose(cfg, model, block, (tokens, spec.arch, seq, batch), world, device.type, wanted // (batch * world))
+    # resumed at another world size, the run keeps the checkpoint's global batch: a --budget plan
+    # holds the gradients of the accumulation it will use (See [Note: Elastic restarts])
+    resumed = None if cfg.global_batch or cfg.auto else _checkpoints.saved_global_batch(cfg)
+    planned = accumulation(resumed, batch, world) if resumed else wanted // (batch * world)
+    choice = choose(cfg, model, block, (tokens, spec.arch, seq, batch), world, device.type, planned)
     choice.apply(model)
     # Built in host memory; sharding copies each rank's rows to ``device``: the whole model is
     # never there (the point of sharding), only the chunks and one unit's gathered parameters.
@@ -515,7 +519,9 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
 # otherwise, saying what to pass), unless --global-batch says otherwise. The gradient is the mean
 # over the same G rows, so the loss curve continues as the unchanged run's would, to rounding (the
 # sums run in another order) and dropout (each rank draws its own masks); the model and optimizer
-# states are resharded by memfit.load_checkpoint.
+# states are resharded by memfit.load_checkpoint. A --budget plan is made for that accumulation
+# (its gradients are held over the micro-batches), read from the newest checkpoint before
+# anything is built on the device.
 
 
 def accumulation(global_batch: int, batch: int, world: int) -> int:

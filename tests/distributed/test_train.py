@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -174,3 +175,23 @@ def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     assert sorted(os.listdir(ck)) == ["step-00000002", "step-00000004", "step-00000006"]  # partial removed
     finished = memfit_train("--checkpoint-dir", str(ck), "--resume", "auto")
     assert "the run is finished: the checkpoint is at step 6 of --steps 6" in finished.stdout
+
+
+def _forecast(proc) -> str:
+    found = re.search(r"planned for 1GB per rank: .*?forecast peak ([0-9.]+ [KMG]iB)", proc.stdout)
+    assert found, proc.stdout[-2000:]
+    return found.group(1)
+
+
+def test_a_budget_plan_after_an_elastic_restart_holds_the_accumulation_it_runs(tmp_path):
+    # 2 ranks at accumulation 1 save at step 2; resumed on 1 rank the run accumulates 2
+    # micro-batches to keep the global batch, and its --budget plan must hold their gradients:
+    # it was made for the flags' accumulation 1 (See [Note: Elastic restarts]).
+    flags = ["--model", "llama", "--batch", "1", "--budget", "1GB", "--steps", "2"]
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2"]
+    memfit_train(*flags, *ck, torchrun=2)
+    resumed = memfit_train(*flags[:-1], "3", *ck, "--resume")
+    assert "accumulating 2 micro-batches of 1 per rank (was 1)" in resumed.stdout, resumed.stdout[-2000:]
+    two = memfit_train(*flags, "--accumulate", "2")
+    one = memfit_train(*flags)
+    assert _forecast(resumed) == _forecast(two) != _forecast(one)
