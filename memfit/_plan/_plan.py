@@ -21,6 +21,7 @@ from memfit._plan._profile import (
     Inputs,
     ModelProfile,
     _make_optimizer,
+    block_names,
     profile_model,
     step_loss,
 )
@@ -78,7 +79,9 @@ class Plan:
     def __post_init__(self) -> None:
         if self.head not in ("plain", "chunked") or (self.head == "chunked" and self.profile.head_chunked is None):
             raise ValueError(f"memfit.Plan: head {self.head!r}: 'plain', or 'chunked' for a profile with an LM head")
-        self.forecast = _forecast(self.profile, list(self.decisions.values()), self.sharding, self.head)
+        self.forecast = _forecast(
+            self.profile, [self.decisions[b.path] for b in self.profile.blocks], self.sharding, self.head
+        )
 
     @classmethod
     def fixed(
@@ -137,13 +140,13 @@ class Plan:
         """Per block (runs of 3 or more identical rows as one): decision, bytes kept and saved
         against keeping, extra time; then the verdict and the forecast's per-rank terms."""
         rows: list[tuple] = []
-        for b in self.profile.blocks:
+        for b, name in zip(self.profile.blocks, block_names(self.profile)):
             d = self.decisions[b.path]
             key = (d, b.kept[d], b.kept["keep"], b.extra_time[d])
             if rows and rows[-1][0] == key:
-                rows[-1][1].append(b.path)
+                rows[-1][1].append(name)
             else:
-                rows.append((key, [b.path]))
+                rows.append((key, [name]))
         labels = [ps[0] if len(ps) < 3 else f"{ps[0]} ..{ps[-1].rsplit('.', 1)[-1]} ({len(ps)})" for _, ps in rows]
         width = max(32, *(len(label) + 2 for label in labels))
         lines = [f"{'block':<{width}}{'decision':<11}{'kept':>12}{'saved':>12}{'extra ms':>10}"]
@@ -423,6 +426,12 @@ def plan(
         profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer, **opts)
     if missing := sorted({d for b in profile.blocks for d in decisions if d not in b.kept and d not in b.unavailable}):
         raise ValueError(f"memfit.plan: the profile given has no measurements for {missing}; profile again")
+    if stuck := [b for b in profile.blocks if not any(d in b.kept for d in decisions)]:
+        why = "; ".join(f"{b.path}: {b.unavailable}" for b in stuck[:3])
+        raise ValueError(
+            f"memfit.plan: {len(stuck)} blocks can take none of the decisions {list(decisions)} ({why}); "
+            "allow 'keep' or another decision"
+        )
     offload = offload or ("disk" if device.name in ("cpu", "calibrated-cpu") else "cpu")
     t0 = time.perf_counter()
     head, chosen = _solve_with_heads(profile, budget_bytes, shard, decisions, chunk_head)

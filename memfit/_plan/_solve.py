@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from memfit._plan._profile import DECISIONS, ModelProfile
+from memfit._plan._profile import DECISIONS, ModelProfile, block_names
 
 BINS = 8192
 
@@ -149,6 +151,7 @@ class _Moments:
     in_flight: list[float]  # per block i: the gathered units alive in its backward
     between: list[float]  # per block i: D_i, what the code between the blocks added since O
     outside: list[float]  # per block i: R_i, what its backward holds beside the rest (backward[i] = these four)
+    after: list[float]  # per block i: the backward of the code after it beside base and kept[:i] (0: no such moment)
     forward: list[float]  # per block i: the forward before it beside base and the blocks before, D_i + x_i + F_i
     transient: list[float]  # per block i: F_i
     forward_units: list[float]  # per block i: the gathered units alive in its forward
@@ -181,6 +184,13 @@ class _Moments:
         tail["tail_transient"] = t["tail_transient"]
         between = [float(d) for d in profile.between] or [0.0] * len(profile.blocks)
         outside = [float(r) for r in profile.backward_outside] or [0.0] * len(profile.blocks)
+        # the code's backward after block i: block i's gradients made (sharded: whole until
+        # reduced), its input perhaps still held (a checkpoint's saved input), E_i beside
+        # ([Note: What the backward holds outside the blocks])
+        after = [
+            g + u + d + b.grad_bytes + b.input_bytes + e if e else 0.0
+            for g, u, d, b, e in zip(gradients, in_flight, between, profile.blocks, profile.after_outside)
+        ] or [0.0] * len(profile.blocks)
         transient = [float(f) for f in profile.forward_transient] or [0.0] * len(profile.blocks)
         # forward before block i (its input from block i-1 and the code making it), beside D_i
         forward = [d + b.input_bytes + f for d, b, f in zip(between, profile.blocks, transient)]
@@ -210,6 +220,7 @@ class _Moments:
             in_flight=in_flight,
             between=between,
             outside=outside,
+            after=after,
             forward=forward,
             transient=transient,
             forward_units=list(in_flight) if s > 1 else [0.0] * len(profile.blocks),
@@ -220,7 +231,7 @@ class _Moments:
         if where == "end of forward":
             return {**self.parts[where], "kept_activations": sum(kept)}
         if where.startswith("forward before "):
-            i = next(i for i, b in enumerate(profile.blocks) if where == f"forward before {b.path}")
+            i = block_names(profile).index(where.removeprefix("forward before "))
             return {
                 **self.parts["backward"],
                 "unit_buffers": 0.0,
@@ -229,7 +240,7 @@ class _Moments:
                 "forward_transient": self.transient[i],
             }
         if where.startswith("forward of "):
-            i = next(i for i, b in enumerate(profile.blocks) if where == f"forward of {b.path}")
+            i = block_names(profile).index(where.removeprefix("forward of "))
             return {
                 **self.parts["backward"],
                 "unit_buffers": self.forward_units[i],
@@ -237,9 +248,20 @@ class _Moments:
                 "kept_activations": sum(kept[:i]),
                 "block_forward": float(profile.blocks[i].forward_peak.get(decisions[i], 0)),
             }
+        if where.startswith("backward after "):
+            i = block_names(profile).index(where.removeprefix("backward after "))
+            b = profile.blocks[i]
+            return {
+                **self.parts["backward"],
+                "unit_buffers": self.in_flight[i],
+                "between_blocks": self.between[i],
+                "gradients": self.gradients[i] + b.grad_bytes,
+                "kept_activations": sum(kept[:i]) + b.input_bytes,
+                "backward_outside": float(profile.after_outside[i]),
+            }
         if not where.startswith("backward of "):
             return dict(self.parts[where])
-        i = next(i for i, b in enumerate(profile.blocks) if where == f"backward of {b.path}")
+        i = block_names(profile).index(where.removeprefix("backward of "))
         b = profile.blocks[i]
         return {
             **self.parts["backward"],
@@ -266,10 +288,12 @@ def timeline(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
 
 def _moment_names(profile: ModelProfile, m: _Moments) -> list[str]:
     names = []
-    for b, f in zip(profile.blocks, m.transient):
-        names += [f"forward before {b.path}"] if f else []
-        names.append(f"forward of {b.path}")
-    names += ["end of forward", *(f"backward of {b.path}" for b in reversed(profile.blocks))]
+    for b, f in zip(block_names(profile), m.transient):
+        names += [f"forward before {b}"] if f else []
+        names.append(f"forward of {b}")
+    names.append("end of forward")
+    for i, b in reversed(list(enumerate(block_names(profile)))):
+        names += [f"backward of {b}", *([f"backward after {b}"] if m.after[i] else [])]
     names += ["backward before the blocks", *(["end of backward"] if m.end_of_backward else [])]
     return [*names, "optimizer step"]
 
@@ -279,16 +303,18 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
     decision-independent terms (``term:``) and the parts the peak's moment adds up (``part:``)."""
     m = _Moments.of(profile, sharding)
     kept = [b.kept[d] for b, d in zip(profile.blocks, decisions)]
-    moments = {}
+    moments, names = {}, block_names(profile)
     for i, b in enumerate(profile.blocks):
         if m.transient[i]:
-            moments[f"forward before {b.path}"] = m.base + sum(kept[:i]) + m.forward[i]
+            moments[f"forward before {names[i]}"] = m.base + sum(kept[:i]) + m.forward[i]
         block_forward = m.forward_units[i] + m.between[i] + b.forward_peak.get(decisions[i], 0)
-        moments[f"forward of {b.path}"] = m.base + sum(kept[:i]) + block_forward
+        moments[f"forward of {names[i]}"] = m.base + sum(kept[:i]) + block_forward
     moments["end of forward"] = m.base + sum(kept) + m.end_of_forward
     for i in reversed(range(len(profile.blocks))):
         b = profile.blocks[i]
-        moments[f"backward of {b.path}"] = m.base + m.backward[i] + sum(kept[:i]) + b.peak[decisions[i]]
+        moments[f"backward of {names[i]}"] = m.base + m.backward[i] + sum(kept[:i]) + b.peak[decisions[i]]
+        if m.after[i]:
+            moments[f"backward after {names[i]}"] = m.base + sum(kept[:i]) + m.after[i]
     moments["backward before the blocks"] = m.tail
     if m.end_of_backward:
         moments["end of backward"] = m.end_of_backward
@@ -319,7 +345,36 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
 def solve(
     profile: ModelProfile, budget: int, sharding: Sharding | None = None, allowed: tuple[str, ...] = DECISIONS
 ) -> list[str] | None:
-    """Least-extra-time decisions whose forecast peak fits ``budget``; None if none fits."""
+    """Least-extra-time decisions whose forecast peak fits ``budget``; None if none fits. A
+    module run several times takes one decision for all its calls: each decision for it is
+    tried, the other blocks solved as usual ([Note: A module run several times])."""
+    paths = [b.path for b in profile.blocks]
+    shared = sorted({p for p in paths if paths.count(p) > 1})
+    if not shared:
+        return _solve_chain(profile, budget, sharding, allowed)
+    combos = (
+        itertools.product(allowed, repeat=len(shared)) if len(shared) <= 3 else ((d,) * len(shared) for d in allowed)
+    )
+    best: tuple[float, list[str]] | None = None
+    for combo in combos:
+        fixed = dict(zip(shared, combo))
+        blocks = [_only(b, fixed[b.path]) if b.path in fixed else b for b in profile.blocks]
+        got = _solve_chain(dataclasses.replace(profile, blocks=blocks), budget, sharding, allowed)
+        if got is not None:
+            extra = sum(b.extra_time[d] for b, d in zip(profile.blocks, got))
+            best = (extra, got) if best is None or extra < best[0] else best
+    return None if best is None else best[1]
+
+
+def _only(b, decision: str):
+    """Block ``b`` with ``decision`` its one choice (none, when it cannot take it)."""
+    keep = lambda d: {k: v for k, v in d.items() if k == decision}  # noqa: E731
+    return dataclasses.replace(b, kept=keep(b.kept), peak=keep(b.peak), extra_time=keep(b.extra_time))
+
+
+def _solve_chain(
+    profile: ModelProfile, budget: int, sharding: Sharding | None, allowed: tuple[str, ...]
+) -> list[str] | None:
     m = _Moments.of(profile, sharding)
     if max(m.optimizer, m.end_of_backward, m.tail) > budget:
         return None
@@ -336,8 +391,9 @@ def solve(
         for d in allowed:
             if d not in b.kept:  # [Note: A decision a block cannot take]
                 continue
-            # this block's forward and backward moments (and the forward before it where forecast has one)
+            # this block's forward and backward moments (and the code's before and after it where forecast has them)
             need = max(m.backward[i] + b.peak[d], m.forward_units[i] + m.between[i] + b.forward_peak.get(d, 0))
+            need = max(need, m.after[i])
             fits = bins * grain + max(need, m.forward[i] if m.transient[i] else 0) <= cap  # per prefix
             q = max(0, int(np.ceil(b.kept[d] / grain)))
             if q > BINS:

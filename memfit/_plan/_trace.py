@@ -282,13 +282,26 @@ def _formatted() -> Iterator[None]:
     inside backward, where no mode entered outside it is seen."""
 
     def formatted(self, spec):
-        return format(self.item(), spec) if self.dim() == 0 else object.__format__(self, spec)
+        return format(self.detach().item(), spec) if self.dim() == 0 else object.__format__(self, spec)
 
-    FakeTensor.__format__ = formatted
+    with _class_attribute(FakeTensor, "__format__", formatted):
+        yield
+
+
+@contextlib.contextmanager
+def _class_attribute(cls: type, name: str, value) -> Iterator[None]:
+    """``cls.name`` set to ``value`` inside the block, then exactly what it was (a planner
+    inside another's fake step restores the outer one's)."""
+    missing = object()
+    before = cls.__dict__.get(name, missing)
+    setattr(cls, name, value)
     try:
         yield
     finally:
-        del FakeTensor.__format__
+        if before is missing:
+            delattr(cls, name)
+        else:
+            setattr(cls, name, before)
 
 
 @contextlib.contextmanager
@@ -306,11 +319,8 @@ def _unchanged_to() -> Iterator[None]:
                     return module
         return original(module, fn, recurse)
 
-    nn.Module._apply = _apply
-    try:
+    with _class_attribute(nn.Module, "_apply", _apply):
         yield
-    finally:
-        nn.Module._apply = original
 
 
 @contextlib.contextmanager

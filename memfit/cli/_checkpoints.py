@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit._shard import _atomic
-from memfit._shard._checkpoint_files import _read_info, _whole, whole_copy
+from memfit._shard._checkpoint_files import _whole, whole_copy
 
 if TYPE_CHECKING:
     from memfit.cli._log import RunLog
@@ -46,10 +46,7 @@ def saved_global_batch(cfg: TrainConfig) -> int | None:
     box: list[int | None] = [None]
     if dist.get_rank() == 0 and cfg.resume != "no" and cfg.checkpoint_dir and not cfg.overwrite:
         found = complete(cfg.checkpoint_dir)
-        try:
-            value = _read_info(found[-1][1])["extra"].get("global_batch") if found else None
-        except (OSError, RuntimeError):  # a damaged newest one: resume says which, and why
-            value = None
+        value = extra_of(found[-1][1]).get("global_batch") if found else None  # unreadable: resume says why
         box[0] = value if isinstance(value, int) and value > 0 else None
     dist.broadcast_object_list(box, src=0)
     return box[0]

@@ -40,19 +40,30 @@ def with_outside(profile, seed):
     return dataclasses.replace(profile, blocks=blocks, **outside)
 
 
+def shared(profile):
+    """``profile`` with blocks 1 and 3 calls of one module, and 2 and 4 of another ([Note: A
+    module run several times]): each module takes one decision."""
+    paths = ["b0", "s", "t", "s", "t"]
+    return dataclasses.replace(profile, blocks=[dataclasses.replace(b, path=p) for b, p in zip(profile.blocks, paths)])
+
+
 def brute_force(profile, budget):
     best = None
+    paths = [b.path for b in profile.blocks]
     for ds in itertools.product(DECISIONS, repeat=len(profile.blocks)):
+        if any(d != ds[paths.index(p)] for p, d in zip(paths, ds)):  # a module's calls: one decision
+            continue
         f = forecast(profile, list(ds))
         if f["peak"] <= budget and (best is None or f["extra_time"] < best[0] - 1e-12):
             best = (f["extra_time"], list(ds))
     return best
 
 
-@pytest.mark.parametrize("outside", [False, True], ids=["chain", "outside"])
+@pytest.mark.parametrize("outside", [False, True, "shared"], ids=["chain", "outside", "shared"])
 @pytest.mark.parametrize("seed", range(4))
 def test_solver_is_optimal_on_small_chains(seed, outside):
     profile = with_outside(synthetic(5, seed), seed) if outside else synthetic(5, seed)
+    profile = shared(profile) if outside == "shared" else profile
     keep_peak = forecast(profile, ["keep"] * 5)["peak"]
     full_peak = forecast(profile, ["offload"] * 5)["peak"]
     for frac in (0.1, 0.4, 0.7, 1.0):
