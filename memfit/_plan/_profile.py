@@ -696,13 +696,16 @@ def _backward_outside(profile: ModelProfile, made: _BlocksMade) -> dict[str, lis
     """R_i and E_i per block: the measured step's peak in block i's backward beyond the forecast
     of that moment with every block kept, and the peak of the code's backward after it beyond
     what is alive then (never below 0); see [Note: What the backward holds outside the blocks]."""
-    from memfit._plan._solve import _Moments  # _solve builds on this module
-
-    m = _Moments.of(profile, None)
+    # Block i's backward moment in one process with every block kept, less B_i: what
+    # memfit/_plan/_solve.py's _Moments adds up (S + O, the gradients alive, D_i, the blocks
+    # before it); its tests check the two agree (the forecast equals the measured step at keep).
+    rest_at = profile.grad_rest_at or [profile.grad_rest_bytes] * len(profile.blocks)
+    between = profile.between or [0] * len(profile.blocks)
     kept = [b.kept["keep"] for b in profile.blocks]
     within, after = [], []
     for i, b in enumerate(profile.blocks):
-        alive = m.base + m.backward[i] + sum(kept[:i])  # beside block i's backward
+        grads = rest_at[i] + sum(c.grad_bytes for c in profile.blocks[i + 1 :])
+        alive = profile.state_bytes + profile.before_blocks + grads + between[i] + sum(kept[:i])
         within.append(max(0, int(made.backward_peak[i] - alive - b.peak["keep"])) if i in made.backward_peak else 0)
         done = alive + b.grad_bytes + b.input_bytes  # its gradients made; its input may still be held
         after.append(max(0, int(made.after_peak[i] - done)) if i in made.after_peak else 0)
