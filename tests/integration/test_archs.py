@@ -95,12 +95,13 @@ MATERIALIZE_SAMPLE = SAMPLE | {
 }
 # The planner's sample: the sample and architectures it once failed on (a step that formats a
 # tensor's value, replaces its buffers, mutates a tensor selective checkpointing keeps, a block
-# input nobody reads).
+# input nobody reads, one layer run several times).
 PLANNER_SAMPLE = SAMPLE | {
     "seq2seq_lm-SwitchTransformersForConditionalGeneration",
     "masked_lm-IBertForMaskedLM",
     "image_classification-Swinv2ForImageClassification",
     "causal_lm-AfmoeForCausalLM",
+    "masked_lm-AlbertForMaskedLM",
 }
 # Planner failures of the sample: class name -> why (strict: a fix flips them). None now.
 PLANNER_XFAIL: dict[str, str] = {}
