@@ -437,7 +437,7 @@ def _record_values(model: nn.Module, inputs: Inputs, need: NeedsDataError) -> Da
             config.use_cache = value
 
 
-def _buffers_of(model: nn.Module) -> list[tuple[nn.Module, dict[str, torch.Tensor], dict[str, torch.Tensor], set]]:
+def _buffers_of(model: nn.Module) -> list[tuple[nn.Module, dict, dict[str, torch.Tensor], set]]:
     """Each module's buffers (the tensors and copies of their values) and non-persistent names."""
     return [
         (m, dict(m._buffers), {k: b.detach().clone() for k, b in m._buffers.items() if b is not None},
@@ -544,7 +544,7 @@ class _ByCall:
 
     def restart(self) -> None:
         self.calls: dict[int, int] = dict.fromkeys(self.indices, 0)
-        self.running: dict[int, list[int]] = {k: [] for k in self.indices}
+        self.running: dict[int, list[int | None]] = {k: [] for k in self.indices}
 
     def pre(self, module, args, kwargs) -> None:
         key, k = id(module), self.calls[id(module)]
@@ -715,7 +715,8 @@ def _backward_outside(profile: ModelProfile, made: _BlocksMade) -> dict[str, lis
 def block_names(profile: ModelProfile) -> list[str]:
     """Each block's name in the forecast's moments: its path, "#k" after it for the k-th call
     of a module run several times ([Note: A module run several times])."""
-    names, seen = [], {}
+    names: list[str] = []
+    seen: dict[str, int] = {}
     for b in profile.blocks:
         seen[b.path] = seen.get(b.path, 0) + 1
         names.append(b.path if seen[b.path] == 1 else f"{b.path} #{seen[b.path]}")
