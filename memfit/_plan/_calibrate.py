@@ -34,16 +34,17 @@ class _AttentionCalls(TorchDispatchMode):
         return out
 
 
-def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
+def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter, pick=min) -> float:
     """The fastest of ``repeats`` timed calls after one warm-up: another process on the machine
-    (or its cache misses and page faults) only ever adds time to a run."""
+    (or its cache misses and page faults) only ever adds time to a run. ``pick``: another
+    statistic of them (calibrate_group's median: the ranks' sharing is what it measures)."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = clock()
         fn()
         times.append(clock() - t0)
-    return min(times)
+    return pick(times)
 
 
 # [Note: Calibrating on cold data]
@@ -87,7 +88,9 @@ def cache_path(device_type: str) -> Path:
     return Path(root) / f"device-{device_type}.json"
 
 
-def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time: bool = False) -> DeviceProfile:
+def calibrate(
+    device: str | torch.device = "cpu", *, save: bool = True, cpu_time: bool = False, typical: bool = False
+) -> DeviceProfile:
     """Measure this machine's rates (a few seconds) and cache them for ``device``'s type: the
     matmul rate and latency per dtype and the memory bandwidth, each fitted over several sizes
     on data out of cache, the element rates of arithmetic-bound ops, the attention kernels'
@@ -95,7 +98,8 @@ def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time
     blocks adds, and the offload path (disk for a CPU, host memory for an accelerator).
     ``cpu_time``: time with the process's CPU time (``time.process_time``), not the wall clock:
     on a loaded CPU with one thread the work is counted without the time other processes hold
-    the cores."""
+    the cores. ``typical``: the median of each op's repeats, not the fastest (calibrate_group:
+    ranks sharing the machine, the fastest repeat is one the others left it alone)."""
     device = torch.device(device)
     sync = getattr(torch.get_device_module(device.type), "synchronize", None) if device.type != "cpu" else None
     clock = time.process_time if cpu_time else time.perf_counter
@@ -106,7 +110,7 @@ def calibrate(device: str | torch.device = "cpu", *, save: bool = True, cpu_time
             if sync:
                 sync()
 
-        return _best_seconds(run, repeats, clock)
+        return _best_seconds(run, repeats, clock, statistics.median if typical else min)
 
     # See [Note: Calibrating on cold data].
     flops, latency = {}, 0.0
@@ -299,6 +303,158 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
         return 2 * len(data) / _best_seconds(write_read, repeats=3)
 
 
+# [Note: Calibrating the links]
+# `calibrate_group` measures what a job's ranks see, in the group they train in:
+# - compute: every rank calibrates at the same time (on a host whose cores the ranks share, each
+#   rank's rates are its share), each op's median repeat, not its fastest (the fastest is one
+#   where the other ranks left the cores alone, which a step does not see);
+# - links: the group times memfit's own all-gather and reduce-scatter (memfit/_shard/
+#   _collectives: on gloo a reduce-scatter is an all-to-all on two ranks and an all-reduce on
+#   more) and torch's all-reduce (DDP's) at sizes from 16 KiB to 16 MiB, each the slowest
+#   rank's time, the median of a few. One latency per ring step and one bandwidth are fitted to
+#   all of them by least squares on the ring formulas of [Note: Pricing communication] (W - 1
+#   steps and (W - 1) / W of the bytes; an all-reduce twice that): the intra-node link of the
+#   group's size (ranks_per_node = W: one host);
+# - collective_overhead: forward and backward passes of 4 small blocks, each a memfit unit,
+#   less the same passes unsharded, less the ring time of what they sent, per collective: the
+#   host's work a collective costs a step (hooks, buffers' copies, waits, the ranks' skew).
+# A profile from one rank alone has no link figures and prices collectives on the "cpu"
+# profile's. benchmarks/autoconfig.py measures what these are worth against real steps.
+_LINK_SIZES = [2**k for k in (14, 16, 18, 20, 22, 24)]  # bytes: 16 KiB .. 16 MiB
+
+
+def calibrate_links(group=None, device: str | torch.device = "cpu", repeats: int = 5) -> dict[str, Any]:
+    """The link figures of ``group`` (a DeviceProfile's intra_node_* and inter_node_* fields,
+    and ranks_per_node), fitted on collectives timed in it; every rank of the group must call
+    it. See [Note: Calibrating the links]."""
+    import torch.distributed as dist
+
+    from memfit._shard import _collectives as c
+
+    w = dist.get_world_size(group)
+    if w < 2:
+        raise ValueError("memfit calibrate_links: a group of one rank has no links to time; run it on 2 or more")
+    device = torch.device(device)
+    work: list[tuple[float, float]] = []
+    seconds: list[float] = []
+    for nbytes in _LINK_SIZES:
+        n = max(w, nbytes // 4 // w * w)
+        full, shard = torch.ones(n, device=device), torch.ones(n // w, device=device)
+
+        def gather(full=full, shard=shard) -> None:
+            c.all_gather(full, shard, group).wait()
+
+        def reduce(full=full, shard=shard) -> None:
+            c.reduce_scatter(shard, full.clone(), group).wait()
+
+        def all_reduce(full=full) -> None:
+            dist.all_reduce(full, group=group)
+
+        for rings, op in ((1, gather), (1, reduce), (2, all_reduce)):
+            times = []
+            for _ in range(repeats + 1):
+                dist.barrier(group)
+                t0 = time.perf_counter()
+                op()
+                took = torch.tensor([time.perf_counter() - t0])
+                dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
+                times.append(took.item())
+            work.append((rings * (w - 1), rings * 4.0 * n * (w - 1) / w))  # (ring steps, ring bytes)
+            seconds.append(statistics.median(times[1:]))  # after a warm-up
+    latency, bandwidth = _fit_link(work, seconds)
+    return {
+        "intra_node_bandwidth": bandwidth,
+        "intra_node_latency": latency,
+        "inter_node_bandwidth": bandwidth,
+        "inter_node_latency": latency,
+        "ranks_per_node": w,
+    }
+
+
+def _fit_link(work: list[tuple[float, float]], seconds: list[float]) -> tuple[float, float]:
+    """Least squares of seconds = steps x latency + bytes / bandwidth: (latency >= 0, bandwidth)."""
+    (s11, s12, s22), (b1, b2) = [0.0, 0.0, 0.0], [0.0, 0.0]
+    for (steps, nbytes), t in zip(work, seconds):
+        s11, s12, s22, b1, b2 = (
+            s11 + steps * steps,
+            s12 + steps * nbytes,
+            s22 + nbytes * nbytes,
+            b1 + steps * t,
+            b2 + nbytes * t,
+        )
+    det = s11 * s22 - s12 * s12
+    latency, per_byte = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    if latency < 0:  # bytes alone explain the times
+        latency, per_byte = 0.0, b2 / s22
+    return latency, 1 / max(per_byte, 1e-30)
+
+
+class _Block(torch.nn.Module):
+    """A transformer block's MLP, small: the unit of the sharded step _collective_overhead times."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down, self.norm = (
+            torch.nn.Linear(width, 4 * width),
+            torch.nn.Linear(4 * width, width),
+            torch.nn.LayerNorm(width),
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+def _collective_overhead(group, device, bandwidth: float, latency: float, width: int = 128, micro: int = 5) -> float:
+    """Seconds each collective adds to a sharded step beyond its ring time on the fitted link:
+    ``micro`` forward and backward passes of 4 blocks, each a memfit unit, less the same passes
+    unsharded, less the ring time of what they sent, per collective (the median of 5 runs, each
+    between barriers and the slowest rank's). See [Note: Calibrating the links]."""
+    import torch.distributed as dist
+
+    from memfit._shard import FullyShardedDataParallel
+    from memfit._shard._collectives import STATS
+
+    w = dist.get_world_size(group)
+
+    def passes(model) -> float:
+        x = torch.randn(64, width, device=device)
+        runs = []
+        for _ in range(7):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            for _ in range(micro):
+                model(x).sum().backward()
+            took = torch.tensor([time.perf_counter() - t0])
+            dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+            runs.append(took.item())
+        return statistics.median(runs[2:])
+
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(*[_Block(width) for _ in range(4)]).to(device)
+    alone = passes(plain)
+    sharded = FullyShardedDataParallel(plain, auto_wrap_policy={_Block}, group=group, device=device)
+    before = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes)
+    together = passes(sharded)
+    calls = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before[0]) / 7
+    ring = (STATS.bytes - before[1]) / 7 / bandwidth + calls * (w - 1) * latency
+    return max(0.0, (together - alone - ring) / calls) if calls else 0.0
+
+
+def calibrate_group(group=None, device: str | torch.device = "cpu", *, cpu_time: bool = False) -> DeviceProfile:
+    """This job's rates, measured in its process group: every rank calibrates its compute at
+    once, then the links (see [Note: Calibrating the links]); every rank returns rank 0's
+    profile. Not cached: a job calls it, or `memfit calibrate --world-size W` caches it."""
+    import torch.distributed as dist
+
+    mine = calibrate(device, save=False, cpu_time=cpu_time, typical=True)
+    links = calibrate_links(group, device)
+    overhead = _collective_overhead(group, device, links["intra_node_bandwidth"], links["intra_node_latency"])
+    name = f"calibrated-{torch.device(device).type}"
+    box = [dataclasses.replace(mine, name=name, collective_overhead=overhead, **links)]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return box[0]
+
+
 # [Note: The default device profile]
 # A plan's times are priced on the profile named by ``device_profile``; without one, on the
 # named profile of the device the model is on (an accelerator by its name, a CPU or the meta
@@ -327,4 +483,4 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
     return PROFILES[spec]
 
 
-__all__ = ["calibrate", "device_profile"]
+__all__ = ["calibrate", "calibrate_group", "calibrate_links", "device_profile"]

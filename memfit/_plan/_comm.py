@@ -31,8 +31,11 @@ from memfit._plan._time import PROFILES, DeviceProfile
 # link serves collectives in the order issued. Exposed communication is the phase's end (the
 # later of the last compute and the last collective) less its compute: what did not hide behind
 # the next unit's compute. A block's backward compute is taken as 2x its priced forward (the two
-# matmuls per forward matmul of a Linear layer), its recompute added to it. Nothing here was
-# measured on an accelerator; on gloo, benchmarks/autoconfig.py compares it with measured steps.
+# matmuls per forward matmul of a Linear layer), its recompute added to it. Each collective also
+# costs the compute thread the profile's collective_overhead (issuing it, waiting, its buffers'
+# copies, the ranks' skew: measured by calibrate_group, 0 in the named profiles), always exposed.
+# Nothing here was measured on an accelerator; on gloo, benchmarks/autoconfig.py compares it
+# with measured steps.
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,24 @@ def micro_batch_comm(units: Units, world_size: int, shards: int, reshard: bool, 
     fwd_end, fwd_busy = phase_end(fwd_compute, fwd_before, [0.0] * (n + 1))
     bwd_end, bwd_busy = phase_end(bwd_compute, bwd_before, bwd_after)
     t["communication"] = fwd_busy + bwd_busy  # link time, hidden or not
-    t["exposed_communication"] = (fwd_end - sum(fwd_compute)) + (bwd_end - sum(bwd_compute))
+    # each collective's host work is on the compute thread: exposed (see collective_overhead)
+    t["collectives"] = float(sum(1 for x in (*fwd_before, *bwd_before) if x) + _issued(grads, s, r, world_size))
+    t["exposed_communication"] = (
+        (fwd_end - sum(fwd_compute)) + (bwd_end - sum(bwd_compute)) + t["collectives"] * device.collective_overhead
+    )
     return t
+
+
+_DDP_BUCKET = 25 * 2**20  # torch DDP's bucket_cap_mb default
+
+
+def _issued(grads: list[float], s: int, r: int, world_size: int) -> int:
+    """Gradient collectives one micro-batch issues: sharded, a reduce-scatter per unit with
+    gradients (and an all-reduce over the replicas with r > 1); replicated (torch DDP), an
+    all-reduce per 25 MiB bucket of them."""
+    if s > 1:
+        return sum(1 for g in grads if g) * (1 + (r > 1))
+    return -(-int(sum(grads)) // _DDP_BUCKET) if world_size > 1 else 0
 
 
 __all__ = [

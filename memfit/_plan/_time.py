@@ -95,6 +95,13 @@ class DeviceProfile:
             written to pages the operating system maps on first touch (glibc's malloc maps
             blocks of 32 MiB and more afresh each time), at ``fresh_bandwidth`` bytes per
             second on top of its work; a caching allocator (an accelerator's) has no such cost.
+        intra_node_*, inter_node_*, ranks_per_node: the links collectives run over (see
+            [Note: Pricing communication]); 0: no figures.
+        collective_overhead: seconds each collective of a sharded step adds to the step beyond
+            its time on the link, on the compute thread: issuing it, waiting for it, the copies
+            into and out of its buffers, the ranks' skew. Measured by calibrate_group (see
+            [Note: Calibrating the links]); 0 in the named profiles (an accelerator's streams
+            hide the host's part).
     """
 
     name: str
@@ -116,6 +123,7 @@ class DeviceProfile:
     inter_node_bandwidth: float = 0.0  # bytes/s per rank, one direction (its network card)
     inter_node_latency: float = 0.0  # seconds per ring step between nodes
     ranks_per_node: int = 8
+    collective_overhead: float = 0.0  # seconds a collective adds to a step beyond its link time (see below)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON
@@ -123,10 +131,11 @@ class DeviceProfile:
         if "float32" not in self.flops or min(rates) <= 0 or min(self.op_overhead, self.matmul_latency) < 0:
             raise ValueError(f"memfit.DeviceProfile {self.name!r}: rates must be positive, float32 included")
         links = (self.intra_node_bandwidth, self.intra_node_latency, self.inter_node_bandwidth, self.inter_node_latency)
-        if min(links) < 0 or self.ranks_per_node < 1:
+        if min(*links, self.collective_overhead) < 0 or self.ranks_per_node < 1:
             raise ValueError(
-                f"memfit.DeviceProfile {self.name!r}: link bandwidths and latencies must be >= 0 (0: no figures) "
-                f"and ranks_per_node >= 1, got {links} and {self.ranks_per_node}"
+                f"memfit.DeviceProfile {self.name!r}: link bandwidths, latencies and collective_overhead must be "
+                f">= 0 (0: no figures) and ranks_per_node >= 1, got {links}, {self.collective_overhead} and "
+                f"{self.ranks_per_node}"
             )
 
     def rate(self, dtype: torch.dtype) -> float:

@@ -90,6 +90,14 @@ def _parser() -> argparse.ArgumentParser:
         help="one thread, timed in process CPU time: steady rates on a shared, loaded machine (the planner "
         "benchmark's setting); by default all threads and the wall clock",
     )
+    c.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="spawn this many ranks (gloo on the CPU, one GPU each with NCCL) that calibrate together: each "
+        "rank's share of the machine, the links' latency and bandwidth and each collective's host cost, for "
+        "`memfit plan --auto --world-size N` (default 1: one process, no link figures)",
+    )
 
     t = sub.add_parser(
         "train",

@@ -215,10 +215,41 @@ def _uniform_kind(plan: memfit.Plan) -> tuple[str, memfit.Plan]:
 class CalibrateConfig:
     device: str = "cpu"
     cpu_time: bool = False  # one thread, timed in process CPU time (steady on a shared machine)
+    world_size: int = 1  # >1: that many spawned ranks calibrate together, links included
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise ValueError(f"memfit calibrate: --world-size must be >= 1, got {self.world_size}")
+        if self.world_size > 1 and self.cpu_time:
+            raise ValueError(
+                "memfit calibrate: --cpu-time measures one thread alone, --world-size the ranks sharing the "
+                "machine: choose one"
+            )
+
+
+def _calibrate_rank(rank: int, world_size: int, device: str) -> memfit.DeviceProfile:
+    from memfit._plan._calibrate import calibrate_group
+
+    return calibrate_group(device=device if device == "cpu" else f"{torch.device(device).type}:{rank}")
 
 
 def calibrate_command(cfg: CalibrateConfig) -> memfit.DeviceProfile:
-    """Measure this machine's rates for the planner's time model and cache them."""
+    """Measure this machine's rates for the planner's time model and cache them; with
+    ``--world-size W`` W spawned ranks measure together (each rank's share of the machine and
+    the links between them; see [Note: Calibrating the links])."""
+    if cfg.world_size > 1:
+        from memfit.cli._launch import spawn
+
+        profile = spawn(_calibrate_rank, cfg.world_size, cfg.device, device=cfg.device, where="memfit calibrate")
+        path = cache_path(torch.device(cfg.device).type)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(asdict(profile), indent=1))
+        print(json.dumps(asdict(profile), indent=1))
+        print(
+            f"cached in {path} (measured by {cfg.world_size} ranks together): plan with it by "
+            "`memfit plan ... --device-profile calibrated`"
+        )
+        return profile
     threads = torch.get_num_threads()
     if cfg.cpu_time:
         torch.set_num_threads(1)

@@ -2,6 +2,9 @@
 
 import functools
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -109,3 +112,27 @@ def test_calibrate_caches_the_rates_the_planner_uses_when_asked(tmp_path, monkey
 
     cached = device_profile("calibrated")
     assert cached.name == "calibrated-cpu" and device_profile(None).name == "cpu"  # only when asked for
+
+
+def test_calibrate_with_ranks_refuses_cpu_time_and_fewer_than_one(capsys):
+    for flags, message in (
+        (["--world-size", "2", "--cpu-time"], "--cpu-time measures one thread alone"),
+        (["--world-size", "0"], "--world-size must be >= 1"),
+    ):
+        assert main(["calibrate", *flags]) != 0
+        assert message in capsys.readouterr().err
+
+
+def test_calibrate_with_ranks_caches_their_links(tmp_path):
+    # 2 spawned ranks calibrate together (~100 s: each rank's compute, then the links); the
+    # cache holds the link figures and each collective's cost that memfit plan --auto prices.
+    env = {**os.environ, "MEMFIT_CACHE_DIR": str(tmp_path)}
+    proc = subprocess.run(
+        [sys.executable, "-m", "memfit", "calibrate", "--world-size", "2"],
+        capture_output=True, text=True, timeout=600, env=env, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "measured by 2 ranks together" in proc.stdout
+    cached = json.loads((tmp_path / "device-cpu.json").read_text())
+    assert cached["ranks_per_node"] == 2 and cached["intra_node_bandwidth"] > 0
+    assert cached["collective_overhead"] >= 0 and cached["name"] == "calibrated-cpu"

@@ -264,3 +264,38 @@ def test_accumulated_gradients_and_ddp_buckets_are_held():
         assert p.before_blocks == profile_of(c.micro_batch).before_blocks + extra + (ddp if c.accumulation > 1 else 0)
         assert p.optimizer_peak == profile_of(c.micro_batch).optimizer_peak + ddp
         assert c.peak == forecast(p, list(c.plan.decisions.values()), c.layout.sharding)["peak"]
+
+
+def test_each_collective_adds_the_calibrated_overhead():
+    """collective_overhead (calibrate_group's host work per collective) is exposed once per
+    collective a micro-batch issues: sharded, a gather per unit in forward, per block again in
+    backward when resharded, a reduce-scatter per unit (and an all-reduce over the replicas);
+    replicated as torch DDP, one all-reduce per 25 MiB bucket, only when gradients reduce."""
+    units = comm.Units(P_ROOT, P_ROOT, [P_BLOCK] * 4, [P_BLOCK] * 4, 1e-3, 2e-3, [1e-3] * 4, [2e-3] * 4)
+    slow = dataclasses.replace(FAKE, collective_overhead=1e-3)
+    for (w, s, reshard, last), count in {
+        (4, 4, True, True): 5 + 4 + 5,
+        (4, 4, False, True): 5 + 5,
+        (8, 4, True, True): 5 + 4 + 5 + 5,
+        (8, 1, True, True): 1,
+        (8, 1, True, False): 0,
+        (1, 1, True, True): 0,
+    }.items():
+        base = comm.micro_batch_comm(units, w, s, reshard, last, FAKE)
+        priced = comm.micro_batch_comm(units, w, s, reshard, last, slow)
+        assert base["collectives"] == priced["collectives"] == count, (w, s, reshard, last)
+        assert priced["exposed_communication"] - base["exposed_communication"] == pytest.approx(count * 1e-3)
+    big = dataclasses.replace(units, block_grads=[30 * 2**20] * 4)  # 120 MiB of gradients: 5 buckets
+    assert comm.micro_batch_comm(big, 8, 1, True, True, FAKE)["collectives"] == 5
+    with pytest.raises(ValueError, match="collective_overhead"):
+        dataclasses.replace(FAKE, collective_overhead=-1.0)
+
+
+def test_a_link_fit_recovers_its_latency_and_bandwidth():
+    from memfit._plan._calibrate import _fit_link
+
+    work = [(steps, nbytes) for steps in (1, 3, 6) for nbytes in (1e4, 1e6, 1e7)]
+    seconds = [steps * 5e-5 + nbytes / 2e9 for steps, nbytes in work]
+    assert _fit_link(work, seconds) == pytest.approx((5e-5, 2e9), rel=1e-6)
+    # bytes alone explain the times: no negative latency
+    assert _fit_link([(1, 1e6), (1, 2e6), (3, 1e6)], [0.9e-3, 2.0e-3, 0.8e-3])[0] == 0.0

@@ -1,0 +1,61 @@
+"""calibrate_group's links and per-collective cost, measured in a spawned gloo group: the fits
+every rank agrees on, and the collectives the time model prices for a micro-batch counted
+against those memfit's sharding issues (exact: counts). The whole calibrate_group (every
+rank's compute too, ~90 s at W=2) runs in benchmarks/autoconfig.py and `memfit calibrate
+--world-size N`, not here; what the figures are worth is measured there, not tested."""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import memfit
+from memfit._plan import _comm as comm
+from memfit._plan._calibrate import _Block, _collective_overhead, calibrate_links
+from memfit._plan._time import PROFILES
+from memfit._shard._collectives import STATS
+from tests._dist import Subtests, case_id
+
+WIDTH = 32
+
+
+def case_links_are_fitted_alike_on_every_rank(rank, world):
+    links = calibrate_links(repeats=2)
+    assert links["ranks_per_node"] == world
+    assert links["intra_node_bandwidth"] > 0 and math.isfinite(links["intra_node_bandwidth"])
+    assert links["intra_node_latency"] >= 0
+    assert (links["inter_node_bandwidth"], links["inter_node_latency"]) == (
+        links["intra_node_bandwidth"],
+        links["intra_node_latency"],
+    )  # one host
+    every = [None] * world
+    dist.all_gather_object(every, links)
+    assert all(other == links for other in every), every  # fitted on the slowest rank's times
+
+
+def case_a_micro_batchs_collectives_are_counted_as_priced(rank, world):
+    block = sum(p.numel() * 4 for p in _Block(WIDTH).parameters())
+    for reshard in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[_Block(WIDTH) for _ in range(4)])
+        model = memfit.FullyShardedDataParallel(model, auto_wrap_policy={_Block}, reshard_after_forward=reshard)
+        x = torch.randn(8, WIDTH)
+        model(x).sum().backward()  # the first micro-batch: lazy setup
+        before = STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces
+        model(x).sum().backward()
+        issued = STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before
+        units = comm.Units(0.0, 0.0, [block] * 4, [block] * 4, 0.0, 0.0, [1e-3] * 4, [2e-3] * 4)
+        priced = comm.micro_batch_comm(units, world, world, reshard, True, PROFILES["cpu"])
+        assert priced["collectives"] == issued, (reshard, priced["collectives"], issued)
+    overhead = _collective_overhead(None, "cpu", 1e9, 1e-4, width=WIDTH, micro=2)
+    assert overhead >= 0 and math.isfinite(overhead)
+
+
+CASES = [case_links_are_fitted_alike_on_every_rank, case_a_micro_batchs_collectives_are_counted_as_priced]
+GROUP = Subtests(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_calibrate_group(case):
+    GROUP.check(case, 2)
