@@ -31,6 +31,7 @@ SLOW_TESTS = {
     "tests/integration/test_gpu_script.py::test_smoke_runs_every_part",  # every part of the GPU script (~46 s)
     "tests/integration/test_cli.py::test_calibrate_caches_the_rates_the_planner_uses_when_asked",  # (~35 s)
     "tests/integration/test_cli.py::test_bench_world_size_compares_ddp_and_sharding",  # 2 launches (~13 s)
+    "tests/integration/test_cli.py::test_calibrate_with_ranks_caches_their_links",  # 2 ranks calibrate (~100 s)
     # every architecture of transformers' auto mappings, tiny (~340; the sample runs in the fast tier)
     "tests/integration/test_archs.py::test_checkpointing_matches_plain",
     "tests/integration/test_archs.py::test_planner_forecast_of_the_second_step",  # the planner on the sample

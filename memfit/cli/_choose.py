@@ -66,11 +66,14 @@ def choose(
     world: int,
     device: str,
     accumulate: int = 1,
+    global_batch: int | None = None,
 ) -> Choice:
     """The run's configuration from the flags; ``model`` (in host memory, not yet sharded) is
     planned on its first micro-batch when --budget asks, never changed here. ``data``: the
     tokens, the model's arch, the sequence length and --batch; ``device``: the device type the
-    run computes on; ``accumulate``: micro-batches per step (a --budget plan holds their gradients)."""
+    run computes on; ``accumulate``: micro-batches per step (a --budget plan holds their
+    gradients); ``global_batch``: the one --auto keeps (--global-batch, or a resumed
+    checkpoint's; None: free)."""
     tokens, arch, seq, batch = data
     paths = [p for p, m in model.named_modules() if isinstance(m, block)]
     layout = (cfg.hybrid_shards, True)
@@ -82,7 +85,7 @@ def choose(
     example = window_batch(tokens.train, arch, batch, seq, 0, cfg.seed, tokens.mask_id)
     profile = default_profile("cuda" if device == "cuda" else "cpu")
     if cfg.auto:
-        return _auto(cfg, model, example, world, profile, paths)
+        return _auto(cfg, model, example, world, profile, paths, global_batch)
     opts: dict[str, Any] = {"world_size": world, "shard_size": cfg.hybrid_shards or None}
     opts.update(decisions=PLANNED_KINDS, candidates=paths, chunk_head=False, device_profile=profile)
     try:
@@ -96,9 +99,11 @@ def choose(
     return Choice(dict(plan.decisions), batch, None, *layout, about, plan.predicted_peak)
 
 
-def _auto(cfg: TrainConfig, model: nn.Module, example: dict, world: int, device, paths: list[str]) -> Choice:
+def _auto(
+    cfg: TrainConfig, model: nn.Module, example: dict, world: int, device, paths: list[str], global_batch: int | None
+) -> Choice:
     result = memfit.autoconfigure(
-        model, example, budget=str(cfg.budget), world_size=world, global_batch=cfg.global_batch,
+        model, example, budget=str(cfg.budget), world_size=world, global_batch=global_batch,
         device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
     )  # fmt: skip
     best = result.best

@@ -254,10 +254,12 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     block = layer_class(model)
     wanted = cfg.global_batch or cfg.accumulate * batch * world
     # resumed at another world size, the run keeps the checkpoint's global batch: a --budget plan
-    # holds the gradients of the accumulation it will use (See [Note: Elastic restarts])
-    resumed = None if cfg.global_batch or cfg.auto else _checkpoints.saved_global_batch(cfg)
-    planned = accumulation(resumed, batch, world) if resumed else wanted // (batch * world)
-    choice = choose(cfg, model, block, (tokens, spec.arch, seq, batch), world, device.type, planned)
+    # holds the gradients of the accumulation it will use, --auto searches at that global batch
+    # (See [Note: Elastic restarts])
+    resumed = None if cfg.global_batch else _checkpoints.saved_global_batch(cfg)
+    planned = accumulation(resumed, batch, world) if resumed and not cfg.auto else wanted // (batch * world)
+    data = (tokens, spec.arch, seq, batch)
+    choice = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
     choice.apply(model)
     # Built in host memory; sharding copies each rank's rows to ``device``: the whole model is
     # never there (the point of sharding), only the chunks and one unit's gathered parameters.
@@ -521,7 +523,8 @@ def _loop(run: _Run, stop: StopRequests, on_step: Callable[[int], object] | None
 # sums run in another order) and dropout (each rank draws its own masks); the model and optimizer
 # states are resharded by memfit.load_checkpoint. A --budget plan is made for that accumulation
 # (its gradients are held over the micro-batches), read from the newest checkpoint before
-# anything is built on the device.
+# anything is built on the device; --auto searches micro-batch x accumulation at that G (its
+# pick, not --batch, divides it).
 
 
 def accumulation(global_batch: int, batch: int, world: int) -> int:

@@ -36,6 +36,9 @@ def memfit_train(
     )
     env = {**os.environ, "MEMFIT_PG_TIMEOUT": "20", "PYTHONPATH": path}  # a stuck restarted group fails fast
     shape = TINY if preset else TINY[4:]  # --layers/--hidden resize presets only
+    if "--auto" in args:  # it chooses the batch
+        i = shape.index("--batch")
+        shape = shape[:i] + shape[i + 2 :]
     proc = subprocess.run([*cmd, *shape, *args], check=False, capture_output=True, text=True, timeout=400, env=env)
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -195,3 +198,18 @@ def test_a_budget_plan_after_an_elastic_restart_holds_the_accumulation_it_runs(t
     two = memfit_train(*flags, "--accumulate", "2")
     one = memfit_train(*flags)
     assert _forecast(resumed) == _forecast(two) != _forecast(one)
+
+
+def test_auto_after_an_elastic_restart_searches_at_the_checkpoints_global_batch(tmp_path):
+    # 2 ranks: --auto picks micro-batch m x accumulation a (global batch 2 m a); resumed on 1
+    # rank, it searches at that global batch (m' a' = 2 m a) instead of picking freely and then
+    # seeing its accumulation changed after the search (See [Note: Elastic restarts]).
+    auto = re.compile(r"--auto for \S+ per rank: micro-batch (\d+) x accumulation (\d+)")
+    flags = ["--model", "llama", "--auto", "--budget", "1GB", "--steps", "2"]
+    ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2"]
+    first = memfit_train(*flags, *ck, torchrun=2)
+    m, a = map(int, auto.search(first.stdout).groups())
+    resumed = memfit_train(*flags[:-1], "3", *ck, "--resume")
+    m1, a1 = map(int, auto.search(resumed.stdout).groups())
+    assert m1 * a1 == 2 * m * a, resumed.stdout[-2000:]
+    assert "accumulating" not in resumed.stdout, resumed.stdout[-2000:]  # nothing changed after the search
