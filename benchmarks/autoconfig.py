@@ -1,17 +1,20 @@
-"""memfit.autoconfigure's predictions against measured steps on 2 gloo ranks (CPU), tiny GPT-2.
+"""memfit.autoconfigure's predictions against measured steps on gloo ranks (CPU): BERT, GPT-2
+(tied embeddings) and Llama at world sizes 2 and 4.
 
-On paper first: autoconfigure prices every configuration (micro-batch x accumulation for the
-global batch; replicated, fully sharded, fully sharded without resharding) on a device profile.
-Then each configuration that fits runs for real on spawned gloo ranks: replicated as torch DDP
-(no_sync for all but the last micro-batch), sharded as memfit.FullyShardedDataParallel (each
-block a unit, reshard_after_forward as configured), the plan's checkpoint decisions applied,
-AdamW. Step time: rank 0's median of the repeats after warm-up, each step between barriers.
-Peak: rank 0's MemoryMeter over the last step (AdamW's state exists). The table compares the
-predicted and measured step time and the rank of each configuration by both, and the pick's
-measured time with the best measured one.
+For each world size one group of ranks is spawned. Its ranks first calibrate this machine
+together (memfit's calibrate_group: each rank's compute measured while every rank runs, then
+the group's collectives; see [Note: Calibrating the links]); autoconfigure then prices every
+configuration of each model on that profile (micro-batch x accumulation for the global batch;
+replicated, hybrid and fully sharded, with and without reshard_after_forward) and each
+configuration that fits the budget runs for real: replicated as torch DDP (no_sync for all but
+the last micro-batch), sharded as memfit.FullyShardedDataParallel over a mesh of replicas x
+shards (each block a unit), the plan's checkpoint decisions applied, AdamW. Step time: the
+median of the repeats after warm-up, each step between barriers (the slowest rank's).
+Peak: the largest over ranks of MemoryMeter over the last step (AdamW's state exists). The
+table compares predicted and measured step time and the pick's measured time with the best.
 
-    .venv/bin/python benchmarks/autoconfig.py [--layers 2 --hidden 64 --seq 64 --global-batch 8
-        --budget 64MB --device-profile cpu] [--out benchmarks/results/autoconfig_cpu.md]
+    .venv/bin/python benchmarks/autoconfig.py [--models bert,gpt2,llama --worlds 2,4
+        --global-batch 16 --budget 40MB] [--out benchmarks/results/autoconfig_cpu.md]
 """
 
 from __future__ import annotations
@@ -28,37 +31,33 @@ from _common import MIB, command, emit, spawn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import memfit
+from memfit._plan._calibrate import calibrate_group
 from memfit.cli._data import batch_at
 from memfit.models import Preset, Shape
 
 
-def _config(result: memfit.AutoConfig) -> list[tuple]:
-    return [
-        (c.micro_batch, c.accumulation, c.layout.shard_size, c.layout.reshard_after_forward, _decisions(c.plan))
-        for c in result.candidates
-        if c.fits and c.plan is not None
-    ]
+def _decisions(plan: memfit.Plan) -> dict[str, str]:
+    return dict(plan.decisions)
 
 
-def _decisions(plan: memfit.Plan) -> dict[str, memfit.Decision]:
-    return {path: plan.decision(kind) for path, kind in plan.decisions.items()}
-
-
-def _worker(rank: int, world: int, preset: Preset, configs: list[tuple], warmup: int, repeats: int):
-    return [_measure(rank, preset, *config, warmup, repeats) for config in configs]
-
-
-def _build(preset: Preset, shards: int, reshard: bool, decisions: dict) -> torch.nn.Module:
+def _build(preset: Preset, world: int, shards: int, reshard: bool, decisions: dict[str, str]) -> torch.nn.Module:
     torch.manual_seed(0)
     model = preset.build()
     model.train()
-    for path, decision in decisions.items():  # the plan autoconfigure chose for this configuration
-        decision.apply(model.get_submodule(path), name=path)
+    for path, kind in decisions.items():  # the plan autoconfigure chose for this configuration
+        memfit.Decision.parse(kind).apply(model.get_submodule(path), name=path)
     if shards == 1:
         return DDP(model)
+    if shards < world and shards not in _MESHES:  # hybrid: replicas x shards, one mesh per shape
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[shards] = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
     return memfit.FullyShardedDataParallel(
-        model, auto_wrap_policy={preset.layer_class()}, reshard_after_forward=reshard
+        model, auto_wrap_policy={preset.layer_class()}, reshard_after_forward=reshard, mesh=_MESHES.get(shards)
     )
+
+
+_MESHES: dict[int, object] = {}
 
 
 def _step(model, opt, batches: list[dict], replicated: bool) -> None:
@@ -70,99 +69,144 @@ def _step(model, opt, batches: list[dict], replicated: bool) -> None:
     opt.zero_grad(set_to_none=True)
 
 
-def _measure(rank, preset, micro, accumulation, shards, reshard, decisions, warmup, repeats) -> tuple[float, int]:
-    """Rank 0's median step time and the peak of its last step."""
-    model = _build(preset, shards, reshard, decisions)
+def _timed(fn) -> float:
+    """Seconds of ``fn`` between barriers on the slowest rank."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    took = torch.tensor([time.perf_counter() - t0])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def _measure(rank, world, preset, config, warmup, repeats) -> tuple[float, int]:
+    """The median step time and the largest peak of any rank's last step."""
+    micro, accumulation, shards, reshard, decisions = config
+    model = _build(preset, world, shards, reshard, decisions)
     opt = torch.optim.AdamW(model.parameters())
     seq = preset.shape.seq
     batches = [batch_at(preset.arch, micro, seq, step=rank * accumulation + k) for k in range(accumulation)]
-    times = []
-    for _ in range(warmup + repeats - 1):
-        dist.barrier()
-        t0 = time.perf_counter()
-        _step(model, opt, batches, shards == 1)
-        dist.barrier()
-        times.append(time.perf_counter() - t0)
-    dist.barrier()
-    t0 = time.perf_counter()
+    times = [_timed(lambda: _step(model, opt, batches, shards == 1)) for _ in range(warmup + repeats - 1)]
     with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
-        _step(model, opt, batches, shards == 1)
-    dist.barrier()
-    times.append(time.perf_counter() - t0)
-    return statistics.median(times[warmup:]), meter.peak_bytes
+        times.append(_timed(lambda: _step(model, opt, batches, shards == 1)))
+    peak = torch.tensor([meter.peak_bytes])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    return statistics.median(times[warmup:]), int(peak.item())
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--hidden", type=int, default=64)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--global-batch", type=int, default=8)
-    p.add_argument("--budget", default="64MB")
-    p.add_argument("--device-profile", default="cpu")
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--out")
-    args = p.parse_args()
-    w = args.world_size
-    shape = Shape(layers=args.layers, hidden=args.hidden, heads=4, seq=args.seq, batch=1, vocab=args.vocab, dropout=0.0)
-    preset = Preset("gpt2", shape)
+def _worker(rank: int, world: int, presets: dict[str, Preset], args) -> dict:
+    t0 = time.perf_counter()
+    profile = calibrate_group()
+    out = {"profile": profile, "calibration_s": time.perf_counter() - t0, "models": {}}
+    for name, preset in presets.items():
+        box = [None]
+        if rank == 0:
+            box = [_search(preset, world, profile, args)]
+        dist.broadcast_object_list(box)
+        result, searched = box[0]
+        fits = [c for c in result.candidates if c.fits]
+        configs = [
+            (c.micro_batch, c.accumulation, c.layout.shard_size, c.layout.reshard_after_forward, _decisions(c.plan))
+            for c in fits
+        ]
+        measured = [_measure(rank, world, preset, config, args.warmup, args.repeats) for config in configs]
+        out["models"][name] = (result, searched, measured)
+    return out
+
+
+def _search(preset: Preset, world: int, profile, args):
     torch.manual_seed(0)
     model = preset.build()
-    batch = batch_at(preset.arch, 1, shape.seq, step=0)
+    batch = batch_at(preset.arch, 1, preset.shape.seq, step=0)
     t0 = time.perf_counter()
     result = memfit.autoconfigure(
         model,
         batch,
         budget=args.budget,
-        world_size=w,
+        world_size=world,
         global_batch=args.global_batch,
-        device_profile=args.device_profile,
-        shard_sizes=[1, w],
+        device_profile=profile,
         chunk_head=False,
+        decisions=("keep", "selective", "full"),
     )
-    searched = time.perf_counter() - t0
-    fits = [c for c in result.candidates if c.fits]
-    measured = spawn(_worker, w, preset, _config(result), args.warmup, args.repeats)
-    emit(_report(args, shape, result, fits, measured, searched), args.out)
+    return result, time.perf_counter() - t0
 
 
-def _report(args, shape, result, fits, measured, searched) -> list[str]:
-    by_measured = sorted(range(len(fits)), key=lambda i: measured[i][0])
-    rank_measured = {i: r + 1 for r, i in enumerate(by_measured)}
-    lines = [
-        f"# memfit.autoconfigure: predicted vs measured, {args.world_size} gloo ranks (CPU), tiny GPT-2",
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", default="bert,gpt2,llama")
+    p.add_argument("--worlds", default="2,4")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=16)
+    p.add_argument("--budget", default="40MB")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out")
+    args = p.parse_args()
+    shape = Shape(layers=args.layers, hidden=args.hidden, heads=4, seq=args.seq, batch=1, vocab=args.vocab, dropout=0.0)
+    presets = {name: Preset(name, shape) for name in args.models.split(",")}
+    lines = _header(args, shape)
+    for w in (int(x) for x in args.worlds.split(",")):
+        lines += _report(args, w, spawn(_worker, w, presets, args))
+    lines += [f"Load average at the end: {os.getloadavg()[0]:.1f} (2 cores).", ""]
+    emit(lines, args.out)
+
+
+def _header(args, shape) -> list[str]:
+    return [
+        "# memfit.autoconfigure: predicted vs measured on gloo ranks (CPU)",
         "",
         command("autoconfig.py"),
         "",
-        f"Model: GPT2LMHeadModel, random init, {shape}; fp32, AdamW; global batch {args.global_batch}, budget "
-        f"{args.budget} per rank; time priced on the {args.device_profile!r} profile. torch {torch.__version__}, "
-        f"{os.cpu_count()} CPU cores shared by the ranks and by other work (measured under load: load average "
-        f"{os.getloadavg()[0]:.1f} at the end). Step: rank 0's median of {args.repeats} after {args.warmup} "
-        f"warm-up, between barriers. The search took {searched:.1f} s wall.",
+        f"Models: {args.models} (transformers, random init), {shape}; fp32, AdamW; global batch {args.global_batch}, "
+        f"budget {args.budget} per rank. Time priced on this machine's profile measured by each group's ranks "
+        f"together (memfit calibrate_group). torch {torch.__version__}, {os.cpu_count()} CPU cores shared by the "
+        f"ranks. Step: median of {args.repeats} after {args.warmup} warm-up, between barriers (slowest rank); "
+        "peak: the largest rank's MemoryMeter peak over the last step.",
         "",
-        "| micro | accum | layout | predicted ms | measured ms | measured / predicted | rank predicted | rank "
-        "measured | predicted peak MiB | measured peak MiB (rank 0) |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for i, c in enumerate(fits):
-        t, peak = measured[i]
-        lines.append(
-            f"| {c.micro_batch} | {c.accumulation} | {c.layout.describe()} | {c.step_time * 1e3:.1f} | {t * 1e3:.1f} "
-            f"| {t / c.step_time:.2f} | {i + 1} | {rank_measured[i]} | {c.peak / MIB:.2f} | {peak / MIB:.2f} |"
+
+
+def _report(args, world: int, out: dict) -> list[str]:
+    prof = out["profile"]
+    lines = [
+        f"## {world} ranks",
+        "",
+        f"Calibration ({out['calibration_s']:.0f} s): fp32 matmul {prof.flops['float32'] / 1e9:.1f} GFLOP/s per rank, "
+        f"memory {prof.memory_bandwidth / 1e9:.1f} GB/s, op overhead {prof.op_overhead * 1e6:.1f} us; link "
+        f"{prof.intra_node_bandwidth / 1e9:.2f} GB/s, {prof.intra_node_latency * 1e6:.0f} us per ring step.",
+        "",
+        "| model | micro | accum | layout | predicted ms | measured ms | measured / predicted | rank predicted | rank "
+        "measured | predicted peak MiB | measured peak MiB |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    summary = []
+    for name, (result, searched, measured) in out["models"].items():
+        fits = [c for c in result.candidates if c.fits]
+        by_measured = sorted(range(len(fits)), key=lambda i: measured[i][0])
+        rank_measured = {i: r + 1 for r, i in enumerate(by_measured)}
+        for i, c in enumerate(fits):
+            t, peak = measured[i]
+            lines.append(
+                f"| {name} | {c.micro_batch} | {c.accumulation} | {c.layout.describe()} | {c.step_time * 1e3:.1f} "
+                f"| {t * 1e3:.1f} | {t / c.step_time:.2f} | {i + 1} | {rank_measured[i]} | {c.peak / MIB:.2f} "
+                f"| {peak / MIB:.2f} |"
+            )
+        best = by_measured[0]
+        ratios = [measured[i][0] / c.step_time for i, c in enumerate(fits)]
+        over = [c for i, c in enumerate(fits) if measured[i][1] > result.budget]
+        summary.append(
+            f"- {name}: {len(fits)} configurations run ({len(result.candidates) - len(fits)} priced over the budget); "
+            f"pick {fits[0].micro_batch} x {fits[0].accumulation}, {fits[0].layout.describe()}: measured "
+            f"{measured[0][0] * 1e3:.1f} ms, best {fits[best].micro_batch} x {fits[best].accumulation}, "
+            f"{fits[best].layout.describe()}: {measured[best][0] * 1e3:.1f} ms (pick / best "
+            f"{measured[0][0] / measured[best][0]:.3f}); measured / predicted {min(ratios):.2f} to {max(ratios):.2f}; "
+            f"over the budget when run: {len(over)}; search {searched:.1f} s"
         )
-    best = by_measured[0]
-    lines += [
-        "",
-        f"- pick: micro-batch {result.micro_batch} x {result.accumulation}, {result.layout.describe()}: measured "
-        f"{measured[0][0] * 1e3:.1f} ms; best measured: {fits[best].micro_batch} x {fits[best].accumulation}, "
-        f"{fits[best].layout.describe()} at {measured[best][0] * 1e3:.1f} ms (pick / best "
-        f"{measured[0][0] / measured[best][0]:.2f}x)",
-        "",
-    ]
-    return lines
+    return [*lines, "", *summary, ""]
 
 
 if __name__ == "__main__":
