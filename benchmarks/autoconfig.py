@@ -36,16 +36,16 @@ from memfit.cli._data import batch_at
 from memfit.models import Preset, Shape
 
 
-def _decisions(plan: memfit.Plan) -> dict[str, str]:
-    return dict(plan.decisions)
+def _decisions(plan: memfit.Plan) -> dict[str, memfit.Decision]:
+    return {path: plan.decision(kind) for path, kind in plan.decisions.items()}  # its rule and offload too
 
 
-def _build(preset: Preset, world: int, shards: int, reshard: bool, decisions: dict[str, str]) -> torch.nn.Module:
+def _build(preset: Preset, world: int, shards: int, reshard: bool, decisions: dict) -> torch.nn.Module:
     torch.manual_seed(0)
     model = preset.build()
     model.train()
-    for path, kind in decisions.items():  # the plan autoconfigure chose for this configuration
-        memfit.Decision.parse(kind).apply(model.get_submodule(path), name=path)
+    for path, decision in decisions.items():  # the plan autoconfigure chose for this configuration
+        decision.apply(model.get_submodule(path), name=path)
     if shards == 1:
         return DDP(model)
     if shards < world and shards not in _MESHES:  # hybrid: replicas x shards, one mesh per shape
@@ -177,7 +177,8 @@ def _report(args, world: int, out: dict) -> list[str]:
         "",
         f"Calibration ({out['calibration_s']:.0f} s): fp32 matmul {prof.flops['float32'] / 1e9:.1f} GFLOP/s per rank, "
         f"memory {prof.memory_bandwidth / 1e9:.1f} GB/s, op overhead {prof.op_overhead * 1e6:.1f} us; link "
-        f"{prof.intra_node_bandwidth / 1e9:.2f} GB/s, {prof.intra_node_latency * 1e6:.0f} us per ring step.",
+        f"{prof.intra_node_bandwidth / 1e9:.2f} GB/s, {prof.intra_node_latency * 1e6:.0f} us per ring step; "
+        f"{prof.collective_overhead * 1e3:.2f} ms per collective on the compute thread.",
         "",
         "| model | micro | accum | layout | predicted ms | measured ms | measured / predicted | rank predicted | rank "
         "measured | predicted peak MiB | measured peak MiB |",

@@ -60,10 +60,11 @@ SLOW_CASES = {  # one parameter of a test (the other stays in the fast tier)
     "tests/integration/test_checkpoint_compile.py::test_compiled_matches_eager_bitwise[ind-whole]",  # ~16 s
 }
 # Spawned groups of these world sizes (each group runs all its module's cases; the same cases
-# run at W=1 or 2 in the fast tier). Seconds: each group's wall time, quiet, 2 cores.
+# run at W=1 or 2 in the fast tier, but test_plan_sharded's). Seconds: each group's wall time,
+# quiet, 2 cores.
 SLOW_WORLDS = {
     "tests/distributed/test_shard.py": (3, 4),
-    "tests/distributed/test_plan_sharded.py": (2, 3, 4),  # W=2 ~41 s; tests/integration/test_plan.py in the fast tier
+    "tests/distributed/test_plan_sharded.py": (2, 4),  # W=2 ~41 s: the sharded forecasts run in the slow tier only
     "tests/distributed/test_shard_hot_path.py": (4,),  # ~19 s
     "tests/distributed/test_shard_checkpoint.py": (3, 4),  # load at W=3 and 4 what W=2 saved (~26 s)
     "tests/distributed/test_shard_dcp.py": (3,),  # ~14 s

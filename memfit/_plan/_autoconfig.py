@@ -200,7 +200,8 @@ class AutoConfig:
             f"head {p.head}, blocks {kinds}",
             f"  predicted step {_ms(t['step'])} = compute {_ms(t['compute'])} + recompute and offload "
             f"{_ms(t['recompute'])} + optimizer {_ms(t['optimizer'])} + exposed communication "
-            f"{_ms(t['exposed_communication'])} (of {_ms(t['communication'])} on the links)",
+            f"{_ms(t['exposed_communication'])} (of {_ms(t['communication'])} on the links; with "
+            f"{t['collectives']:.0f} collectives' host work)",
             f"  per rank and step: all-gather {format_bytes(t['all_gather_bytes'])}, reduce-scatter "
             f"{format_bytes(t['reduce_scatter_bytes'])}, all-reduce {format_bytes(t['all_reduce_bytes'])}",
             f"  predicted peak {format_bytes(c.peak)} per rank at {p.forecast['at']}",
@@ -363,7 +364,7 @@ def step_terms(plan: Plan, layout: Layout, accumulation: int, device: DeviceProf
     w = layout.world_size
     reshard = layout.reshard_after_forward
     comm = {k: 0.0 for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")}
-    comm |= {"communication": 0.0, "exposed_communication": 0.0}
+    comm |= {"communication": 0.0, "exposed_communication": 0.0, "collectives": 0.0}
     if w > 1:
         last = micro_batch_comm(units, w, s, reshard, True, device)
         other = micro_batch_comm(units, w, s, reshard, False, device)

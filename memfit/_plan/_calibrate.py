@@ -310,7 +310,7 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 #   where the other ranks left the cores alone, which a step does not see);
 # - links: the group times memfit's own all-gather and reduce-scatter (memfit/_shard/
 #   _collectives: on gloo a reduce-scatter is an all-to-all on two ranks and an all-reduce on
-#   more) and torch's all-reduce (DDP's) at sizes from 16 KiB to 16 MiB, each the slowest
+#   more, fitted as one) and torch's all-reduce (DDP's) at sizes from 16 KiB to 16 MiB, each the slowest
 #   rank's time, the median of a few. One latency per ring step and one bandwidth are fitted to
 #   all of them by least squares on the ring formulas of [Note: Pricing communication] (W - 1
 #   steps and (W - 1) / W of the bytes; an all-reduce twice that): the intra-node link of the
@@ -318,8 +318,10 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 # - collective_overhead: forward and backward passes of 4 small blocks, each a memfit unit,
 #   less the same passes unsharded, less the ring time of what they sent, per collective: the
 #   host's work a collective costs a step (hooks, buffers' copies, waits, the ranks' skew).
-# A profile from one rank alone has no link figures and prices collectives on the "cpu"
-# profile's. benchmarks/autoconfig.py measures what these are worth against real steps.
+# `calibrate` in one process has no link figures: its profile prices collectives on the "cpu"
+# profile's. The link time the overhead subtracts is all of it, where a step hides part of it
+# behind compute (see [Note: Pricing communication]): the overhead is low by the hidden part.
+# benchmarks/autoconfig.py measures what these are worth against real steps.
 _LINK_SIZES = [2**k for k in (14, 16, 18, 20, 22, 24)]  # bytes: 16 KiB .. 16 MiB
 
 
@@ -335,30 +337,33 @@ def calibrate_links(group=None, device: str | torch.device = "cpu", repeats: int
     if w < 2:
         raise ValueError("memfit calibrate_links: a group of one rank has no links to time; run it on 2 or more")
     device = torch.device(device)
+    # on gloo memfit reduce-scatters over more than 2 ranks by an all-reduce: 2 rings of bytes
+    scatter_rings = 2 if w > 2 and device.type == "cpu" and c._is_gloo(group) else 1
     work: list[tuple[float, float]] = []
     seconds: list[float] = []
     for nbytes in _LINK_SIZES:
         n = max(w, nbytes // 4 // w * w)
         full, shard = torch.ones(n, device=device), torch.ones(n // w, device=device)
+        send = torch.ones(n, device=device)  # the reduce-scatter's to lose: its values do not matter
 
         def gather(full=full, shard=shard) -> None:
             c.all_gather(full, shard, group).wait()
 
-        def reduce(full=full, shard=shard) -> None:
-            c.reduce_scatter(shard, full.clone(), group).wait()
+        def reduce(send=send, shard=shard) -> None:
+            c.reduce_scatter(shard, send, group).wait()
 
         def all_reduce(full=full) -> None:
             dist.all_reduce(full, group=group)
 
-        for rings, op in ((1, gather), (1, reduce), (2, all_reduce)):
+        for rings, op in ((1, gather), (scatter_rings, reduce), (2, all_reduce)):
             times = []
             for _ in range(repeats + 1):
                 dist.barrier(group)
+                _sync(device)
                 t0 = time.perf_counter()
                 op()
-                took = torch.tensor([time.perf_counter() - t0])
-                dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)  # the slowest rank's time
-                times.append(took.item())
+                _sync(device)
+                times.append(_slowest(time.perf_counter() - t0, group, device))
             work.append((rings * (w - 1), rings * 4.0 * n * (w - 1) / w))  # (ring steps, ring bytes)
             seconds.append(statistics.median(times[1:]))  # after a warm-up
     latency, bandwidth = _fit_link(work, seconds)
@@ -369,6 +374,21 @@ def calibrate_links(group=None, device: str | torch.device = "cpu", repeats: int
         "inter_node_latency": latency,
         "ranks_per_node": w,
     }
+
+
+def _sync(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (an accelerator's collectives return before they end)."""
+    if device.type != "cpu":
+        torch.get_device_module(device.type).synchronize(device)
+
+
+def _slowest(seconds: float, group, device: torch.device) -> float:
+    """The largest of every rank's ``seconds`` (on ``device``: NCCL reduces device tensors only)."""
+    import torch.distributed as dist
+
+    took = torch.tensor([seconds], device=device)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+    return took.item()
 
 
 def _fit_link(work: list[tuple[float, float]], seconds: list[float]) -> tuple[float, float]:
@@ -386,6 +406,8 @@ def _fit_link(work: list[tuple[float, float]], seconds: list[float]) -> tuple[fl
     latency, per_byte = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
     if latency < 0:  # bytes alone explain the times
         latency, per_byte = 0.0, b2 / s22
+    elif per_byte < 0:  # latency alone does (bandwidth beyond what the sizes can show)
+        latency, per_byte = b1 / s11, 0.0
     return latency, 1 / max(per_byte, 1e-30)
 
 
@@ -414,24 +436,25 @@ def _collective_overhead(group, device, bandwidth: float, latency: float, width:
     from memfit._shard import FullyShardedDataParallel
     from memfit._shard._collectives import STATS
 
-    w = dist.get_world_size(group)
+    w, device = dist.get_world_size(group), torch.device(device)
 
     def passes(model) -> float:
         x = torch.randn(64, width, device=device)
         runs = []
         for _ in range(7):
             dist.barrier(group)
+            _sync(device)
             t0 = time.perf_counter()
             for _ in range(micro):
                 model(x).sum().backward()
-            took = torch.tensor([time.perf_counter() - t0])
-            dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
-            runs.append(took.item())
+            _sync(device)
+            runs.append(_slowest(time.perf_counter() - t0, group, device))
         return statistics.median(runs[2:])
 
     torch.manual_seed(0)
     plain = torch.nn.Sequential(*[_Block(width) for _ in range(4)]).to(device)
     alone = passes(plain)
+    plain.zero_grad(set_to_none=True)
     sharded = FullyShardedDataParallel(plain, auto_wrap_policy={_Block}, group=group, device=device)
     before = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes)
     together = passes(sharded)
@@ -440,18 +463,34 @@ def _collective_overhead(group, device, bandwidth: float, latency: float, width:
     return max(0.0, (together - alone - ring) / calls) if calls else 0.0
 
 
-def calibrate_group(group=None, device: str | torch.device = "cpu", *, cpu_time: bool = False) -> DeviceProfile:
-    """This job's rates, measured in its process group: every rank calibrates its compute at
-    once, then the links (see [Note: Calibrating the links]); every rank returns rank 0's
-    profile. Not cached: a job calls it, or `memfit calibrate --world-size W` caches it."""
+def calibrate_group(group=None, device: str | torch.device | None = None, *, cpu_time: bool = False) -> DeviceProfile:
+    """This job's rates, measured in its process group of 2 or more ranks: every rank
+    calibrates its compute at once, then the links (see [Note: Calibrating the links]); every
+    rank returns rank 0's profile. ``device``: default the CPU on gloo, this rank's current
+    GPU on NCCL. One host is assumed: ranks_per_node is the group's size and the inter-node
+    figures are the intra-node ones (a group across hosts gets one blended link). Not cached:
+    a job calls it, or `memfit calibrate --world-size W` caches it. memfit's collective
+    counters (memfit/_shard/_collectives.STATS) are left as they were."""
+    import copy
+
     import torch.distributed as dist
 
-    mine = calibrate(device, save=False, cpu_time=cpu_time, typical=True)
-    links = calibrate_links(group, device)
-    overhead = _collective_overhead(group, device, links["intra_node_bandwidth"], links["intra_node_latency"])
-    name = f"calibrated-{torch.device(device).type}"
-    box = [dataclasses.replace(mine, name=name, collective_overhead=overhead, **links)]
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    from memfit._shard._collectives import STATS
+
+    if device is None:
+        nccl = dist.get_backend(group) == "nccl"
+        device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = torch.device(device)
+    counters = copy.deepcopy(STATS)
+    try:
+        mine = calibrate(device, save=False, cpu_time=cpu_time, typical=True)
+        links = calibrate_links(group, device)
+        overhead = _collective_overhead(group, device, links["intra_node_bandwidth"], links["intra_node_latency"])
+    finally:
+        STATS.__dict__.update(counters.__dict__)
+    box = [dataclasses.replace(mine, name=f"calibrated-{device.type}", collective_overhead=overhead, **links)]
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast_object_list(box, src=src, group=group, device=device if device.type != "cpu" else None)
     return box[0]
 
 

@@ -145,16 +145,15 @@ def micro_batch_comm(units: Units, world_size: int, shards: int, reshard: bool, 
     return t
 
 
-_DDP_BUCKET = 25 * 2**20  # torch DDP's bucket_cap_mb default
-
-
 def _issued(grads: list[float], s: int, r: int, world_size: int) -> int:
-    """Gradient collectives one micro-batch issues: sharded, a reduce-scatter per unit with
-    gradients (and an all-reduce over the replicas with r > 1); replicated (torch DDP), an
-    all-reduce per 25 MiB bucket of them."""
+    """Gradient collectives one micro-batch issues, as memfit's units do (memfit train runs
+    every layout on them, replicated as a mesh of W x 1): sharded, a reduce-scatter per unit
+    with gradients (and an all-reduce over the replicas with r > 1); replicated, an all-reduce
+    per unit with gradients (torch DDP buckets them instead: a 1 MiB first bucket, then 25 MiB)."""
+    units = sum(1 for g in grads if g)
     if s > 1:
-        return sum(1 for g in grads if g) * (1 + (r > 1))
-    return -(-int(sum(grads)) // _DDP_BUCKET) if world_size > 1 else 0
+        return units * (1 + (r > 1))
+    return units if world_size > 1 else 0
 
 
 __all__ = [

@@ -97,7 +97,7 @@ class DeviceProfile:
             second on top of its work; a caching allocator (an accelerator's) has no such cost.
         intra_node_*, inter_node_*, ranks_per_node: the links collectives run over (see
             [Note: Pricing communication]); 0: no figures.
-        collective_overhead: seconds each collective of a sharded step adds to the step beyond
+        collective_overhead: seconds each collective of a step (sharded or replicated) adds beyond
             its time on the link, on the compute thread: issuing it, waiting for it, the copies
             into and out of its buffers, the ranks' skew. Measured by calibrate_group (see
             [Note: Calibrating the links]); 0 in the named profiles (an accelerator's streams
@@ -123,7 +123,7 @@ class DeviceProfile:
     inter_node_bandwidth: float = 0.0  # bytes/s per rank, one direction (its network card)
     inter_node_latency: float = 0.0  # seconds per ring step between nodes
     ranks_per_node: int = 8
-    collective_overhead: float = 0.0  # seconds a collective adds to a step beyond its link time (see below)
+    collective_overhead: float = 0.0  # seconds a collective adds to a step beyond its link time (see above)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON

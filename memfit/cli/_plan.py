@@ -220,6 +220,11 @@ class CalibrateConfig:
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise ValueError(f"memfit calibrate: --world-size must be >= 1, got {self.world_size}")
+        if self.world_size > 1 and self.device not in ("cpu", "cuda"):
+            raise ValueError(
+                f"memfit calibrate: --world-size {self.world_size} runs on --device cpu (gloo) or cuda (rank r on "
+                f"GPU r, NCCL), got {self.device!r}"
+            )
         if self.world_size > 1 and self.cpu_time:
             raise ValueError(
                 "memfit calibrate: --cpu-time measures one thread alone, --world-size the ranks sharing the "
@@ -230,7 +235,7 @@ class CalibrateConfig:
 def _calibrate_rank(rank: int, world_size: int, device: str) -> memfit.DeviceProfile:
     from memfit._plan._calibrate import calibrate_group
 
-    return calibrate_group(device=device if device == "cpu" else f"{torch.device(device).type}:{rank}")
+    return calibrate_group()  # on the device spawn placed this rank on (gloo: the CPU; NCCL: its GPU)
 
 
 def calibrate_command(cfg: CalibrateConfig) -> memfit.DeviceProfile:

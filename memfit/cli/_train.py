@@ -87,7 +87,8 @@ class TrainConfig:
         default=False,
         metadata=flag(
             "with --budget: choose --batch, the accumulation, the sharding layout and per-block checkpointing "
-            "for the most predicted tokens/s (memfit.autoconfigure; --global-batch fixes the global batch)"
+            "for the most predicted tokens/s (memfit.autoconfigure; --global-batch, or a resumed checkpoint's, "
+            "fixes the global batch)"
         ),
     )
     mixed_precision: str = field(

@@ -118,6 +118,7 @@ def test_calibrate_with_ranks_refuses_cpu_time_and_fewer_than_one(capsys):
     for flags, message in (
         (["--world-size", "2", "--cpu-time"], "--cpu-time measures one thread alone"),
         (["--world-size", "0"], "--world-size must be >= 1"),
+        (["--world-size", "2", "--device", "auto"], "runs on --device cpu (gloo) or cuda"),
     ):
         assert main(["calibrate", *flags]) != 0
         assert message in capsys.readouterr().err
