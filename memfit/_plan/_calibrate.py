@@ -143,10 +143,16 @@ def calibrate(
         **(_fresh_pages(timed) if device.type == "cpu" else {}),
     )
     if save:
-        path = cache_path(device.type)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
+        save_profile(profile, device.type)
     return profile
+
+
+def save_profile(profile: DeviceProfile, device_type: str) -> Path:
+    """Cache ``profile`` as this machine's calibration of ``device_type``; returns where."""
+    path = cache_path(device_type)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dataclasses.asdict(profile), indent=1))
+    return path
 
 
 def _matmul_rate(device: torch.device, dtype: torch.dtype, timed) -> tuple[float, float]:
@@ -522,4 +528,4 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
     return PROFILES[spec]
 
 
-__all__ = ["calibrate", "calibrate_group", "calibrate_links", "device_profile"]
+__all__ = ["calibrate", "calibrate_group", "calibrate_links", "device_profile", "save_profile"]

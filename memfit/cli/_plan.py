@@ -11,7 +11,7 @@ import torch
 
 import memfit
 from memfit._plan._budget import describe_bytes, format_bytes
-from memfit._plan._calibrate import cache_path, calibrate
+from memfit._plan._calibrate import cache_path, calibrate, save_profile
 from memfit._plan._time import PROFILES, default_profile
 from memfit.cli._choose import PLANNED_KINDS
 from memfit.cli._data import batch_at
@@ -232,7 +232,7 @@ class CalibrateConfig:
             )
 
 
-def _calibrate_rank(rank: int, world_size: int, device: str) -> memfit.DeviceProfile:
+def _calibrate_rank(rank: int, world_size: int) -> memfit.DeviceProfile:
     from memfit._plan._calibrate import calibrate_group
 
     return calibrate_group()  # on the device spawn placed this rank on (gloo: the CPU; NCCL: its GPU)
@@ -242,29 +242,24 @@ def calibrate_command(cfg: CalibrateConfig) -> memfit.DeviceProfile:
     """Measure this machine's rates for the planner's time model and cache them; with
     ``--world-size W`` W spawned ranks measure together (each rank's share of the machine and
     the links between them; see [Note: Calibrating the links])."""
+    how = ""
     if cfg.world_size > 1:
         from memfit.cli._launch import spawn
 
-        profile = spawn(_calibrate_rank, cfg.world_size, cfg.device, device=cfg.device, where="memfit calibrate")
-        path = cache_path(torch.device(cfg.device).type)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(asdict(profile), indent=1))
-        print(json.dumps(asdict(profile), indent=1))
-        print(
-            f"cached in {path} (measured by {cfg.world_size} ranks together): plan with it by "
-            "`memfit plan ... --device-profile calibrated`"
-        )
-        return profile
-    threads = torch.get_num_threads()
-    if cfg.cpu_time:
-        torch.set_num_threads(1)
-    try:
-        profile = calibrate(cfg.device, cpu_time=cfg.cpu_time)
-    finally:
-        torch.set_num_threads(threads)
+        profile = spawn(_calibrate_rank, cfg.world_size, device=cfg.device, where="memfit calibrate")
+        save_profile(profile, torch.device(cfg.device).type)
+        how = f" (measured by {cfg.world_size} ranks together)"
+    else:
+        threads = torch.get_num_threads()
+        if cfg.cpu_time:
+            torch.set_num_threads(1)
+        try:
+            profile = calibrate(cfg.device, cpu_time=cfg.cpu_time)
+        finally:
+            torch.set_num_threads(threads)
     print(json.dumps(asdict(profile), indent=1))
     print(
-        f"cached in {cache_path(torch.device(cfg.device).type)}: plan with it by "
+        f"cached in {cache_path(torch.device(cfg.device).type)}{how}: plan with it by "
         "`memfit plan ... --device-profile calibrated`"
     )
     return profile
