@@ -122,12 +122,32 @@ def merge(paths: list[str], out: Path) -> int:
     return 0
 
 
+def part_limits(text: str) -> dict[str, float]:
+    """``--part-timeout``'s seconds per part letter: ``"120"`` sets every part, ``"a=150,b=200"``
+    the parts named (the others keep their own)."""
+    if not text:
+        return {}
+    if "=" not in text:
+        return dict.fromkeys(PARTS, float(text))
+    limits = {}
+    for item in text.split(","):
+        letter, _, seconds = item.partition("=")
+        if letter.strip() not in PARTS:
+            raise ValueError(f"unknown part {letter.strip()!r}; choose from {','.join(PARTS)}")
+        limits[letter.strip()] = float(seconds)
+    return limits
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.gpu", description=__doc__)
     p.add_argument("--out", required=True, help="directory for gpu_<device>.json and gpu_<device>.md")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks the script, not the GPU")
     p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {','.join(PARTS)} (default: all)")
-    p.add_argument("--part-timeout", type=float, default=0, help="seconds per part (default: each part's own)")
+    p.add_argument(
+        "--part-timeout",
+        default="",
+        help="seconds per part: one number for all, or letter=seconds pairs (a=150,b=200); default: each part's own",
+    )
     p.add_argument(
         "--merge", nargs="+", metavar="JSON", help="no run: merge these reports' parts (later wins) into --out"
     )
@@ -140,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     letters = [x.strip() for x in args.parts.split(",") if x.strip()]
     if bad := [x for x in letters if x not in PARTS]:
         p.error(f"unknown parts {bad}; choose from {','.join(PARTS)}")
+    try:
+        limits = part_limits(args.part_timeout)
+    except ValueError as e:
+        p.error(f"--part-timeout {args.part_timeout!r}: {e}")
     out = Path(args.out).resolve()
     if args.smoke and out == (REPO / "benchmarks" / "results").resolve():
         p.error("--smoke never writes into benchmarks/results (the committed GPU results); give another --out")
@@ -176,7 +200,7 @@ def main(argv: list[str] | None = None) -> int:
     env.log(f"device {report['device_name']}, torch {torch.__version__}, parts {','.join(letters)} -> {stem}.*")
     write(report, stem)
     for letter in letters:
-        limit = args.part_timeout or PARTS[letter][2]
+        limit = limits.get(letter, PARTS[letter][2])
         report["parts"][letter] = run_part(letter, env, limit)
         write(report, stem)
     summary = ", ".join(
