@@ -12,6 +12,7 @@ import mmap
 import os
 import pickle
 import shutil
+import warnings
 import zlib
 from typing import Any, cast
 
@@ -213,7 +214,9 @@ def _finish(path: str, tmp: str, state: dict[str, Any], info: dict[str, Any], gr
     try:
         meta = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
         _atomic.step("save:written")
-        checksums = _checksums(tmp, meta, group) if HOOKS.checksums else None
+        # the metadata as written: torch 2.11's dcp.save returns it without storage_data
+        written = _unpickle_metadata(os.path.join(tmp, ".metadata")) if HOOKS.checksums else meta
+        checksums = _checksums(tmp, written, group) if HOOKS.checksums else None
         _atomic.step("save:checksummed")
     except BaseException as e:  # CheckpointException is a BaseException; every rank gets it
         if rank == 0:
@@ -414,6 +417,10 @@ def _read_metadata(path: str):
     meta_path = os.path.join(path, ".metadata")
     if not os.path.isfile(meta_path) or not os.path.isfile(os.path.join(path, _JSON)):
         raise FileNotFoundError(f"memfit.load_checkpoint: {path!r} is not a complete memfit checkpoint")
+    return _unpickle_metadata(meta_path)
+
+
+def _unpickle_metadata(meta_path: str):
     with open(meta_path, "rb") as f:
         data = f.read()
     try:
@@ -491,8 +498,14 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     meta = _read_metadata(path)
     _check_files(path, meta)
     info = _read_info(path)
-    if "checksums" in info:
+    if info.get("checksums"):
         _verify(path, meta, info["checksums"], group)
+    elif "checksums" in info and meta.storage_data and dist.get_rank(group) == 0:
+        warnings.warn(
+            f"memfit.load_checkpoint: {path!r} records no checksums (memfit saved none under torch 2.11 "
+            "before 2026-11-27): its bytes are loaded unverified; save it again to have them checked",
+            stacklevel=2,
+        )
     meshes = _meshes(shards)
     state = _model_state(model, meshes, shards)
     _check_keys(meta, state, "model")

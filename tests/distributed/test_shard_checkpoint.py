@@ -9,10 +9,12 @@ import json
 import os
 import pickle
 import shutil
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
 import memfit
@@ -242,6 +244,38 @@ def case_corruption_is_refused_naming_file_and_tensor(rank, world, root):
     assert "memfit.json' is empty" in msg and "corrupt or not a memfit checkpoint" in msg, msg
 
 
+def case_checksums_do_not_rely_on_what_dcp_save_returns(rank, world, root):
+    # torch 2.11's dcp.save returns its metadata without storage_data: memfit wrote no checksums
+    # there and then refused every such checkpoint ("memfit.json has no checksum for tensor ...").
+    path = os.path.join(root, "dcp-2.11", "ckpt")
+    real_save = dcp.save
+
+    def save_as_in_2_11(*args, **kwargs):
+        meta = real_save(*args, **kwargs)
+        meta.storage_data = None
+        return meta
+
+    model, opt = build()
+    train(model, opt, 1, rank, world)
+    with mock.patch.object(dcp, "save", save_as_in_2_11):
+        memfit.save_checkpoint(path, model, opt)
+    with open(os.path.join(path, "memfit.json")) as f:
+        recorded = json.load(f)["checksums"]
+    assert set(recorded) == set(memfit.testing.checkpoint_chunks(path)), recorded
+    model2, opt2 = build()
+    memfit.load_checkpoint(path, model2, opt2)
+    assert full_state(model2, opt2) == full_state(model, opt)
+
+    # what the old code wrote there (an empty record) loads, unverified, with a warning
+    with open(os.path.join(path, "memfit.json")) as f:
+        info = json.load(f)
+    info["checksums"] = {}
+    with open(os.path.join(path, "memfit.json"), "w") as f:
+        json.dump(info, f)
+    with pytest.warns(UserWarning, match="records no checksums"):
+        memfit.load_checkpoint(path, *build())
+
+
 def case_export_safetensors_loads_in_a_plain_model(rank, world, root):
     path = os.path.join(root, "export")
     model, opt = build()
@@ -293,6 +327,7 @@ CASES = {  # world size -> its group's cases; the group of 2 saves what the othe
         case_load_and_continue,
         case_truncated_file_and_planted_pickle_are_refused,
         case_corruption_is_refused_naming_file_and_tensor,
+        case_checksums_do_not_rely_on_what_dcp_save_returns,
     ],
     3: [case_load_and_continue, case_export_safetensors_loads_in_a_plain_model],
     4: [case_load_and_continue],
