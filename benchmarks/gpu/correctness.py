@@ -32,6 +32,7 @@ import sys
 import warnings
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import memfit
 from benchmarks.gpu._env import Env, fmt, goal
@@ -156,7 +157,9 @@ def sharded_mixed_offload(env: Env) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(loss.detach())
-        return [v.item() for v in losses], {n: p.detach().float().cpu() for n, p in model.state_dict().items()}
+        # full tensors on the host: the offloaded model's DTensors live on a CPU mesh, the other's on the device's
+        state = {n: p.full_tensor() if isinstance(p, DTensor) else p for n, p in model.state_dict().items()}
+        return [v.item() for v in losses], {n: p.detach().float().cpu() for n, p in state.items()}
 
     def sharded(offload: str | None) -> torch.nn.Module:
         model = copy.deepcopy(base)

@@ -26,6 +26,20 @@ def on_meta():
     return model
 
 
+def values(model):
+    """The full parameters on the host, by name."""
+    with memfit.summon_full_params(model, writeback=False):
+        return {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+
+
+def same_training(a, b):
+    """Two trainings' results ((parameters, norms) pairs): bitwise on the CPU; on an accelerator
+    the offloaded run's optimizer (and norm) ran on the host, the other's on the device: the same
+    arithmetic in another kernel, so fp32 rounding apart."""
+    tol = {"rtol": 0, "atol": 0} if test_device().type == "cpu" else {"rtol": 1e-5, "atol": 1e-7}
+    torch.testing.assert_close(a, b, **tol)
+
+
 def digest(model):
     h = hashlib.sha256()
     with memfit.summon_full_params(model, writeback=False):
@@ -133,8 +147,8 @@ def case_cpu_offload_logic(rank, world):
         assert all(p.device.type == home for p in model.parameters())
         assert all(v.device.type == home for s in opt.state.values() for v in s.values() if v.dim())
         assert all(b.device.type == test_device().type for b in model.buffers())
-        results.append(digest(model))
-    assert results[0] == results[1]
+        results.append(values(model))
+    same_training(results[0], results[1])
     with pytest.raises(ValueError, match="offload must be None or 'cpu'"):
         memfit.shard(MLP(), offload="disk")
 
@@ -149,8 +163,8 @@ def case_offload_with_clipping_and_accumulation(rank, world):
             torch.manual_seed(0)
             model = memfit.FullyShardedDataParallel(MLP(), auto_wrap_policy=nn.Sequential, offload=offload)
             _, norms = train(model, rank, steps=2, clip=clip, micro=2)
-            results.append((digest(model), norms))
-        assert results[0] == results[1], clip
+            results.append((values(model), [float(n) for n in norms]))
+        same_training(results[0], results[1])
         assert all(n > 0.05 for n in results[0][1])  # clipping took effect
 
 
@@ -207,9 +221,9 @@ def case_a_parameter_of_no_rows_is_synced_and_sharded(rank, world):
         got = [p.detach().clone() for p in sharded.parameters()]  # the full storage is freed after
     assert [g.shape for g in got] == [w.shape for w in want]
     for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=0, atol=0)
+        torch.testing.assert_close(g.cpu(), w, rtol=0, atol=0)
     # and its gradient (of no rows) reduces with the others (_chunk_cat refused an empty one)
-    (sharded(torch.ones(2, 4)).sum() + sharded.empty.sum()).backward()
+    (sharded(torch.ones(2, 4, device=test_device())).sum() + sharded.empty.sum()).backward()
     assert all(p.grad is not None for p in sharded.parameters())
 
 
