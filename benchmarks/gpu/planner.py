@@ -7,7 +7,8 @@ budget has a plan; each is also given as a share of P):
 ``memfit.plan(model, batch, budget=B)`` (profiled once, re-planned from that profile), the
 plan applied to a fresh copy, and one warm step run under
 ``torch.cuda.set_per_process_memory_fraction(B / total)`` (so the allocator refuses to go past
-the budget); the forecast against max_memory_allocated of a later step. Goal: within 5% and no
+the budget), with expandable segments as ``memfit train`` sets them; the forecast against
+max_memory_allocated of a later step. Goal: within 5% and no
 out-of-memory (a budget no plan fits is reported with the planner's smallest budget, not run).
 
 MemoryMeter vs the allocator on the plain step: the meter counts live tensor storage; the
@@ -75,6 +76,9 @@ def run(env: Env) -> dict:
     plain |= {"smallest_budget": low, "keep_forecast": high}
     plans = {}
     total = torch.cuda.get_device_properties(env.device).total_memory if env.cuda else None
+    if env.cuda:  # as memfit train runs: cached blocks a step cannot reuse stay small
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+        env.free()
     for frac in FRACTIONS:
         budget = int(low + frac * (high - low))
         env.log(f"  d: budget {frac:.0%} of the way = {budget / 2**20:.1f} MiB")
@@ -97,7 +101,8 @@ def run(env: Env) -> dict:
             try:
                 step()  # AdamW's state exists from here on
                 if env.cuda:
-                    row["measured"] = env.allocator_peaks(step)["max_allocated"]
+                    peaks = env.allocator_peaks(step)
+                    row["measured"], row["reserved"] = peaks["max_allocated"], peaks.get("max_reserved")
                 else:
                     with memfit.MemoryMeter(model=model, optimizer=opt) as m:
                         step()
@@ -109,6 +114,9 @@ def run(env: Env) -> dict:
             finally:
                 if env.cuda:
                     torch.cuda.set_per_process_memory_fraction(1.0, env.device)
+    if env.cuda:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+        env.free()
         if "measured" in row:
             row["error"] = (row["measured"] - row["predicted_peak"]) / row["predicted_peak"]
     fitted = sum("no_fit" not in row for row in plans.values())
@@ -122,19 +130,19 @@ def run(env: Env) -> dict:
         f"Budgets: 25/50/75% of the way from the smallest budget a plan fits ({mib(plain['smallest_budget'])} MiB) "
         f"to the forecast of keeping every activation ({mib(plain['keep_forecast'])} MiB).",
         "",
-        "| budget | MiB | of plain peak | predicted MiB | measured MiB | error | OOM | decisions |",
-        "|---|---:|---:|---:|---:|---:|---|---|",
+        "| budget | MiB | of plain peak | predicted MiB | measured MiB | reserved MiB | error | OOM | decisions |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     for name, row in plans.items():
         if "no_fit" in row:
-            md.append(f"| {name} | {mib(row['budget'])} | no plan fits: {row['no_fit']} |||||")
+            md.append(f"| {name} | {mib(row['budget'])} | no plan fits: {row['no_fit']} ||||||")
             continue
         kinds = {}
         for d in row["decisions"].values():
             kinds[d] = kinds.get(d, 0) + 1
         md.append(
             f"| {name} | {mib(row['budget'])} | {row['of_plain_peak']:.2f} "
-            f"| {mib(row['predicted_peak'])} | {mib(row.get('measured'))} "
+            f"| {mib(row['predicted_peak'])} | {mib(row.get('measured'))} | {mib(row.get('reserved'))} "
             f"| {fmt(row.get('error'))} | {fmt(row['oom'])} | {kinds} |"
         )
         err = row.get("error")

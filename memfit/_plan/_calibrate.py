@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit._plan._time import PROFILES, CostRecorder, DeviceProfile, default_profile, op_cost
+from memfit._plan._time import CUDA_WORKSPACE, PROFILES, CostRecorder, DeviceProfile, default_profile, op_cost
 
 
 class _AttentionCalls(TorchDispatchMode):
@@ -141,6 +141,7 @@ def calibrate(
         checkpoint_block=overheads["checkpoint_block"],
         checkpoint_op=overheads["checkpoint_op"],
         **(_fresh_pages(timed) if device.type == "cpu" else {}),
+        workspace_bytes=CUDA_WORKSPACE if device.type == "cuda" else 0,  # not measured: the H100's
     )
     if save:
         save_profile(profile, device.type)

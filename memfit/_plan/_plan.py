@@ -49,6 +49,7 @@ _TERMS = {
     "root_reduce": "sharded: the root's whole gradients and their send buffer, reduce-scattered last",
     "bookkeeping": "sharded: 1 KiB per unit of reduce bookkeeping",
     "leftover": "what the forward leaves alive after backward (cached masks)",
+    "workspace": "CUDA: the allocator's memory beside the tensors (cuBLAS workspaces); 0 on a CPU",
 }
 _LEGEND = (
     "kept: the activations a block keeps for backward under its decision; saved: kept less than keeping "

@@ -101,6 +101,7 @@ class ModelProfile:
     device: str = ""  # the device profile the times are priced on
     device_source: str = ""  # where its rates come from (DeviceProfile.source)
     offload_bandwidth: float = 0.0  # the device profile's bytes per second to host memory
+    workspace_bytes: int = 0  # the device profile's allocator memory beside tensors (CUDA's workspaces)
     head: LMHead | None = None  # the LM head, when it can be chunked
     head_chunked: int | None = None  # T_head with the head and loss chunked
     head_chunked_time: float = 0.0  # seconds chunking adds to a step (the head's matmul again)
@@ -684,6 +685,7 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         device=device.name,
         device_source=device.source,
         offload_bandwidth=device.offload_bandwidth,
+        workspace_bytes=device.workspace_bytes,
         distinct_blocks=len(seen),
         between=between[:-1],
         between_end=between[-1],

@@ -99,6 +99,7 @@ def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
         "tail_transient": profile.tail_transient,
         "gather_buffers": 0.0,
         "unit_buffers": 0.0,
+        "workspace": float(profile.workspace_bytes),  # [Note: The allocator beside the tensors]
     }
     if s > 1:  # see [Note: Sharded forecasts]
         t["gather_buffers"] = profile.param_bytes - sum(b.param_bytes for b in profile.blocks)
@@ -176,11 +177,13 @@ class _Moments:
         # The root's reduce-scatter, after its parameters were freed: its whole gradients, the
         # send buffer they are copied into (as large) and the shard it receives.
         eob = {"state": t["state"], "gradients": grads_after + rest / s, "root_reduce": 2 * rest}
+        eob["workspace"] = t["workspace"]
         eob["bookkeeping"] = _BOOKKEEPING * (len(gradients) + 1)
         # The embeddings' backward: the first block's reduce-scatter still in flight (its send
         # buffer and shard), the root's full parameters.
         first = profile.blocks[0].grad_bytes * (1 + 1 / s) if s > 1 else 0.0
         tail = {"state": t["state"], "gather_buffers": t["gather_buffers"], "gradients": grads_after + first}
+        tail["workspace"] = t["workspace"]
         tail["tail_transient"] = t["tail_transient"]
         between = [float(d) for d in profile.between] or [0.0] * len(profile.blocks)
         outside = [float(r) for r in profile.backward_outside] or [0.0] * len(profile.blocks)
@@ -194,7 +197,7 @@ class _Moments:
         transient = [float(f) for f in profile.forward_transient] or [0.0] * len(profile.blocks)
         # forward before block i (its input from block i-1 and the code making it), beside D_i
         forward = [d + b.input_bytes + f for d, b, f in zip(between, profile.blocks, transient)]
-        base = {k: t[k] for k in ("state", "gather_buffers", "before_blocks")}
+        base = {k: t[k] for k in ("state", "gather_buffers", "before_blocks", "workspace")}
         # blocks kept gathered from forward (reshard_after_forward=False) are whole at its end too
         kept_gathered = t["unit_buffers"] if kept_whole else 0.0
         end = {"between_blocks": float(profile.between_end), "last_output": t["last_output"]}
@@ -203,18 +206,22 @@ class _Moments:
             end["kept_gathered"] = kept_gathered
         return cls(
             terms=t,
-            base=t["state"] + t["gather_buffers"] + t["before_blocks"],
+            base=sum(base.values()),
             end_of_forward=profile.between_end + t["last_output"] + t["head_transient"] + kept_gathered,
             backward=[g + u + d + r for g, u, d, r in zip(gradients, in_flight, between, outside)],
             end_of_backward=sum(eob.values()) if s > 1 else 0.0,
-            tail=t["state"] + t["gather_buffers"] + grads_after + first + t["tail_transient"],
-            optimizer=t["optimizer_peak"] + profile.leftover,
+            tail=sum(tail.values()),
+            optimizer=t["optimizer_peak"] + profile.leftover + t["workspace"],
             parts={
                 "end of forward": {**base, **end},
                 "backward": {**base, "unit_buffers": t["unit_buffers"]},
                 "backward before the blocks": tail,
                 "end of backward": eob,
-                "optimizer step": {"optimizer_peak": t["optimizer_peak"], "leftover": float(profile.leftover)},
+                "optimizer step": {
+                    "optimizer_peak": t["optimizer_peak"],
+                    "leftover": float(profile.leftover),
+                    "workspace": t["workspace"],
+                },
             },
             gradients=gradients,
             in_flight=in_flight,

@@ -94,6 +94,7 @@ CATEGORIES = {
         "tail_transient",
         "leftover",
         "bookkeeping",
+        "workspace",
     ),
     "optimizer step (state, gradients, temporaries)": ("optimizer_peak",),
 }

@@ -10,6 +10,7 @@ import memfit
 from memfit._plan._budget import format_bytes
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, terms
+from memfit._plan._time import PROFILES
 
 
 def synthetic(n, seed=0):
@@ -237,6 +238,23 @@ def test_a_large_optimizer_step_peaks_there_whatever_is_decided():
     for decisions in itertools.product(DECISIONS, repeat=2):
         f = forecast(hand_built(optimizer_peak=step), list(decisions))
         assert (f["at"], f["peak"]) == ("optimizer step", step)
+
+
+@pytest.mark.parametrize("sharding", [None, Sharding(2)], ids=["one", "sharded"])
+def test_the_allocator_workspace_is_alive_at_every_moment(sharding):
+    # [Note: The allocator beside the tensors]: a CUDA profile's workspace raises every moment
+    # by the same bytes, so the peak moves by it, the decisions do not, and the parts still sum.
+    ws = 7_000
+    for decisions in itertools.product(DECISIONS, repeat=2):
+        plain = forecast(hand_built(), list(decisions), sharding)
+        cuda = forecast(dataclasses.replace(hand_built(), workspace_bytes=ws), list(decisions), sharding)
+        assert cuda["at"] == plain["at"] and cuda["peak"] == plain["peak"] + ws, decisions
+        assert cuda["term:workspace"] == ws and cuda["part:workspace"] == ws
+        assert sum(v for k, v in cuda.items() if k.startswith("part:")) == cuda["peak"]
+    large_step = hand_built(optimizer_peak=60_000, workspace_bytes=ws)  # the optimizer step's moment too
+    f = forecast(large_step, ["keep", "keep"], sharding)
+    assert (f["at"], f["peak"]) == ("optimizer step", 60_000 / (sharding.shards if sharding else 1) + ws)
+    assert PROFILES["h100"].workspace_bytes > 0 and PROFILES["cpu"].workspace_bytes == 0
 
 
 def test_sharded_terms_at_two_ranks():
