@@ -16,7 +16,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from memfit._checkpoint._cache import snapshot_caches
 from memfit._checkpoint._offload import Offload, offload_hooks, resolve_offload
 from memfit._checkpoint._replay import Replay
-from memfit._checkpoint._selective import resolve_save, selective_context_fn
+from memfit._checkpoint._selective import resolve_save, selective_context_fn, selective_contexts
 
 __all__ = ["CheckpointError", "checkpoint", "disable_checkpointing", "is_recomputing"]
 
@@ -207,7 +207,7 @@ class _Frame:
             ref = weakref.ref(self)
             torch.autograd.Variable._execution_engine.queue_callback(lambda: _forget(ref, gid))
         args, kwargs = self.inputs()
-        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack_recomputed(gid, t), lambda t: t)
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack_recomputed(gid, t), _identity)
         try:
             with torch.enable_grad(), self.replay.context(), _recomputing(), hooks, self.recompute_ctx:
                 self.fn(*args, **kwargs)
@@ -257,6 +257,10 @@ class _Frame:
         # grad_fn is that op, a cycle through C++ that Python's GC cannot collect, leaking
         # the whole recomputed graph (and this frame) every step.
         return value
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
 
 
 def _forget(ref: weakref.ref, gid: int) -> None:
@@ -337,7 +341,7 @@ def _eager_checkpoint(
     if context_fn is not None:
         forward_ctx, recompute_ctx = context_fn()
     elif save is not None:
-        forward_ctx, recompute_ctx = selective_context_fn(save)()
+        forward_ctx, recompute_ctx = selective_contexts(save)
     else:
         forward_ctx, recompute_ctx = contextlib.nullcontext(), contextlib.nullcontext()
     name = name or describe(fn)

@@ -22,6 +22,11 @@ from torch.utils._python_dispatch import _disable_current_modes
 # so their buffers are snapshotted before each call during recompute and restored after.
 # The snapshot and the restore run outside every dispatch mode: they are not the block's work,
 # and torch's selective-checkpoint mode would take the clone for an op missing from its cache.
+# They need process-wide module hooks while the recompute runs, which put every module call of
+# the recompute on nn.Module's slow path (a share of a small block's host time). They are set
+# for every block: a block's forward may call a norm layer that is not its submodule.
+# An autocast context whose state is the one already in force (CPU autocast off in forward
+# and off in backward, the usual case) is not entered: entering it would change nothing.
 
 
 def _device_module(device_type: str):
@@ -67,7 +72,8 @@ class Replay:
             cache = torch.is_autocast_cache_enabled()
             with contextlib.ExitStack() as stack:
                 for dt, enabled, dtype in self.autocast:
-                    stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=cache))
+                    if enabled or torch.is_autocast_enabled(dt):
+                        stack.enter_context(torch.autocast(dt, dtype=dtype, enabled=enabled, cache_enabled=cache))
                 stack.enter_context(_frozen_running_stats())
                 yield
         finally:

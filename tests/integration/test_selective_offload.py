@@ -257,3 +257,64 @@ def test_batchnorm_in_a_selective_block_trains_like_the_plain_block(save):
     for a, b in zip(model.buffers(), ref.buffers()):
         assert torch.equal(a, b)  # running statistics updated once, as without checkpointing
     assert int(model[0].bn.num_batches_tracked) == 1
+
+
+# Host cost per op (see [Note: The cost of selective recompute]): a selective block's rule is
+# asked once per distinct op of the block, not once per op call, and the ready rules' answers
+# are cached process-wide. torch's policy (memfit's eager path before) asked on every op call.
+def test_callable_rule_is_asked_once_per_distinct_op():
+    asked = []
+
+    def keep_linear(op):
+        asked.append(op)
+        return op.overloadpacket in (aten.addmm, aten.mm)
+
+    block = FFN()
+    memfit.checkpoint_module(block, save=keep_linear)
+    x = torch.randn(4, 16, requires_grad=True)
+    with OpCounter() as c:
+        block(x).sum().backward()
+    assert len(asked) == len(set(asked))  # once per op: addmm, t, gelu, ... each asked once
+    assert len(asked) < sum(c.counts.values())  # fewer than the op calls (addmm and t run twice)
+    assert c.counts[aten.addmm] == 2  # and kept: not run again in recompute
+
+
+def test_ready_rule_is_decided_once_per_op_per_process(monkeypatch):
+    from memfit._checkpoint import _selective
+
+    asked = []
+    rule = _selective._READY["linear"]
+    monkeypatch.setitem(_selective._READY, "linear", lambda op: asked.append(op) or rule(op))
+    monkeypatch.setattr(_selective, "_READY_DECISIONS", {})
+    model = nn.Sequential(FFN(), FFN())
+    memfit.apply_activation_checkpointing(model, FFN, save="linear")
+    step(model, torch.randn(4, 16))
+    first = len(asked)
+    assert first == len(set(asked))
+    step(model, torch.randn(4, 16))  # the second step (and the second block) asks nothing
+    assert len(asked) == first
+
+
+def test_kept_outputs_are_used_by_one_backward_only():
+    block = FFN()
+    memfit.checkpoint_module(block, save="linear")
+    y = block(torch.randn(4, 16, requires_grad=True)).sum()
+    y.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        y.backward()
+
+
+def test_kept_output_modified_in_place_is_an_error():
+    kept = []
+
+    def block(x):
+        h = torch.mm(x, x)
+        kept.append(h)
+        return torch.tanh(h)
+
+    x = torch.randn(4, 4, requires_grad=True)
+    y = memfit.checkpoint(block, x, save="linear")
+    with torch.no_grad():
+        kept[0].add_(1)
+    with pytest.raises(RuntimeError, match="mutated"):  # torch's wording kept
+        y.sum().backward()
