@@ -36,8 +36,12 @@ if TYPE_CHECKING:
 #
 # The read itself is off the backward (FSDP2's backward never waits for the host either): at
 # the end of backward the values are packed on the device and copied to pinned host memory
-# without blocking, and the host reads them at the next root forward, when that copy has long
-# landed; a divergence then fails the next step, naming the unit and the rank as before. The
+# without blocking, and the host reads them at the next root forward if that copy has landed
+# (its event queried, not waited for: no host sync), else at the one after, which waits for it
+# only if the device is still more than a step behind (a host that far ahead was already
+# waiting on something else); a divergence then fails within two steps, naming the unit and
+# the rank as before. With one data-parallel rank nothing is recorded (no rank to diverge
+# from; See [Note: One rank computes on its shards]). The
 # one exception is a parameter that got no gradient on this rank: whether another rank gave it
 # one (then its shard keeps the sum) or none did (then its .grad goes back to None, before the
 # optimizer can see a zero) is only known from the flags, so that step reads them at the end of
@@ -54,9 +58,9 @@ class StepChecks:
         self._reduces: list[tuple[Unit, list[ShardedParam], torch.Tensor, bool]] = []  # flags + check sums
         self._fresh: dict[ShardedParam, torch.Tensor | None] = {}  # gradients this step created: None if unused
         self._lacking: set[ShardedParam] = set()  # parameters with no gradient on this rank this step
-        # A read started at the end of a backward: (gathers, reduces, host values or the meta
-        # tensor, the copy's event or None); read at the next settle.
-        self._started: tuple[list, list, torch.Tensor, Any] | None = None
+        # Reads started at the end of backwards, oldest first: (gathers, reduces, host values
+        # or the meta tensor, the copy's event or None); read at the next settles.
+        self._started: list[tuple[list, list, torch.Tensor, Any]] = []
 
     def gathered(self, unit: Unit, ids: torch.Tensor) -> None:
         """Check later that every rank sent ``unit``'s index (``ids``: one value per rank)."""
@@ -79,10 +83,11 @@ class StepChecks:
         """``sp.sharded.grad`` was None before this step's reduce gave it one."""
         self._fresh[sp] = sp.sharded.grad
 
-    def settle(self) -> None:
-        """Read everything recorded (and a read started earlier) now, in one transfer; raise on
-        divergence; drop unused gradients."""
-        self._finish_started()
+    def settle(self, wait: bool = True) -> None:
+        """Read everything recorded (and the reads started earlier) now, in one transfer; raise
+        on divergence; drop unused gradients. ``wait=False`` (the root's forward): leave the
+        last started read in flight if its copy has not landed yet (See [Note: Divergence detection])."""
+        self._finish_started(keep=0 if wait else 1)
         if not self._gathers and not self._reduces:
             return
         parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
@@ -93,7 +98,7 @@ class StepChecks:
         """The end of backward: start reading what was recorded, without waiting; the next
         :meth:`settle` finishes the read. At once (:meth:`settle`) when debugging, or when a
         gradient this step created may belong to no rank (See [Note: Divergence detection])."""
-        self._finish_started()
+        self._finish_started(keep=1)  # at most two reads in flight
         if not self._gathers and not self._reduces:
             return
         if self.debug or any(sp in self._lacking for sp in self._fresh):
@@ -107,18 +112,24 @@ class StepChecks:
             host.copy_(flat, non_blocking=True)
             event = torch.Event(device=flat.device)
             event.record()
-        self._started = (self._gathers, self._reduces, host, event)
+        self._started.append((self._gathers, self._reduces, host, event))
         self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()
 
-    def _finish_started(self) -> None:
-        """Read the values a :meth:`settle_later` started copying (the host waits for that copy,
-        queued a step ago) and check them."""
-        if self._started is None:
-            return
-        gathers, reduces, host, event = self._started
-        self._started = None
-        if event is not None:  # pragma: no cover (needs a GPU)
-            event.synchronize()
+    def _finish_started(self, keep: int = 0) -> None:
+        """Read and check the values :meth:`settle_later` started copying, oldest first; of the
+        last ``keep`` of them, only those whose copy has landed (an event's query does not
+        block). The host waits for the others' copies (queued a step or more ago)."""
+        while self._started:
+            gathers, reduces, host, event = self._started[0]
+            landed = event is None or event.query()
+            if not landed and len(self._started) <= keep:
+                return  # still in flight: read at a later settle
+            self._started.pop(0)
+            if not landed:
+                event.synchronize()
+            self._read_started(gathers, reduces, host)
+
+    def _read_started(self, gathers: list, reduces: list, host: torch.Tensor) -> None:
         mine = (self._gathers, self._reduces, self._fresh, self._lacking)
         self._gathers, self._reduces, self._fresh, self._lacking = gathers, reduces, {}, set()
         parts = [ids.reshape(-1) for _, ids in gathers] + [tail for *_, tail, _ in reduces]

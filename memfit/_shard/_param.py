@@ -136,15 +136,34 @@ class ShardedParam:
 
     def alloc_full(self) -> torch.Tensor:
         """Refill the full tensor's storage; returns it viewed as (rows, row_numel)."""
+        self.refill()
+        # .data, not .detach(): refilling must not bump the version counter that autograd
+        # checks on the weights it saved in forward (they get back the values they had).
+        return self.full.data.view(self.rows, self.row_numel)
+
+    def refill(self) -> None:
+        """Refill the full tensor's storage (the gather writes its values next); on the hot
+        path, where the view :meth:`alloc_full` returns would go unused."""
         if self.direct:
-            return self.full.data.view(self.rows, self.row_numel)
+            return
         st = self.full.untyped_storage()
         nbytes = self._padded.numel() * self._padded.element_size()
         if st.nbytes() != nbytes:
             st.resize_(nbytes)
-        # .data, not .detach(): refilling must not bump the version counter that autograd
-        # checks on the weights it saved in forward (they get back the values they had).
-        return self.full.data.view(self.rows, self.row_numel)
+
+    def cast_in(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Refill the full tensor where the chunk is all of it (one rank, See [Note: One rank
+        computes on its shards]); (destination, source) of the copy that fills it, in the full
+        tensor's shape. Both through ``.data``: the copy must not bump the version counter that
+        autograd checks on the weights it saved in forward (they get back the values they had),
+        and it records no autograd history."""
+        full, src = self.full, self.sharded.data
+        full.requires_grad_(self.sharded.requires_grad)  # follows freezing after sharding
+        st = full.untyped_storage()
+        nbytes = self._padded.numel() * self._padded.element_size()
+        if st.nbytes() != nbytes:
+            st.resize_(nbytes)
+        return full.data, src if src.dim() == full.dim() else src.view(self.shape)  # a 0-dim parameter
 
     def free_full(self) -> None:
         if self.direct:  # the chunk: nothing to free

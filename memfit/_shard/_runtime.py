@@ -35,7 +35,8 @@ from memfit._shard._unit import GradSync, PendingReduce, ShardState, TrainingSta
 # gradient (the embeddings) is reduced by the callback queued at the root's pre-backward,
 # which runs when the whole backward ends, finishes the last reduce-scatter, resets every
 # unit for the next step and starts copying the step's checks to the host without waiting;
-# the next root forward reads them, the step's only host sync (see [Note: Divergence detection]).
+# a later root forward reads them once landed, without a host sync (see [Note: Divergence
+# detection]; with one data-parallel rank there are none, See [Note: One rank computes on its shards]).
 # Without grad (evaluation) units gather before and free right after their forward.
 
 
@@ -105,7 +106,7 @@ class RootState:
             _IN_FLIGHT.discard(self)  # a forward without backward before this one
             if grad:
                 _IN_FLIGHT.add(self)
-            self.checks.settle()  # the last backward's checks: the step's one host read
+            self.checks.settle(wait=False)  # the last backward's checks, when they have landed: no host sync
         if unit is self.root and not self.order_done and self.forward_order:
             self.order_done = True  # the first step's order is known once the root runs again
         if not self.order_done and unit not in self.forward_order:

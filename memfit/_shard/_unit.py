@@ -71,9 +71,16 @@ class GradSync(Enum):
 # registered, autograd accumulates its gradient into its .grad, and the unit issues no
 # collective and no copy for it: gather, free and reduce are no-ops, so a step costs exactly
 # what plain torch costs (the planner's s = 1 terms, [Note: Sharded forecasts], assume this).
-# Parameters that need a cast or live on the host still go through the unit's buffers, and at
-# one rank (a shard group of one, also under HSDP) the all-gather's output is its input and the
-# reduce-scatter's output is its input: neither collective is called.
+# Parameters that need a cast (mixed precision) are cast straight from the chunk into the full
+# tensor on the compute stream, as plain torch's autocast casts its weights: one foreach copy
+# per unit and dtype, no buffer, no collective; their gradients are cast back into the chunks'
+# .grad with one _chunk_cat (and the division, where a divide factor asks for one), and a
+# parameter without a gradient keeps the .grad it had (None: as in plain torch). With one
+# data-parallel rank there is no rank to diverge from: nothing is recorded for the step's
+# checks, so the step reads nothing back to the host (See [Note: Divergence detection]).
+# Parameters whose chunks live on the host (offload) still go through the unit's buffers; at
+# one rank of a shard group under HSDP (replicas > 1) the all-gather's output is its input and
+# the reduce-scatter's output is its input: neither collective is called.
 
 
 class Unit:
@@ -126,6 +133,9 @@ class Unit:
         self._gather: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None  # (work, output, send buffer)
         self._gather_plan: GatherLayout | None = None  # built at the first gather
         self._reduce_plans: dict[tuple[int, ...], ReduceLayout] = {}  # per set of trainable parameters
+        self._local: bool | None = None  # See _casts_locally
+        self._cast_groups: list[list[ShardedParam]] | None = None  # See _cast_in
+        self._copied_params: list[ShardedParam] | None = None  # See _copied
         device = params[0].full.device if params else torch.device("cpu")
         self._own_streams, self._own_checks = Streams(device), StepChecks(self.rank, eager=True)  # no root yet
         self.managed = managed or []  # the modules whose parameters this unit owns
@@ -149,10 +159,34 @@ class Unit:
             self._gather_plan = GatherLayout(self._copied(), self.index, self.params[0].full.device)
         return self._gather_plan
 
+    def _casts_locally(self) -> bool:
+        """One data-parallel rank, every chunk on the compute device: the gather casts the
+        chunks into the full tensors and the reduce casts the full gradients into the chunks'
+        (See [Note: One rank computes on its shards])."""
+        if self._local is None:
+            local = all(same_device(p.sharded.device, p.full.device) for p in self.params)
+            self._local = local and self.layout.data_parallel == 1
+        return self._local
+
+    def _cast_in(self) -> None:
+        """One rank (:meth:`_casts_locally`): fill the full tensors from the chunks, on the
+        compute stream; one foreach copy per dtype pair, whatever the number of parameters."""
+        if self._cast_groups is None:  # by (compute dtype, chunk dtype): CUDA's fast path wants one each
+            groups: dict[tuple[torch.dtype, torch.dtype], list[ShardedParam]] = {}
+            for p in self._copied():
+                groups.setdefault((p.full.dtype, p.sharded.dtype), []).append(p)
+            self._cast_groups = list(groups.values())
+        for group in self._cast_groups:
+            pairs = [p.cast_in() for p in group]
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        self._gathered_versions = [p.sharded._version for p in self._copied()]
+
     def _copied(self) -> list[ShardedParam]:
         """The parameters that go through the unit's buffers (not the chunks that are their own
         full tensors, See [Note: One rank computes on its shards])."""
-        return [p for p in self.params if not p.direct]
+        if self._copied_params is None:  # (which chunks are direct is settled when the unit is made)
+            self._copied_params = [p for p in self.params if not p.direct]
+        return self._copied_params
 
     def unshard(self) -> None:
         """Start the all-gather of this unit's parameters (no-op if gathered or gathering)."""
@@ -161,6 +195,12 @@ class Unit:
             return
         if not self._copied():  # See [Note: One rank computes on its shards]
             self.shard_state = ShardState.UNSHARDED
+            return
+        if self._casts_locally():  # See [Note: One rank computes on its shards]
+            self._release_held(self._streams())
+            self._cast_in()
+            self._gather = None  # GATHERING without a collective: wait_unshard registers them
+            self.shard_state = ShardState.GATHERING
             return
         layout, streams = self._gather_layout(), self._streams()
         streams.after("gather", "compute")  # the shards are written (optimizer step), or the piece kept
@@ -175,7 +215,7 @@ class Unit:
                 copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
             work = comm.all_gather(out, send, group) if self.world > 1 else None  # one rank: out is send
         self._gather = (work, out, send)
-        self._gathered_versions = [p.sharded._version for p in self.params]
+        self._gathered_versions = [p.sharded._version for p in self._copied()]
         self.shard_state = ShardState.GATHERING
 
     def wait_unshard(self) -> None:
@@ -186,7 +226,13 @@ class Unit:
             self.unshard()
         if self.shard_state is not ShardState.GATHERING:
             return
-        assert self._gather is not None  # GATHERING: unshard set it
+        if self._gather is None:  # cast at unshard (one rank)
+            if self._stale():  # the shards changed (an optimizer step) since: cast again
+                self._cast_in()
+            for p in self._copied():  # (a direct chunk stays registered: it is the full tensor)
+                p.register(p.full)
+            self.shard_state = ShardState.UNSHARDED
+            return
         work, out, _send = self._gather
         self._gather = None
         streams = self._streams()
@@ -194,7 +240,7 @@ class Unit:
             if work is not None:
                 comm.wait(work, f"all-gather of sharded unit '{self.name}'", self.group)
             done = streams.record("gather")
-        if [p.sharded._version for p in self.params] != self._gathered_versions:
+        if [p.sharded._version for p in self._copied()] != self._gathered_versions:
             # The shards changed (an optimizer step) since a prefetch started: gather again.
             streams.note("free", f"{self.name}:gather-out", "gather")
             self.shard_state = ShardState.SHARDED
@@ -205,7 +251,7 @@ class Unit:
         ids = torch.empty(self.world, layout.tail.numel(), dtype=layout.wire, device=layout.device)
         for p in layout.order:
             p.full.requires_grad_(p.sharded.requires_grad)  # follows freezing after sharding
-            p.alloc_full()
+            p.refill()
         outs = [
             p.gather_view() if layout.wire is p.full.dtype else p.gather_view().view(layout.wire) for p in layout.order
         ]
@@ -218,7 +264,7 @@ class Unit:
         else:
             streams.note("free", f"{self.name}:gather-out", "gather")
             comm.free_now(out)  # the send buffer is a slot of it, or the kept piece
-        for p in self.params:
+        for p in layout.order:
             p.register(p.full)
         self._checks().gathered(self, ids[:, 0])
         self.shard_state = ShardState.UNSHARDED
@@ -235,14 +281,14 @@ class Unit:
             self.shard_state = ShardState.SHARDED
         if self.shard_state is not ShardState.UNSHARDED:
             return
-        for p in self.params:
+        for p in self._copied():  # (a direct chunk is its own full tensor: nothing to free)
             p.register(p.sharded)
             p.free_full()
         self.shard_state = ShardState.PARTIAL if keep else ShardState.SHARDED
 
     def _stale(self) -> bool:
         """Have the shards changed since the full parameters were gathered from them?"""
-        return [p.sharded._version for p in self.params] != self._gathered_versions
+        return [p.sharded._version for p in self._copied()] != self._gathered_versions
 
     def _keeps_piece(self) -> bool:
         """Partial reshard: does this gather (a forward's, not the root's) leave a piece to keep?"""
@@ -283,6 +329,7 @@ class Unit:
         """Give ``sp`` up: a unit above takes it over (a tied parameter)."""
         self.params.remove(sp)
         self._gather_plan = None
+        self._local, self._cast_groups, self._copied_params = None, None, None
         self._reduce_plans.clear()
 
     # -- reduce-scatter -----------------------------------------------------------------------
@@ -327,6 +374,9 @@ class Unit:
         if layout is None:
             layout = self._reduce_plans[key] = ReduceLayout(self, trainable)
         grads = [_with_accumulated(p) for p in layout.params]
+        if self._casts_locally():
+            self._cast_grads(layout, grads)
+            return None
         have = tuple(g is not None for g in grads)
         streams = self._streams()
         streams.note("alloc", f"{self.name}:full-grads", "compute")  # autograd wrote them on compute
@@ -353,6 +403,44 @@ class Unit:
             streams.note("free", f"{self.name}:full-grads", "compute")
             grads, copied = [], None
         return PendingReduce(self, layout, work, (send, grads, copied, ready), out, have)
+
+    def _cast_grads(self, layout: ReduceLayout, grads: list[torch.Tensor | None]) -> None:
+        """One rank (:meth:`_casts_locally`): the full gradients ``grads`` (of
+        ``layout.params``), cast to the reduce dtype and divided as the reduce-scatter's would
+        be, become (or are added to) the chunks' .grad, on the compute stream: one
+        ``_chunk_cat`` per gradient dtype into one flat buffer, which the new .grad tensors view.
+        A parameter without a gradient keeps its .grad (None: no rank produced one)."""
+        pairs = [(p, g) for p, g in zip(layout.params, grads) if g is not None]
+        for p in layout.params:
+            p.full.grad = None
+        if not pairs:
+            return
+        sizes = [p.local_numel for p, _ in pairs]
+        flat = torch.empty(sum(sizes), dtype=layout.dtype, device=layout.device)
+        dtypes = dict.fromkeys(g.dtype for _, g in pairs)
+        if len(dtypes) == 1:
+            torch._chunk_cat([g if g.dim() else g.view(1) for _, g in pairs], 0, 1, out=flat.view(1, -1))
+        else:  # accumulated (no_sync) gradients beside fresh ones of another dtype: rare, one copy each
+            for (_, g), dst in zip(pairs, torch.split_with_sizes(flat, sizes)):
+                dst.copy_(g.reshape(-1))
+        if layout.pre != 1:  # as the reduce-scatter (See gradient_divide_factors)
+            flat.div_(layout.pre)
+        if layout.post != 1:
+            flat.div_(layout.post)
+        dtype = layout.params[0].sharded.dtype
+        if flat.dtype != dtype:
+            flat = flat.to(dtype)
+        olds, news = [], []
+        for (p, _), part in zip(pairs, torch.split_with_sizes(flat, sizes)):
+            shape = p.sharded.shape
+            g = part if part.shape == shape else part.view(shape)
+            if p.sharded.grad is None:
+                p.sharded.grad = g
+            else:
+                olds.append(p.sharded.grad)
+                news.append(g)
+        if olds:
+            torch._foreach_add_(olds, news)
 
 
 def _aligned(dtype: torch.dtype) -> int:

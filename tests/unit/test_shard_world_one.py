@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.testing import OpCounter, sharded_units
+from memfit.testing import HostSyncCounter, OpCounter, sharded_units
 
 
 def net():
@@ -121,3 +121,75 @@ def test_one_rank_with_mixed_precision_casts_but_calls_no_collective(one_rank):
     assert not any(k.startswith(("_allgather", "_reduce_scatter", "allreduce", "alltoall")) for k in ops.ops)
     norm = sharded_units(model)[0].params  # the root holds the fp32 LayerNorm's: no cast, on the chunk
     assert {sp.direct for sp in norm} == {True}
+
+
+def test_one_rank_mixed_precision_step_reads_nothing_back_and_casts_once_per_gather(one_rank):
+    """bf16 compute at one rank (benchmarks/sharding_host_overhead.py): with no rank to diverge
+    from, the step records no checks and reads nothing back to the host (the old runtime read
+    the step's checks at the next root forward: one host sync per step on a GPU); a gather is
+    one cast of the chunks into the full tensors and a reduce one cast of the gradients into
+    the chunks' .grad, whatever the number of parameters: no gather or reduce buffer, no
+    index tail, no split-copy."""
+    mp = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+    model = sharded(net(), mixed_precision=mp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(5, 8)
+    for _ in range(2):
+        step(model, opt, x)
+    for _ in range(2):
+        with HostSyncCounter() as syncs, OpCounter() as ops:
+            step(model, opt, x)
+        assert syncs.calls == [], syncs.calls
+        # three Linear units, gathered for forward and again for backward, reduced once; the
+        # root holds only the fp32 LayerNorm, which computes on its chunk (no cast)
+        assert ops.kernels["_foreach_copy_"] == 6, ops.kernels
+        assert ops.kernels["_chunk_cat"] == 3, ops.kernels
+        moves = ("split_with_sizes_copy", "copy_", "cat", "clone")
+        assert {k: ops.kernels[k] for k in moves if ops.kernels[k]} == {}, ops.kernels
+        assert ops.ops["empty"] == 3, ops.ops  # one flat gradient buffer per reduce
+
+
+def _through_buffers(model):
+    """The same model on the runtime's general path (buffers and the step's checks), as
+    offloaded chunks and HSDP take it at one rank: the reference the local casts must match."""
+    for u in sharded_units(model):
+        u._local = False
+    return model
+
+
+@pytest.mark.parametrize("case", ["plain", "no_sync", "unused", "keep_grads"])
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, None])
+def test_one_rank_mixed_precision_local_casts_match_the_buffered_path_bitwise(one_rank, case, reduce_dtype):
+    mp = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=reduce_dtype)
+    base = net()
+    fast = sharded(copy.deepcopy(base), mixed_precision=mp)
+    ref = _through_buffers(sharded(copy.deepcopy(base), mixed_precision=mp))
+    if case == "unused":  # a parameter no forward uses: its .grad stays None
+        for m in (fast, ref):
+            m[2].spare = nn.Parameter(torch.ones(3))
+    models = (fast, ref)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    torch.manual_seed(1)
+    for _ in range(3):
+        x = torch.randn(5, 8)
+        if case == "no_sync":  # accumulated in fp32 (the reduce dtype) between the backwards
+            for m in models:
+                with m.no_sync():
+                    m(x).sum().backward()
+        losses = []
+        for m, o in zip(models, opts):
+            loss = m(x).square().mean()
+            loss.backward()
+            if case == "keep_grads":  # a second backward adds into the chunks' .grad
+                m(x).sum().backward()
+            o.step()
+            o.zero_grad(set_to_none=case != "keep_grads")
+            losses.append(loss.detach())
+        assert torch.equal(*losses)
+        for (name, a), b in zip(fast.named_parameters(), ref.parameters()):
+            assert torch.equal(a, b), name
+            assert (a.grad is None) == (b.grad is None), name
+            if a.grad is not None:
+                assert torch.equal(a.grad, b.grad), name
+    cast = [u for u in sharded_units(fast) if u._copied()]  # the root holds only the fp32 norm
+    assert len(cast) == 3 and all(u._local for u in cast)
