@@ -172,7 +172,7 @@ def _decisions(save: str | Callable) -> _Decisions:
     return _Decisions(save)
 
 
-_READY_DECISIONS: dict[str, _Decisions] = {}
+_READY_DECISIONS: dict[str, _Decisions] = {}  # per fixed rule, its decisions: they never change
 
 
 def _detach(x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ ALLOWED = {
     "memfit._shard._async_save.SAVES": "at most one checkpoint save in flight per process",
     "memfit._shard._compat._WARNED": "each FSDP1 warning once per process",
     "memfit._shard._fully_shard._NO_MIXED_PRECISION": "FSDP2's default policy object, never changed",
+    "memfit._checkpoint._selective._ALWAYS_RECOMPUTE": "a cache of a pure function of each aten op",
+    "memfit._checkpoint._selective._READY_DECISIONS": "the fixed rules' keep decision per aten op, cached",
     "memfit._shard._fully_shard._NO_OFFLOAD": "FSDP2's default policy object, never changed",
     "memfit._checkpoint._host.STATS": "counters of every offloading block of the process",
     "memfit._checkpoint._host._offloaders": "one side stream per device for every block",
