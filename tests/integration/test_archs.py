@@ -70,8 +70,6 @@ CHECKPOINT_XFAIL: dict[str, str] = {
     **dict.fromkeys(_TOO_BIG, _SHRINK),
     "Swinv2ForImageClassification": 'save="linear": an op mutates a Linear output in place (torch: "Tensor cached '
     'during selective activation checkpoint has been mutated")',
-    "IBertForMaskedLM": 'save="linear": recompute takes another path than forward (torch: "aten.mul.Tensor invocation '
-    'index 5 encountered during backward but not found in storage")',
 }
 # Architectures whose tensors neither reset_parameters nor transformers' _init_weights writes (their
 # constructors set them: lost on the meta device): materialize must refuse them by name.
