@@ -212,11 +212,11 @@ def _finish(path: str, tmp: str, state: dict[str, Any], info: dict[str, Any], gr
     """Write ``state`` into ``tmp`` with DCP, checksum it, and swap it in at ``path``."""
     rank = dist.get_rank(group)
     try:
-        meta = dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp, sync_files=True), process_group=group)
         _atomic.step("save:written")
-        # the metadata as written: torch 2.11's dcp.save returns it without storage_data
-        written = _unpickle_metadata(os.path.join(tmp, ".metadata")) if HOOKS.checksums else meta
-        checksums = _checksums(tmp, written, group) if HOOKS.checksums else None
+        checksums = None
+        if HOOKS.checksums:  # of the metadata as written: torch 2.11's dcp.save returns it without storage_data
+            checksums = _checksums(tmp, _unpickle_metadata(os.path.join(tmp, ".metadata")), group)
         _atomic.step("save:checksummed")
     except BaseException as e:  # CheckpointException is a BaseException; every rank gets it
         if rank == 0:
