@@ -79,6 +79,14 @@ class Sharding:
 # backward, where the root reduce-scatters them last: its parameters are freed by then, its
 # gradients are copied into a send buffer as large and 1/s of it comes back -- the peak of a
 # small Llama at W = 2 (a moment of its own, "end of backward"; an under-forecast without it).
+# The runtime's holding rules ([Note: Streams and buffer lifetimes]) are the same on CUDA as on
+# the CPU these terms were measured on, where each one is counted: a unit's full gradients go
+# at its post-backward (own gradients, "gradients"); the send buffer and the 1/s shard of the
+# block after stay until the next post-backward ("gradients": the shard; the send buffer is
+# as large as the gradients of the block computing, which are not all made at its peak); in
+# forward, CUDA holds the last all-gather output until the next all-gather, in place of the
+# prefetched unit that unit_buffers counts, and frees it when the root's forward ends (no term
+# at the end of forward); in backward it frees it at once.
 # Bytes per unit a sharded step holds beside the tensors named above (its reduce's "has a
 # gradient" flags and check sums, see memfit/_shard): 1.4 KB in all were measured at the end of
 # backward of a 2-block Llama (3 units); 1 KiB per unit bounds them.

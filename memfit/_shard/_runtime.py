@@ -61,6 +61,9 @@ class RootState:
         self.checks = StepChecks(root.rank)  # See [Note: Divergence detection]
         # (name, the last all-gather output, its copy-out event): CUDA only
         self.gather_held: tuple[str, torch.Tensor, Any] | None = None
+        # (name, buffer) written on compute and read on a reduce stream, freed at the end of
+        # backward once compute waited for those streams (one rank's send buffers): CUDA only
+        self.reduced_held: list[tuple[str, torch.Tensor]] = []
 
     def next_in_forward(self, unit: Unit) -> Unit | None:
         if not self.order_done or unit not in self.forward_order:
@@ -138,6 +141,8 @@ class RootState:
             if unit.reshard_after_forward and unit is not self.root:
                 unit.reshard(after_forward=True)
             return
+        if unit is self.root:  # no gather follows in this forward: free the one held
+            unit._release_held(self.streams)
         if not torch.is_grad_enabled():
             unit.reshard()
             if unit is self.root:  # evaluation ends: drop gathers prefetched for nothing
@@ -215,6 +220,9 @@ class RootState:
         self.streams.after("compute", "reduce")  # the gradient shards are written
         if any(u.layout.replicate is not None for u in self.units):  # (with replicas, on the all-reduce stream)
             self.streams.after("compute", "all_reduce")
+        for name, _ in self.reduced_held:
+            self.streams.note("free", name, "compute")
+        self.reduced_held.clear()
         for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next
             self.streams.note("use", f"{unit.name}:grad-shards", "compute")  # (the optimizer)
             self.streams.note("use", f"{unit.name}:reduce-out", "compute")  # (the step's checks)

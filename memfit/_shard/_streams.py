@@ -22,11 +22,13 @@ from memfit._instrument import HOOKS
 #   for compute first (the optimizer step wrote the shards), so a prefetch overlaps the
 #   compute of the unit before it. Compute waits for the all-gather's event before it copies
 #   the gathered buffer out into the full parameters.
-# - "reduce": the copy-in of full gradients, the reduce-scatter, the division, and the addition
-#   into gradient shards that exist already (FSDP2's post-reduce stream does the same). It waits
-#   for compute first (the gradients are ready, the old gradient shards written); compute waits
-#   for its post-reduce event at the end of backward, so reduce-scatters overlap the next units'
-#   backward, and at once only where it reads the reduce output itself (debug checks).
+# - "reduce": the reduce-scatter, the division, and the addition into gradient shards that
+#   exist already (FSDP2's post-reduce stream does the same). It waits for compute first (the
+#   gradients were copied into the send buffer on compute, the old gradient shards written);
+#   compute waits for its post-reduce event at the end of backward, so reduce-scatters overlap
+#   the next units' backward, and at once only where it reads the reduce output itself (debug
+#   checks). The copy-in runs on compute, as FSDP2's, so that autograd's full gradients are
+#   freed at once on the stream that allocated them.
 # - "all_reduce" (hybrid sharding only): the all-reduce of a reduced shard across the replicas
 #   and, after it, the division and the addition into gradient shards (FSDP2's all-reduce
 #   stream, its post-reduce stream under HSDP). It waits for the reduce-scatter's event and
@@ -34,14 +36,24 @@ from memfit._instrument import HOOKS
 #   within a backward, so later units' reduce-scatters do not queue behind the inter-node
 #   all-reduce. Compute waits for it at the end of backward.
 # Traced buffers (memfit.testing.trace_streams): each unit's gather output, full gradients,
-# reduce output and gradient shards; host offload traces its copies the same way.
+# send buffer, reduce output and gradient shards; host offload traces its copies the same way.
 # A buffer allocated on one stream and used on another must not be freed (the caching
 # allocator would hand its memory to the allocating stream at once) before the allocating
-# stream has waited for an event recorded after the use. So the all-gather output is kept
-# until the next all-gather on the gather stream has waited for the copy-out event, and the
-# full gradients (allocated by autograd on compute) until compute has waited for the event
-# recorded after the reduce stream copied them in. No `record_stream`, no host waits. One
-# all-gather output is held at a time per root, as in FSDP2. On the CPU nothing is held.
+# stream has waited for an event recorded after the use. The holding rules, each as early as
+# FSDP2's (tests/unit/test_stream_rules.py checks the trace):
+# - an all-gather output, after its copy-out on compute: in forward it is held until the next
+#   all-gather waits for the copy-out event (so the copy-out overlaps that all-gather, FSDP2's
+#   implicit prefetch), at most one per root and none once the root's forward ends; in
+#   backward it is freed at once, the gather stream waiting for the copy-out;
+# - a unit's full gradients: freed right after the copy-in, on compute (no hold);
+# - the send buffer (allocated on compute): until the next unit's post-backward, where compute
+#   waits for the reduce-scatter that read it (with one rank it is the output the shards'
+#   gradients view: until the end of backward);
+# - the reduce output (allocated on the reduce stream): the gradient shards view it; compute
+#   waits for the post-reduce event at the end of backward, before the optimizer reads them.
+# No `record_stream`, no host waits. On the CPU the same buffers live as long, except that an
+# all-gather output goes right after its copy-out in forward too; so the planner's sharded
+# forecasts, measured on the CPU, follow the CUDA lifetimes ([Note: Sharded forecasts]).
 
 
 class Streams:

@@ -259,7 +259,7 @@ class Unit:
         if self._keeps_piece():
             self._piece = self._rows_to_keep(out)
         streams.note("use", f"{self.name}:gather-out", "compute")
-        if streams.holds:  # freed by the next gather, once it waited for this event
+        if streams.holds:  # freed once the gather stream waited for the copy-out (See _hold)
             self._hold(f"{self.name}:gather-out", out, streams.record("compute"))
         else:
             streams.note("free", f"{self.name}:gather-out", "gather")
@@ -304,7 +304,12 @@ class Unit:
         return out.view(self.world, -1)[j * per : (j + 1) * per].clone().view(-1)
 
     def _hold(self, name: str, out: torch.Tensor, event) -> None:
-        if self.root_state is not None:
+        """Free the all-gather output ``out`` once the gather stream waited for ``event`` (its
+        copy-out): in forward at the next all-gather (or the root's post-forward), so that the
+        copy-out overlaps that all-gather, as FSDP2's implicit prefetch; in backward at once,
+        as FSDP2 (the copy-out then overlaps the reduce-scatter before it)."""
+        forward = self.training_state is TrainingState.FORWARD
+        if self.root_state is not None and forward:
             self._release_held(self._streams())
             self.root_state.gather_held = (name, out, event)
         else:
@@ -379,30 +384,34 @@ class Unit:
             return None
         have = tuple(g is not None for g in grads)
         streams = self._streams()
+        # As FSDP2's copy-in: on compute, where autograd wrote the gradients, so that they are
+        # freed at once (a copy-in on the reduce stream would hold them until compute waited for
+        # it, one unit's gradients more than FSDP2). One launch whatever the number of
+        # parameters: each gradient's rows, chunked over the ranks' slots (zero-padded), cast to
+        # the reduce dtype. The send buffer, written on compute and read by the reduce-scatter,
+        # is held until compute waits for the reduce-scatter (in `finish`).
+        send = torch.empty(self.world, layout.slot, dtype=layout.dtype, device=layout.device)
+        streams.note("alloc", f"{self.name}:send", "compute")
         streams.note("alloc", f"{self.name}:full-grads", "compute")  # autograd wrote them on compute
-        ready = streams.record("compute")  # the gradients are ready (and the shards' old gradients)
+        layout.copy_in(send, grads, have)
+        if layout.pre != 1:  # 16-bit sums: divide before and after (See gradient_divide_factors)
+            send.div_(layout.pre)
+        streams.note("use", f"{self.name}:full-grads", "compute")
+        for p in trainable:
+            p.full.grad = None
+        grads.clear()
+        streams.note("free", f"{self.name}:full-grads", "compute")
+        ready = streams.record("compute")  # the send buffer is written (and the shards' old gradients)
         streams.wait("reduce", ready)
         with streams.on("reduce"):
-            send = torch.empty(self.world, layout.slot, dtype=layout.dtype, device=layout.device)
-            # One launch whatever the number of parameters, as FSDP2's copy-in: each gradient's
-            # rows, chunked over the ranks' slots (zero-padded), cast to the reduce dtype.
-            layout.copy_in(send, grads, have)
-            if layout.pre != 1:  # 16-bit sums: divide before and after (See gradient_divide_factors)
-                send.div_(layout.pre)
-            streams.note("use", f"{self.name}:full-grads", "reduce")
-            copied = streams.record("reduce")
+            streams.note("use", f"{self.name}:send", "reduce")
             if self.world > 1:
                 out = torch.empty(layout.slot, dtype=layout.dtype, device=layout.device)
                 work = comm.reduce_scatter(out, send.view(-1), self.group)
             else:  # one rank: the sum is the input (See [Note: One rank computes on its shards])
                 out, work = send.view(-1), None
             streams.note("alloc", f"{self.name}:reduce-out", "reduce")
-        for p in trainable:
-            p.full.grad = None
-        if not streams.holds:  # the CPU copied them already
-            streams.note("free", f"{self.name}:full-grads", "compute")
-            grads, copied = [], None
-        return PendingReduce(self, layout, work, (send, grads, copied, ready), out, have)
+        return PendingReduce(self, layout, work, (send, ready), out, have)
 
     def _cast_grads(self, layout: ReduceLayout, grads: list[torch.Tensor | None]) -> None:
         """One rank (:meth:`_casts_locally`): the full gradients ``grads`` (of
@@ -560,7 +569,7 @@ class ReduceLayout:
             host = torch.tensor([values] * self.unit.world, dtype=self.dtype, pin_memory=pinning())
             if self.device.type == "cpu":
                 self._tails[have] = host
-            else:  # from pinned memory, without blocking the host (queued on the reduce stream)
+            else:  # from pinned memory, without blocking the host (queued on the current stream)
                 self._tails[have] = torch.empty_like(host, device=self.device)
                 to_device(host, self._tails[have])
         return self._tails[have]
@@ -592,10 +601,11 @@ class PendingReduce:
         name = f"{unit.name}:reduce-out"
         replicate = unit.layout.replicate
         post = "reduce" if replicate is None else "all_reduce"
-        _send, grads, copied, ready = cast(tuple, self.inputs)
+        send, ready = cast(tuple, self.inputs)
         with streams.on("reduce"):
             if self.work is not None:
                 comm.wait(self.work, f"reduce-scatter of sharded unit '{unit.name}'", unit.group)
+            scattered = streams.record("reduce")  # the send buffer was read
         if replicate is not None:
             streams.wait(post, ready)
             streams.after(post, "reduce")
@@ -613,11 +623,18 @@ class PendingReduce:
                 streams.note("use", f"{unit.name}:grad-shards", post)
                 torch._foreach_add_(olds, news)
             done = streams.record(post)
-        if not streams.holds and unit.world > 1:
-            comm.free_now(_send)  # (one rank: the send buffer is the output, which the shards' gradients view)
-        if grads:
-            streams.wait("compute", copied)  # the full gradients were read: compute may reuse them
-            streams.note("free", f"{unit.name}:full-grads", "compute")
+        # The send buffer was allocated on compute: compute waits before its memory is reused.
+        if unit.world > 1:  # for the reduce-scatter, which read it
+            streams.wait("compute", scattered)
+            streams.note("free", f"{unit.name}:send", "compute")
+            if not streams.holds:
+                comm.free_now(send)
+        elif streams.holds:  # one rank: it is the output, read on the post-reduce stream until `done`
+            if unit.root_state is not None:  # compute waits for that at the end of backward
+                unit.root_state.reduced_held.append((f"{unit.name}:send", send))
+            else:
+                streams.wait("compute", done)
+                streams.note("free", f"{unit.name}:send", "compute")
         self.inputs = None
         if on_host:
             wait_host_copies()  # offloaded: the host adds what the device copied

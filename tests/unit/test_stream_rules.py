@@ -128,3 +128,44 @@ def test_sharding_and_activation_offload_trace_into_one_log():
     names = {e[1] for e in trace.log if e[0] in ("alloc", "use", "free")}
     assert any(n.startswith("host#") for n in names) and any(n.endswith(":reduce-out") for n in names)
     assert trace.violations() == []
+
+
+def _alive(log, suffix):
+    """Buffers named ``*suffix`` the trace allocated and has not freed."""
+    alive = set()
+    for kind, name, _ in log:
+        if isinstance(name, str) and name.endswith(suffix):
+            if kind == "alloc":
+                alive.add(name)
+            elif kind == "free":
+                alive.discard(name)
+    return alive
+
+
+def test_buffers_are_freed_as_early_as_fsdp2_frees_them():
+    """Point 11: a unit's full gradients are copied into the send buffer on compute and freed
+    there at once (a copy-in on the reduce stream held them until the next unit's post-backward:
+    two units' full gradients at once); the send buffer goes when compute has waited for the
+    reduce-scatter; in backward an all-gather output goes right after its copy-out, and the one
+    forward holds for the next all-gather goes when the root's forward ends."""
+    with meta_accelerator(2), trace_streams() as trace:
+        model = sharded_net()
+        loss = model(torch.randn(3, 4, device=META)).sum()
+        assert _alive(trace.log, ":gather-out") == set()  # the root's forward ended
+        forward_end = len(trace.log)
+        loss.backward()
+    log = trace.log
+    assert trace.violations() == []
+    for suffix in (":gather-out", ":full-grads", ":send"):
+        assert _alive(log, suffix) == set(), suffix
+    names = [u.name for u in sharded_units(model)]
+    for name in names:  # nothing of another unit happens while its full gradients are alive
+        start = log.index(("alloc", f"{name}:full-grads", "compute"))
+        end = log.index(("free", f"{name}:full-grads", "compute"))
+        between = {e[1].split(":")[0] for e in log[start:end] if e[0] != "record" and e[0] != "wait"}
+        assert between == {name}, (name, between)
+    copy_outs = [i for i, e in enumerate(log) if i > forward_end and e[0] == "use" and e[1].endswith(":gather-out")]
+    assert copy_outs  # (the units gathered again in backward)
+    for i in copy_outs:  # the next buffer event frees it, after the gather stream waited
+        after = [e for e in log[i + 1 :] if e[0] not in ("record", "wait")]
+        assert after[0] == ("free", log[i][1], "gather"), after[:2]
