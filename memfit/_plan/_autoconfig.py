@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit._checkpoint import Offload
 from memfit._plan._budget import format_bytes, parse_bytes
+from memfit._plan._calibrate import check_ranks
 from memfit._plan._calibrate import device_profile as _device_profile
 from memfit._plan._comm import Units, micro_batch_comm
 from memfit._plan._plan import Plan, PlanError, _device_type, _solve_with_heads
@@ -267,6 +268,7 @@ def autoconfigure(
     """
     budget_bytes = parse_bytes(budget)
     device = _device_profile(device_profile, _device_type(model))
+    check_ranks(device, world_size, "memfit.autoconfigure")
     first = _batch_size(example_batch)
     tokens = tokens_per_sample or max(1, _first_tensor(example_batch).numel() // first)
     blocks = find_candidates(model)

@@ -9,6 +9,7 @@ import os
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -142,6 +143,7 @@ def calibrate(
         checkpoint_op=overheads["checkpoint_op"],
         **(_fresh_pages(timed) if device.type == "cpu" else {}),
         workspace_bytes=CUDA_WORKSPACE if device.type == "cuda" else 0,  # not measured: the H100's
+        calibrated_ranks=1,
     )
     if save:
         save_profile(profile, device.type)
@@ -495,6 +497,8 @@ def calibrate_group(group=None, device: str | torch.device | None = None, *, cpu
         overhead = _collective_overhead(group, device, links["intra_node_bandwidth"], links["intra_node_latency"])
     finally:
         STATS.__dict__.update(counters.__dict__)
+    source = f"{mine.source} by {w} ranks" if (w := dist.get_world_size(group)) > 1 else mine.source
+    mine = dataclasses.replace(mine, source=source, calibrated_ranks=w)
     box = [dataclasses.replace(mine, name=f"calibrated-{device.type}", collective_overhead=overhead, **links)]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group, device=device if device.type != "cpu" else None)
@@ -527,6 +531,21 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
             "(this machine, measured once by `memfit calibrate`) or a memfit DeviceProfile"
         )
     return PROFILES[spec]
+
+
+def check_ranks(profile: DeviceProfile, world_size: int, who: str) -> None:
+    """Warn when ``profile`` was calibrated with another number of ranks than ``world_size``:
+    its per-rank compute was measured while that many ranks shared the machine, and its links
+    and collective overhead over that many (a 1-rank calibration has no links at all)."""
+    n = profile.calibrated_ranks
+    if n and n != world_size:
+        warnings.warn(
+            f"{who}: the device profile {profile.name!r} was calibrated with {n} rank{'s' * (n > 1)} and this "
+            f"plan is for world size {world_size}: per-rank compute and collective times depend on the ranks "
+            f"sharing the machine. Run `memfit calibrate --world-size {world_size}` (or calibrate_group in "
+            "the job) for prices at this size.",
+            stacklevel=3,
+        )
 
 
 __all__ = ["calibrate", "calibrate_group", "calibrate_links", "device_profile", "save_profile"]

@@ -14,6 +14,7 @@ from torch import nn
 from memfit._checkpoint import Decision, Offload, remove_checkpointing
 from memfit._plan._batch import check_batch
 from memfit._plan._budget import describe_bytes, format_bytes, parse_bytes
+from memfit._plan._calibrate import check_ranks
 from memfit._plan._calibrate import device_profile as _device_profile
 from memfit._plan._head import chunk_head, unchunk_head
 from memfit._plan._profile import (
@@ -419,6 +420,7 @@ def plan(
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
     shard = _sharding(world_size, shard_size, sharding)
     device = _device_profile(device_profile, _device_type(model))
+    check_ranks(device, world_size, "memfit.plan")
     opts: dict[str, Any] = {"decisions": decisions, "device": device}
     if profile is None:
         check_batch(model, example_inputs)  # See [Note: Checking the batch before planning]

@@ -104,6 +104,9 @@ class DeviceProfile:
             hide the host's part).
         workspace_bytes: device memory a step's allocator holds beside the tensors MemoryMeter
             counts (see [Note: The allocator beside the tensors]); 0 on a CPU.
+        calibrated_ranks: how many ranks ran while it was measured (`memfit calibrate`: 1,
+            calibrate_group: the group's size; the per-rank compute and the collectives
+            depend on it: a plan for another world size warns); 0: a named profile.
     """
 
     name: str
@@ -127,6 +130,7 @@ class DeviceProfile:
     ranks_per_node: int = 8
     collective_overhead: float = 0.0  # seconds a collective adds to a step beyond its link time (see above)
     workspace_bytes: int = 0  # device memory the allocator holds beside tensors in a step (see above)
+    calibrated_ranks: int = 0  # ranks running while it was measured; 0: not measured (see above)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON

@@ -379,3 +379,22 @@ def test_model_state_offload_is_forecast_per_rank():
     lever = next(line for line in text.splitlines() if "model state offload (memfit.shard(offload='cpu'))" in line)
     assert f"saves {format_bytes(saved)} for" in " ".join(lever.split())  # a ranked lever, priced
     assert "model state offload" not in memfit.Plan.fixed({"b0": "keep", "b1": "keep"}, profile).table()
+
+
+def test_a_plan_for_another_world_size_than_calibrated_warns():
+    """A profile calibrated by 2 ranks prices a 4-rank plan with compute measured while 2 ranks
+    shared the machine and links between 2: the plan warns and names the command; the same
+    world size, and the named (data-sheet) profiles, do not."""
+    import dataclasses
+    import warnings
+
+    from memfit._plan._time import PROFILES
+
+    two = dataclasses.replace(PROFILES["cpu"], calibrated_ranks=2)
+    model, profile = torch.nn.Linear(2, 2), synthetic(3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        memfit.plan(model, {}, budget="1GB", profile=profile, world_size=2, device_profile=two)
+        memfit.plan(model, {}, budget="1GB", profile=profile, world_size=4, device_profile="cpu")
+    with pytest.warns(UserWarning, match=r"calibrated with 2 ranks.*world size 4.*memfit calibrate --world-size 4"):
+        memfit.plan(model, {}, budget="1GB", profile=profile, world_size=4, device_profile=two)

@@ -90,6 +90,7 @@ def test_a_calibration_round_trips_through_its_cache(tmp_path, monkeypatch):
     }
     assert device_profile("calibrated") == measured  # tuples and dicts back from JSON
     assert json.loads((tmp_path / "device-cpu.json").read_text())["name"] == "calibrated-cpu"
+    assert measured.calibrated_ranks == 1  # one process: a plan for more ranks warns (test_planner)
 
 
 def test_attention_ops_price_their_scores():
