@@ -18,9 +18,10 @@ import torch
 from torch import nn
 
 from memfit._checkpoint._function import _Frame, _Holder
-from memfit._checkpoint._host import STATS as _OFFLOAD_STATS
-from memfit._checkpoint._host import OffloadStats, offloadable
 from memfit._checkpoint._host import cpu_as_device as host_offload_on_cpu
+from memfit._checkpoint._host import offloadable
+from memfit._checkpoint._pinned import STATS as _OFFLOAD_STATS
+from memfit._checkpoint._pinned import OffloadStats
 from memfit._instrument import Hooks, Trace, switched
 from memfit._shard import _checkpoint_files
 from memfit._shard._collectives import STATS, CommStats
@@ -103,8 +104,10 @@ def debug_collectives(on: bool = True) -> contextlib.AbstractContextManager[Hook
 
 
 def offload_stats() -> OffloadStats:
-    """This process's counters of "cpu" offload (copies and bytes each way, prefetches,
-    shared copies, kept tensors); ``.reset()`` them."""
+    """This process's counters of offload (copies and bytes each way, prefetches, shared
+    copies, kept tensors; pinned host buffers allocated and reused) and ``pinned_bytes``, the
+    bytes of pinned host buffers held now (a gauge, with ``pinned_peak``); ``.reset()`` zeroes
+    the counters and restarts ``pinned_peak`` from ``pinned_bytes``."""
     return _OFFLOAD_STATS
 
 

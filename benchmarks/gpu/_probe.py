@@ -4,7 +4,7 @@ compared with a plain model's, with and without delays on memfit's side streams.
 
 A delay is ``torch.cuda._sleep`` queued at the start of every piece of work memfit puts on
 its gather and reduce streams (memfit/_shard/_streams.py, ``Streams.on``) and on host
-offload's side stream (memfit/_checkpoint/_host.py, ``_Streams.on_side``), patched in here
+offload's side stream (memfit/_checkpoint/_pinned.py, ``Streams.on_side``), patched in here
 for the probe only. Work that a missing event wait lets run early then reads stale or
 unfinished data, and the gradients change: a race shows as delayed != undelayed.
 
@@ -47,11 +47,11 @@ def build(width: int, blocks: int) -> nn.Sequential:
 def delayed_streams(cycles: int) -> Iterator[Counter]:
     """Queue ``torch.cuda._sleep(cycles)`` at the start of every entry into memfit's gather,
     reduce and offload side streams (CUDA only; on the CPU the entries are only counted)."""
-    from memfit._checkpoint import _host
+    from memfit._checkpoint import _pinned
     from memfit._shard import _streams
 
     entered: Counter = Counter()
-    on, on_side = _streams.Streams.on, _host._Streams.on_side
+    on, on_side = _streams.Streams.on, _pinned.Streams.on_side
 
     @contextlib.contextmanager
     def slow_on(self, stream: str):
@@ -70,11 +70,11 @@ def delayed_streams(cycles: int) -> Iterator[Counter]:
                 torch.cuda._sleep(cycles)
             yield
 
-    _streams.Streams.on, _host._Streams.on_side = slow_on, slow_on_side
+    _streams.Streams.on, _pinned.Streams.on_side = slow_on, slow_on_side
     try:
         yield entered
     finally:
-        _streams.Streams.on, _host._Streams.on_side = on, on_side
+        _streams.Streams.on, _pinned.Streams.on_side = on, on_side
 
 
 def _sharded(base: nn.Module, device: torch.device) -> nn.Module:

@@ -125,19 +125,19 @@ def _null():
 
 
 def _offload_pins(base: torch.nn.Module, batch: dict, env: Env) -> bool | None:
-    """Whether offload="cpu" holds pinned host memory after a forward (CUDA only): the host
-    caching allocator's active pinned bytes grow during the forward. None: this torch has no
-    host allocator statistics."""
-    if not hasattr(torch.cuda, "host_memory_stats"):
-        return None
+    """Whether offload="cpu" copies through pinned host memory (CUDA only): after a step the
+    pool of memfit/_checkpoint/_pinned.py holds buffers, every one page-locked
+    (cudaHostRegister, or torch's pin_memory where CUDA refused)."""
+    from memfit._checkpoint._host import offloader
+
     model = copy.deepcopy(base).to(env.device).train()
     memfit.Decision("offload", offload="cpu").apply_to(model, bert_layer_class())
-    before = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
     with env.autocast(torch.bfloat16):
         loss = model(**batch).loss
-    after = torch.cuda.host_memory_stats().get("active_bytes.current", 0)
     loss.backward()
-    return after > before
+    pool = offloader(next(model.parameters()).device).pool
+    buffers = [raw for bufs in pool.free.values() for _, raw in bufs]
+    return bool(buffers) and all(raw.is_pinned() for raw in buffers)
 
 
 def sharded_mixed_offload(env: Env) -> dict:

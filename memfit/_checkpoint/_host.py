@@ -9,12 +9,12 @@ import itertools
 import weakref
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
 from typing import cast
 
 import torch
 from torch import nn
 
+from memfit._checkpoint._pinned import STATS, PinnedPool, Streams
 from memfit._instrument import HOOKS, Trace, switched
 
 # [Note: Host offload]
@@ -49,7 +49,7 @@ from memfit._instrument import HOOKS, Trace, switched
 #
 # Streams (accelerators; see [Note: Streams and buffer lifetimes] in _shard/_streams.py for
 # the same rules on sharding's streams):
-# - forward: the side stream waits for compute, copies the region into pinned host memory
+# - forward: the side stream waits for compute, copies the region into a pinned host buffer
 #   (non_blocking) and records an event. The source stays referenced in a bounded stash: at
 #   most `stash` tensors (5, as torchtune's), and only from this block and the one before (a
 #   block's copies have had the next block's forward to finish; a checkpointed block offloads
@@ -65,8 +65,14 @@ from memfit._instrument import HOOKS, Trace, switched
 #   buffers are allocated on compute (the side stream waits for compute first, as their
 #   memory may have been in use there) and compute waits for the fetch's event before the
 #   first use or before dropping an unused buffer, so no buffer is reused early and no
-#   record_stream is needed. Pinned host buffers are released to torch's host caching
-#   allocator, which holds them until the copies that read them are done.
+#   record_stream is needed.
+# - host buffers: a region's copy goes into an exact-size buffer from the device's pool (See
+#   [Note: Pinned host buffers]), which takes it back when the entry dies (nothing can fetch
+#   it again) for the next copy-out of that size. Every read and write of a host buffer is a
+#   copy queued on the side stream (out in forward, back in backward), so a reused buffer's
+#   next copy runs after its last one by stream order, with no event and no host wait; the
+#   trace notes each buffer allocated, used and freed on "side" only, so a use on another
+#   stream would show in `Trace.violations()`.
 # Only a real accelerator runs the streams, pinned memory and asynchronous copies. On the
 # CPU `host_offload_on_cpu()` (memfit.testing) treats CPU tensors as if they were on a device:
 # the same decisions, copies (synchronous) and waits/records, traced, so tests check which
@@ -74,29 +80,6 @@ from memfit._instrument import HOOKS, Trace, switched
 
 MIN_BYTES = 1024  # tensors below this many bytes are kept (torchtune's min_offload_size)
 STASH = 5  # forward: sources held until their copy to the host is done (torchtune's max_fwd_stash_size)
-
-
-@dataclass
-class OffloadStats:
-    """Counters of host offload in this process (tests); ``reset()`` them."""
-
-    d2h_copies: int = 0
-    d2h_bytes: int = 0
-    h2d_copies: int = 0
-    h2d_bytes: int = 0
-    prefetched: int = 0  # copies back issued before their group's first use
-    on_demand: int = 0  # copies back issued at their group's first use
-    shared: int = 0  # saves that reused an earlier copy
-    from_stash: int = 0  # unpacks served by a source still on the device
-    kept: int = 0  # saves left in place (parameters, small, not on a device)
-    recast: int = 0  # casts of parameters, made again from the parameter in backward
-
-    def reset(self) -> None:
-        for f in fields(self):
-            setattr(self, f.name, 0)
-
-
-STATS = OffloadStats()  # process-wide: counts every offloading block of the process
 
 
 @contextlib.contextmanager
@@ -109,49 +92,6 @@ def cpu_as_device() -> Iterator[Trace]:
             yield cast(Trace, hooks.trace)
     finally:
         _offloaders.clear()
-
-
-class _Streams:
-    """Compute (the current stream) and one side stream for copies, or no-ops on the CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        # A device module without streams (MPS) copies on its one queue, in order, unpinned.
-        self.accel = device.type != "cpu" and hasattr(torch.get_device_module(device.type), "Stream")
-        if self.accel:  # pragma: no cover (needs an accelerator)
-            self.mod = torch.get_device_module(device.type)
-            self.side = self.mod.Stream(device)
-
-    @contextlib.contextmanager
-    def on_side(self) -> Iterator[None]:
-        if self.accel:  # pragma: no cover (needs an accelerator)
-            with self.mod.stream(self.side):
-                yield
-        else:
-            yield
-
-    def _stream(self, name: str):  # pragma: no cover (needs an accelerator)
-        return self.side if name == "side" else self.mod.current_stream(self.device)
-
-    def record(self, stream: str):
-        event = self._stream(stream).record_event() if self.accel else object()  # unique in a shared trace
-        if HOOKS.trace is not None:
-            HOOKS.trace.log.append(("record", stream, event))
-        return event
-
-    def wait(self, stream: str, event) -> None:
-        if self.accel:  # pragma: no cover (needs an accelerator)
-            self._stream(stream).wait_event(event)
-        if HOOKS.trace is not None:
-            HOOKS.trace.log.append(("wait", stream, event))
-
-    def after(self, waiter: str, recorder: str) -> None:
-        self.wait(waiter, self.record(recorder))
-
-    @staticmethod
-    def note(kind: str, buffer: str, stream: str) -> None:
-        if HOOKS.trace is not None:
-            HOOKS.trace.log.append((kind, buffer, stream))
 
 
 class _Fetch:
@@ -174,10 +114,10 @@ class _Entry:
         "device_buf",
         "dtype",
         "fetch",
-        "host",
         "live",
         "name",
         "off",
+        "raw",
         "ref",
         "seq",
         "source",
@@ -199,7 +139,7 @@ class _Entry:
         # op saving it, whose grad_fn holds this entry (a cycle through C++ that would keep the
         # whole graph alive after the user drops it, until the stash let go).
         self.source: torch.Tensor | None = t.detach()
-        self.host: torch.Tensor | None = None
+        self.raw: torch.Tensor | None = None  # the host buffer (uint8, from the pool), once copied
         self.copied = None  # the copy-out's event
         self.stale: int | None = None  # the source's version when released, if modified after the save
         self.device_buf: torch.Tensor | None = None
@@ -208,8 +148,12 @@ class _Entry:
         self.used: set[int] = set()  # of those, the ones unpacked since the last fetch (ids)
 
     def __del__(self) -> None:
-        if self.host is not None:  # torch's host allocator holds pinned memory until its copies end
-            _Streams.note("free", f"host{self.name}", "side")
+        if self.raw is not None:  # nothing can copy it back any more
+            self.off.pool.give(self.raw, f"host{self.name}")
+
+    def host(self) -> torch.Tensor:
+        """The host copy: the region's elements (dense ones: the storage region)."""
+        return cast(torch.Tensor, self.raw)[: self.nbytes].view(self.dtype)
 
     def covers(self, t: torch.Tensor, start: int, span: int) -> bool:
         held = self.ref()
@@ -393,10 +337,15 @@ def _accelerator() -> str | None:
     return acc.type if acc is not None else None
 
 
+def on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on the accelerator (or on the CPU under `cpu_as_device`): offload moves it
+    through the side stream and pinned host buffers."""
+    return t.device.type == _accelerator() or (HOOKS.cpu_as_device and t.device.type == "cpu")
+
+
 def offloadable(t: torch.Tensor, min_bytes: int) -> bool:
     """Rules 1-3 of [Note: Host offload] (rule 4 needs the module: `_HostHooks`)."""
-    on_device = t.device.type == _accelerator() or (HOOKS.cpu_as_device and t.device.type == "cpu")
-    if not on_device or type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided:
+    if not on_device(t) or type(t) not in (torch.Tensor, nn.Parameter) or t.layout != torch.strided:
         return False
     if t.is_conj() or t.is_neg() or parameter_or_view(t):
         return False
@@ -411,7 +360,8 @@ class _HostOffload:
     """Host offload of one device: its streams, forward stash, index of copies and groups."""
 
     def __init__(self, device: torch.device) -> None:
-        self.streams = _Streams(device)
+        self.streams = Streams(device)
+        self.pool = PinnedPool(self.streams)  # the host buffers of this device's copies (disk offload's too)
         self.device = device
         self.stash: deque[_Entry] = deque()  # the entries whose source is held, oldest first
         self.index: dict[tuple, weakref.ref] = {}  # (storage address, dtype) -> newest entry
@@ -451,16 +401,15 @@ class _HostOffload:
         entry = _Entry(self, t, start, span if dense else t.numel(), dense, seq)
         s = self.streams
         s.note("alloc", f"src{entry.name}", "compute")
+        entry.raw = self.pool.take(entry.nbytes, f"host{entry.name}")  # See [Note: Pinned host buffers]
+        host = entry.host()
         s.after("side", "compute")  # t was written on compute
         with s.on_side():
             region = t.as_strided((span,), (1,), start) if dense else t
-            host = torch.empty(entry.span, dtype=t.dtype, pin_memory=s.accel)
-            s.note("alloc", f"host{entry.name}", "side")
             (host if dense else host.view(t.size())).copy_(region, non_blocking=True)
             s.note("use", f"src{entry.name}", "side")
             s.note("use", f"host{entry.name}", "side")
             entry.copied = s.record("side")
-        entry.host = host
         STATS.d2h_copies += 1
         STATS.d2h_bytes += entry.nbytes
         self.stash.append(entry)
@@ -540,7 +489,7 @@ class _HostOffload:
         s.after("side", "compute")  # the buffers' memory may have been in use on compute
         with s.on_side():
             for e, buf in zip(todo, bufs):
-                buf.copy_(cast(torch.Tensor, e.host), non_blocking=True)  # packed to the host before
+                buf.copy_(e.host(), non_blocking=True)  # packed to the host before
                 s.note("use", f"host{e.name}", "side")
                 s.note("use", f"dev{e.name}", "side")
             fetch = _Fetch(s.record("side"))
@@ -573,7 +522,13 @@ _offloaders: dict[torch.device, _HostOffload] = {}  # process-wide: one side str
 _names = itertools.count()  # process-wide: entries' names are unique in a trace
 
 
-def _offloader(device: torch.device) -> _HostOffload:
+def buffer_name(kind: str) -> str:
+    """A name for a buffer in the trace, unique in the process."""
+    return f"{kind}#{next(_names)}"
+
+
+def offloader(device: torch.device) -> _HostOffload:
+    """The offloader of ``device``: its side stream and pinned buffer pool (disk offload's too)."""
     off = _offloaders.get(device)
     if off is None:
         off = _offloaders[device] = _HostOffload(device)
@@ -589,6 +544,12 @@ class HostHooks(torch.autograd.graph.saved_tensors_hooks):
         self.module_storages: set[int] | None = None
         super().__init__(self.pack, _unpack)
 
+    def __exit__(self, *args) -> None:
+        # The bound pack hook makes this object a cycle, freed only by the garbage collector:
+        # the groups must not wait for it (their host buffers go back to the pool with them).
+        self.groups = {}
+        super().__exit__(*args)
+
     def _module_state(self, t: torch.Tensor) -> bool:
         if self.module is None:
             return False
@@ -603,7 +564,7 @@ class HostHooks(torch.autograd.graph.saved_tensors_hooks):
             return Kept(t)
         if (handle := recast(t)) is not None:
             return handle
-        off = _offloader(t.device)
+        off = offloader(t.device)
         group = self.groups.get(t.device)
         if group is None:
             group = self.groups[t.device] = off.new_group()

@@ -11,13 +11,25 @@ import os
 import shutil
 import tempfile
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import ClassVar, cast
 
 import torch
 from torch import nn
 
-from memfit._checkpoint._host import MIN_BYTES, STASH, HostHooks, Kept, SavedVersion, parameter_or_view, recast
+from memfit._checkpoint._host import (
+    MIN_BYTES,
+    STASH,
+    HostHooks,
+    Kept,
+    SavedVersion,
+    buffer_name,
+    offloader,
+    on_device,
+    parameter_or_view,
+    recast,
+)
 from memfit._instrument import HOOKS
 
 # [Note: Offload of saved tensors]
@@ -36,6 +48,15 @@ from memfit._instrument import HOOKS
 #           on unpack. A file is deleted as soon as autograd drops the saved tensor; the
 #           directory is removed at exit. Works on the CPU: peak memory falls by the bytes
 #           offloaded, and values come back bitwise.
+#           An accelerator's tensor goes through a pinned staging buffer of host offload's
+#           pool, with its streams (See [Note: Pinned host buffers]): on pack the side stream
+#           waits for compute and copies the tensor into the buffer (non_blocking), and the
+#           host waits for that copy's event only (not for the device) before writing the
+#           file; on unpack the host waits for the side stream's earlier copies (the buffer
+#           may be a reused one), reads the file into the buffer, and the side stream copies
+#           it to a new device tensor (non_blocking) whose event compute waits for before
+#           autograd uses it. The file I/O blocks the host, as before; the device does not
+#           wait for it.
 
 TARGETS = ("cpu", "disk")
 
@@ -126,7 +147,7 @@ def _keep(t: torch.Tensor) -> bool:
 class _OnDisk:
     """A saved tensor written to ``path``; the file goes when this object does."""
 
-    __slots__ = ("__weakref__", "device", "dtype", "nbytes", "path", "shape", "stride", "version")
+    __slots__ = ("__weakref__", "device", "dtype", "nbytes", "path", "shape", "staged", "stride", "version")
 
     def __init__(self, t: torch.Tensor, path: str) -> None:
         self.path = path
@@ -134,15 +155,50 @@ class _OnDisk:
         self.shape, self.stride = t.shape, t.stride()
         self.dtype, self.device = t.dtype, t.device
         self.nbytes = t.numel() * t.element_size()
+        self.staged = _staged(t)  # comes back through a pinned buffer and the side stream
         weakref.finalize(self, _remove, path)
 
     def load(self) -> torch.Tensor:
         self.version.check()
+        if self.staged:
+            return self._to_device()
         raw = torch.from_file(self.path, shared=False, size=self.nbytes, dtype=torch.uint8)
         t = raw.view(self.dtype).reshape(self.shape)
         if t.stride() != self.stride:
             t = torch.empty_strided(self.shape, self.stride, dtype=self.dtype).copy_(t)
         return t.to(self.device)
+
+    def _to_device(self) -> torch.Tensor:
+        """The file through a pinned buffer, copied on the side stream; compute waits for it."""
+        off = offloader(self.device)
+        s, name, dev = off.streams, buffer_name("stage"), buffer_name("dev")
+        raw = off.pool.take(self.nbytes, name, at_least=True)
+        try:
+            s.after("host", "side")  # a reused buffer: the copies that read it are done
+            host = raw[: self.nbytes]
+            with open(self.path, "rb") as f:
+                got = f.readinto(memoryview(host.numpy()))  # type: ignore[arg-type]  # an ndarray is a buffer
+            if got != self.nbytes:
+                raise OSError(
+                    errno.EIO,
+                    f"memfit offload: {self.path} holds {got} of the {self.nbytes} bytes written for a saved "
+                    "tensor: something truncated it. Leave the offload directory alone while training.",
+                )
+            s.note("use", name, "host")
+            out = torch.empty_strided(self.shape, self.stride, dtype=self.dtype, device=self.device)  # on compute
+            s.note("alloc", dev, "compute")
+            s.after("side", "compute")  # its memory may have been in use on compute
+            s.after("side", "host")  # the buffer is filled
+            with s.on_side():
+                out.copy_(host.view(self.dtype).view(self.shape), non_blocking=s.accel)
+                s.note("use", name, "side")
+                s.note("use", dev, "side")
+                copied = s.record("side")
+            s.wait("compute", copied)
+            s.note("use", dev, "compute")  # autograd's, from here on
+        finally:
+            off.pool.give(raw, name)
+        return out
 
 
 def _remove(path: str) -> None:
@@ -154,6 +210,36 @@ def _write(path: str, t: torch.Tensor) -> None:
     data = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
     with open(path, "wb") as f:
         f.write(memoryview(data))  # type: ignore[arg-type]  # an ndarray is a buffer
+
+
+def _staged(t: torch.Tensor) -> bool:
+    """Whether ``t`` goes to disk through a pinned buffer: a plain tensor on the accelerator."""
+    return on_device(t) and type(t) in (torch.Tensor, nn.Parameter) and t.layout == torch.strided
+
+
+@contextlib.contextmanager
+def _on_host(t: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``t`` where the host can write it out: itself, or for a tensor on the accelerator a
+    pinned staging buffer it is copied into on the side stream, the host waiting for that copy
+    only (See [Note: Offload of saved tensors])."""
+    if not _staged(t):
+        yield t
+        return
+    off = offloader(t.device)
+    s, name, nbytes = off.streams, buffer_name("stage"), t.numel() * t.element_size()
+    raw = off.pool.take(nbytes, name, at_least=True)
+    try:
+        host = raw[:nbytes].view(t.dtype).view(t.shape)
+        s.after("side", "compute")  # t was written on compute
+        with s.on_side():
+            host.copy_(t.detach(), non_blocking=s.accel)
+            s.note("use", name, "side")
+        s.after("host", "side")
+        s.note("use", name, "host")
+        yield host
+    finally:
+        s.after("side", "host")  # written out: the buffer's next copy comes after
+        off.pool.give(raw, name)
 
 
 class _DiskStore:
@@ -186,10 +272,11 @@ class _DiskStore:
             return handle
         path = os.path.join(self._directory(), f"{next(self.names)}.bin")
         try:
-            if HOOKS.offload_write is not None:  # tests: fault injection
-                HOOKS.offload_write(path, t, _write)
-            else:
-                _write(path, t)
+            with _on_host(t) as host:
+                if HOOKS.offload_write is not None:  # tests: fault injection
+                    HOOKS.offload_write(path, host, _write)
+                else:
+                    _write(path, host)
         except OSError as e:
             _remove(path)
             raise OSError(

@@ -1,7 +1,8 @@
 """offload="cpu" on the CPU harness (memfit.testing.host_offload_on_cpu: CPU tensors take the
 accelerator path, copies run synchronously, stream waits/records are traced): what is kept,
 what is copied (bytes), strides, tensors saved twice, the stash bound, prefetch order, and
-gradients bitwise equal to plain checkpointing. Only a GPU runs the real streams."""
+gradients bitwise equal to plain checkpointing; the pinned buffer pool, and disk offload's
+staging through it. Only a GPU runs the real streams, pinning and asynchronous copies."""
 
 import contextlib
 import copy
@@ -506,3 +507,92 @@ def test_views_of_casts_as_another_dtype_move_as_they_are(harness):
     out = memfit.checkpoint(fn, x, save="all", offload="cpu").square().sum()
     assert_same(list(torch.autograd.grad(out, (x, w))), list(g_ref))
     assert stats.recast == 0
+
+
+def _steps(offload, batches, h=1024, n=4):
+    """Steps of checkpointed Linear blocks with ``offload`` and without, gradients compared
+    bitwise each step; yields after each step (the offloaded graph freed)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(*[nn.Sequential(nn.Linear(h, h), nn.Tanh()) for _ in range(n)])
+    model = copy.deepcopy(ref)
+    memfit.apply_activation_checkpointing(ref, lambda m: m in list(ref))
+    memfit.apply_activation_checkpointing(model, lambda m: m in list(model), offload=offload)
+    for b in batches:
+        x = torch.randn(b, h)  # no grad: offloaded as every block's input is
+        for m in (ref, model):
+            m.zero_grad()
+            m(x).square().sum().backward()
+        assert_same(grads(model), grads(ref))
+        yield
+
+
+def test_pinned_pool_sizes_buffers_exactly_and_reuses_them(harness):
+    """3 x 1024 floats per block input: 12288 bytes held, where torch's host allocator would
+    hold 16384. Step 2 (same shapes) allocates nothing; step 3 (larger) leaves the pool at its
+    own size. See [Note: Pinned host buffers]."""
+    stats, trace = harness
+    n, rows = 4, 3
+    other = stats.pinned_bytes  # a gauge: what pools of earlier tests still hold (0 unless one leaked)
+    steps = _steps(memfit.Offload("cpu", stash=1), [rows, rows, 5], n=n)
+    next(steps)
+    assert stats.d2h_copies == n and stats.d2h_bytes == n * rows * 1024 * F32
+    assert (stats.pinned_new, stats.pinned_reused) == (n, 0)
+    assert stats.pinned_bytes - other == stats.pinned_peak - other == stats.d2h_bytes  # not 4 x 16384
+    stats.reset()
+    next(steps)
+    assert (stats.pinned_new, stats.pinned_reused) == (0, n)
+    assert stats.pinned_bytes - other == stats.pinned_peak - other == n * rows * 1024 * F32  # reset() kept it
+    stats.reset()
+    next(steps)
+    assert (stats.pinned_new, stats.pinned_reused) == (n, 0)
+    assert stats.pinned_peak - other == n * (rows + 5) * 1024 * F32  # both sizes, during step 3
+    assert stats.pinned_bytes - other == n * 5 * 1024 * F32  # the free 3-row buffers released
+    assert not _outstanding(trace.log, "host")[1]
+
+
+def test_trace_checker_catches_a_host_use_of_a_pool_buffer_not_waited_for():
+    trace = memfit.testing.Trace()
+    copy_then_write = [("alloc", "stage#0", "side"), ("use", "stage#0", "side"), ("use", "stage#0", "host")]
+    trace.log = list(copy_then_write)
+    bad = trace.violations()  # the file written before the copy into the buffer is done
+    assert bad and all(v.startswith("stage#0 used on host at 2") for v in bad)
+    trace.log = [*copy_then_write[:2], ("record", "side", 0), ("wait", "host", 0), copy_then_write[2]]
+    assert trace.violations() == []
+
+
+def _host_waits_before(log, i, buffer):
+    """Whether the host waited, before ``log[i]``, for a side event recorded after ``buffer``'s
+    last use on the side stream."""
+    side_use = max(j for j in range(i) if log[j][:3] == ("use", buffer, "side"))
+    recorded = {e: j for j, (k, s, e) in enumerate(log[:i]) if k == "record" and s == "side" and j > side_use}
+    return any(k == "wait" and s == "host" and e in recorded for k, s, e in log[side_use:i])
+
+
+def test_disk_offload_stages_through_pinned_buffers_on_the_side_stream(harness, tmp_path):
+    """A device tensor goes to disk through a pinned staging buffer copied on the side stream
+    (no blocking copy on compute): the file is written only after the host waited for that
+    copy; in backward compute waits for the copy back before autograd uses the tensor. Step 2
+    reuses the staging buffer. See [Note: Offload of saved tensors]."""
+    stats, trace = harness
+    writes = []
+
+    def write(path, t, real_write):
+        writes.append((len(trace.log), t.untyped_storage().data_ptr()))
+        real_write(path, t)
+
+    steps = _steps(memfit.Offload("disk", directory=str(tmp_path)), [3, 3], n=3)
+    with memfit.testing.offload_writer(write):
+        next(steps)
+        assert stats.pinned_new == 1  # one staging buffer, taken and given back per write
+        next(steps)
+    assert stats.pinned_new == 1 and stats.pinned_reused == 2 * 3 * 2 - 1  # 3 writes and 3 reads a step
+    log = trace.log
+    staged = [(i, n) for i, (k, n, s) in enumerate(log) if k == "use" and str(n).startswith("stage#") and s == "host"]
+    assert len(staged) == 2 * 3 * 2
+    assert len({ptr for _, ptr in writes}) == 1  # every write read the one staging buffer
+    for at, _ in writes:  # after the host waited for the copy into it
+        i, name = max((i, n) for i, n in staged if i < at)
+        assert _host_waits_before(log, i, name)
+    devs = [n for k, n, s in log if k == "use" and str(n).startswith("dev#") and s == "compute"]
+    assert len(devs) == 2 * 3  # every tensor read back was copied on side, then waited for by compute
+    assert trace.violations() == []

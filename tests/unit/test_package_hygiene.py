@@ -34,7 +34,7 @@ ALLOWED = {
     "memfit._checkpoint._selective._ALWAYS_RECOMPUTE": "a cache of a pure function of each aten op",
     "memfit._checkpoint._selective._READY_DECISIONS": "the fixed rules' keep decision per aten op, cached",
     "memfit._shard._fully_shard._NO_OFFLOAD": "FSDP2's default policy object, never changed",
-    "memfit._checkpoint._host.STATS": "counters of every offloading block of the process",
+    "memfit._checkpoint._pinned.STATS": "counters of every offloading block of the process",
     "memfit._checkpoint._host._offloaders": "one side stream per device for every block",
     "memfit._checkpoint._host._names": "names unique across the process's trace",
     "memfit._checkpoint._function._anonymous_backward": "graph ids unique in the process",
