@@ -22,8 +22,9 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 # recompute]). Ops that draw random
 # numbers (dropout) or mutate their inputs, and factories whose output is filled in place
 # (empty_like, zeros_like, ...), are always recomputed whatever the rule says: a cached random
-# op would shift the random stream of every op after it in recompute, and a cached tensor
-# that the block later mutates would be replayed with the mutated value.
+# op would shift the random stream of every op after it in recompute, and a factory's output
+# is mutated by the block (kept, it would be held only to be recomputed: see [Note: The cost of
+# selective recompute]).
 #
 # Ready rules:
 #   None / "nothing"  keep nothing: full recompute (the default).
@@ -132,10 +133,16 @@ def selective_context_fn(save: str | Callable) -> Callable[[], tuple]:
 # cached: for the ready rules process-wide, for a callable rule per block call, so the callable
 # is asked once per distinct op of the block) and the tree work only for the ops kept.
 # The semantics are torch's: the kept outputs are stored detached, per op in call order, and
-# recompute returns the n-th stored output at the op's n-th call; a stored tensor modified in
-# place since is an error; each is handed out once (a second recompute of the same forward,
-# e.g. backward twice with retain_graph=True, is an error, as in torch); what recompute did not
-# take (it stops early) is dropped when it ends.
+# recompute returns the n-th stored output at the op's n-th call; each is handed out once (a
+# second recompute of the same forward, e.g. backward twice with retain_graph=True, is an error,
+# as in torch); what recompute did not take (it stops early) is dropped when it ends. One
+# difference: a stored output modified in place since forward (its version counter moved:
+# Swinv2's nn.ReLU(inplace=True) right after a Linear, or code after the block writing to it) is
+# not an error but recomputed: the op runs again on its recomputed inputs, which are forward's,
+# so it gives forward's output bitwise, as full recompute would. torch raises there ("Tensor
+# cached during selective activation checkpoint has been mutated") or, with
+# allow_cache_entry_mutation=True, hands back the mutated value. A write that moves no version
+# counter (through `.data`) goes unseen here as in torch.
 
 _IGNORED = {  # never kept nor counted (torch's SAC_IGNORED_OPS): their number differs between the runs
     aten.detach.default,
@@ -199,13 +206,9 @@ class _Kept:
         self.value = _detach(value) if isinstance(value, torch.Tensor) else tree_map_only(torch.Tensor, _detach, value)
         self.versions = _versions(self.value)
 
-    def get(self, op) -> Any:
-        if _versions(self.value) != self.versions:
-            raise RuntimeError(
-                f"memfit selective recompute: the output of {op} kept in forward was modified in place "
-                "before backward (the tensor cached during selective activation checkpoint has been mutated)"
-            )
-        return self.value
+    def modified(self) -> bool:
+        """Whether a tensor of it was modified in place since forward kept it."""
+        return _versions(self.value) != self.versions
 
 
 class _Storage:
@@ -290,7 +293,9 @@ class _ReplayMode(_Lean):
                 "selective activation checkpoint."
             )
         outputs[n] = _CONSUMED
-        return entry.get(func)
+        if entry.modified():  # recomputed: see [Note: The cost of selective recompute]
+            return func(*args, **kwargs) if kwargs else func(*args)
+        return entry.value
 
 
 def selective_contexts(save: str | Callable) -> tuple[TorchDispatchMode, TorchDispatchMode]:

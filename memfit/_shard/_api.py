@@ -21,6 +21,7 @@ from memfit._shard._init import (
     check_one_device_and_dtype,
     claim_parameters,
     ensure_optimizer_check,
+    install_outside_hooks,
     managed_modules,
     new_unit,
     place_buffers,
@@ -194,3 +195,4 @@ def _install(module: nn.Module, unit: Unit) -> None:
     install_state_dict_hooks(module)  # See [Note: state_dict of a sharded model]
     module.register_forward_pre_hook(pre_forward_with_lazy_init, with_kwargs=True)
     module.register_forward_hook(_runtime.post_forward, with_kwargs=True)
+    install_outside_hooks(unit)  # See [Note: A unit's module called outside its forward]

@@ -4,6 +4,7 @@ ownership, wrap policies, and the root's initialisation at its first forward.
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from collections.abc import Callable
@@ -21,7 +22,7 @@ from memfit._shard._layout import Layout
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._optim_state import install_optimizer_state_hooks, localize_loaded_state
 from memfit._shard._param import ShardedParam, shard_of, sharded_as
-from memfit._shard._unit import ShardedModule, Unit, user_class
+from memfit._shard._unit import ShardedModule, ShardState, Unit, user_class
 
 # [Note: Units, roots and tied parameters]
 # `shard(module)` makes `module` a unit: it owns the parameters registered in its subtree that
@@ -351,6 +352,63 @@ def pre_forward_with_lazy_init(module: nn.Module, args: tuple, kwargs: dict):
                 "call memfit.materialize(model) or memfit.load_full_state_dict(model, state_dict) first"
             )
     return cast(_runtime.RootState, unit.root_state).pre_forward(unit, args, kwargs)
+
+
+# [Note: A unit's module called outside its forward]
+# Between its forwards a unit's modules register its local chunks, and its forward hooks gather
+# them. Model code may call a module of a unit without the unit's forward: ModernVBERT embeds
+# its tokens with `self.text_model.get_input_embeddings()(input_ids)`, the nn.Embedding inside
+# the ModernBertEmbeddings unit, before it calls the text model. That call computed on the chunk
+# (64 of 128 rows at W=2: nn.Embedding's padding-index check failed; with no padding index,
+# other rows' embeddings or an index error). So every module that registers a unit's parameter,
+# other than the unit's own module, gets a pre-hook: called while that unit is not
+# gathered, the call runs as a call of the unit (the runtime's pre-forward: gather, hook the
+# inputs for the post-backward or leave the reduce to the end of backward; its post-forward:
+# hook the outputs for the pre-backward, reshard after forward), so the module computes on the
+# full parameters and its gradients are reduced with the unit's. Inside the unit's forward the
+# unit is gathered and the pre-hook returns at once (a state check per call of such a module);
+# the hook after the call is registered by the pre-hook of an outside call, for that call only.
+# A parameter read directly (`module.weight` outside any module call) is not seen.
+
+
+def install_outside_hooks(unit: Unit) -> None:
+    """A pre-hook on each module that registers ``unit``'s parameters, other than its own
+    module (See [Note: A unit's module called outside its forward])."""
+    by_module: dict[nn.Module, list[ShardedParam]] = {}
+    for sp in unit.params:
+        for m, _ in sp.uses:
+            if m is not unit.module and sp not in by_module.setdefault(m, []):
+                by_module[m].append(sp)
+    for m, sps in by_module.items():
+        m.register_forward_pre_hook(functools.partial(_outside_pre_forward, sps), with_kwargs=True)
+
+
+def _outside_pre_forward(sps: list[ShardedParam], module: nn.Module, args: tuple, kwargs: dict):
+    for sp in sps:
+        owner = sp.owner  # (a tie may have moved the parameter to a unit above since the hook was set)
+        if owner is not None and owner.shard_state is not ShardState.UNSHARDED and not sp.direct:
+            break
+    else:  # inside the units' forwards (or their chunks are the full tensors): nothing to do
+        return None
+    units = list(dict.fromkeys(sp.owner for sp in sps if sp.owner is not None and not sp.direct))
+    units = [u for u in units if u.shard_state is not ShardState.UNSHARDED]
+    changed = None
+    for u in units:
+        out = pre_forward_with_lazy_init(u.module, args, kwargs)
+        if out is not None:
+            changed = args, kwargs = out
+    # this call's own post-forward: a hook for this call only (none on the calls inside a unit)
+    handle: list = []
+    handle.append(
+        module.register_forward_hook(functools.partial(_outside_post_forward, units, handle), with_kwargs=True)
+    )
+    return changed
+
+
+def _outside_post_forward(units: list[Unit], handle: list, module: nn.Module, args: tuple, kwargs: dict, output):
+    handle.pop().remove()
+    for u in reversed(units):
+        cast(_runtime.RootState, u.root_state).post_forward(u, output)
 
 
 def _init_root(unit: Unit) -> None:

@@ -446,6 +446,47 @@ def case_unit_called_with_and_without_grad_inputs(rank, world):
         pass
 
 
+class Embeddings(nn.Module):
+    """ModernBERT's embeddings unit: an nn.Embedding with a padding index, then a norm, called
+    on embeddings the model made itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(37, 6, padding_idx=36)  # past the first rank's rows from W = 2
+        self.norm = nn.LayerNorm(6)
+
+    def forward(self, inputs_embeds):
+        return self.norm(inputs_embeds)
+
+
+class CallsInsideUnits(nn.Module):
+    """Modules of units called outside the units' forwards: the embedding before its unit runs
+    (ModernVBERT: ``self.text_model.get_input_embeddings()(input_ids)``), a Linear after its unit
+    ran, on an input that needs grad."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = Embeddings()
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.out = nn.Linear(6, 3)
+
+    def forward(self, x):
+        ids = (x.abs() * 20).long().clamp(max=36)  # (rows, 6) token ids, the padding index among them
+        h = self.emb(self.emb.tok(ids)).mean(1)
+        h = self.block(h)
+        return self.out(h + self.block[0](h))
+
+
+def case_module_of_a_unit_called_outside_its_forward(rank, world):
+    # See [Note: A unit's module called outside its forward]: the embedding computed on its chunk.
+    torch.manual_seed(0)
+    for model, _ in sgd_parity(rank, world, CallsInsideUnits(), per_block({Embeddings, nn.Sequential}), mse_step):
+        assert all(u.shard_state.name == "SHARDED" for u in units_of(model)[1:])
+        with torch.no_grad():
+            model(batch("mlp", rank, 50)[0])
+        assert all(u.shard_state.name == "SHARDED" for u in units_of(model))
+
+
 def case_two_forwards_then_two_backwards(rank, world):
     def step(model, x, y):
         # Two losses on the two halves of each rank's 4 rows, then two backward passes. The
@@ -545,6 +586,7 @@ CASES = [
     case_optimizer_built_before_sharding_is_refused,
     case_sharding_twice_is_refused,
     case_unit_called_with_and_without_grad_inputs,
+    case_module_of_a_unit_called_outside_its_forward,
     case_two_forwards_then_two_backwards,
     case_evaluation_between_backward_and_step,
     case_freezing_after_sharding,
