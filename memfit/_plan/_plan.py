@@ -44,6 +44,7 @@ _TERMS = {
     "gather_buffers": "sharded: the root's full parameters (outside the blocks), from forward to backward",
     "unit_buffers": "sharded, in backward: two blocks' full parameters (the one computing, the one prefetched)",
     "kept_activations": "what the blocks keep for backward (in a block's backward: the blocks before it)",
+    "held_inputs": "inputs checkpointed blocks hold that keeping every block would have freed (positions, masks)",
     "gradients": "gradients alive at this moment (sharded: 1/shards, the block in flight whole)",
     "block_forward": "the forward of the block computing: its input, temporaries, what it keeps, its output",
     "block_backward": "the backward of the block computing: its recompute, its kept tensors' gradients",

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
@@ -116,6 +117,10 @@ class ModelProfile:
     # what the backward of the code after block i holds beyond what is alive then (none: 0)
     backward_outside: list[int] = field(default_factory=list)
     after_outside: list[int] = field(default_factory=list)
+    # H: the blocks' inputs other than the chain's that the measured step (every block kept)
+    # frees before the end of forward, each (bytes, dies, blocks given it): dies j < n, dead as
+    # block j starts; n, as the forward returns ([Note: Inputs a checkpointed block holds])
+    released_inputs: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
 
 
 # [Note: Memory outside the blocks]
@@ -136,9 +141,11 @@ class ModelProfile:
 # tenth of the peak). An offloaded first block's input stays counted (an over-forecast).
 
 # [Note: A decision a block cannot take]
-# Some blocks cannot be recomputed as a decision asks: Swinv2's attention mutates a tensor that
-# selective checkpointing (save="linear") keeps, which torch refuses ("Tensor cached during
-# selective activation checkpoint has been mutated"). The block's profile runs every decision
+# Some blocks cannot be recomputed as a decision asks: a block whose recompute takes another
+# path than its forward (runs an op a different number of times) cannot hand selective
+# checkpointing's kept outputs back by call count, which memfit (as torch) refuses. (Swinv2,
+# whose block mutates a kept Linear output, was one until selective recompute ran such an op
+# again: [Note: The cost of selective recompute].) The block's profile runs every decision
 # on fake tensors; a decision other than keep that raises is left out of that block's choices,
 # with the error kept in BlockProfile.unavailable and named in Plan.table. Keep itself failing
 # is the model failing: that error is raised.
@@ -158,11 +165,37 @@ class ModelProfile:
 # own, so the tests that plan at a budget nothing constrains check the rest of the model. Where
 # the blocks are checkpointed, a test (tests/integration/test_plan.py) measured E_i 16 KiB short
 # (0.988x) of a 1.3 MiB step. Before them, Whisper was forecast at 0.965x and 11 other
-# architectures up to 0.11% below their measured peak; HY-V4 still is (0.999x). A block's inputs
-# it never reads (Afmoe's global layers leave the rotary tables alone) are missing from its
-# isolated profile (the meter sees only inputs an op touches); counting them moved kept bytes
-# out of D_end and left llama's all-full forecast 495 bytes under at W=4
-# (tests/distributed/test_plan_sharded.py), so they are not counted; R_i covers Afmoe.
+# architectures up to 0.11% below their measured peak (HY-V4 0.999x until [Note: Inputs a
+# block never reads]).
+
+# [Note: Inputs a block never reads]
+# A block's profile runs it alone on copies of its inputs, and the meter counts a tensor from
+# the first op that touches it; the inputs it never reads (Longformer's layers are given masks
+# and flags their attention does not touch, HY-V4's and Afmoe's layers rotary tables or
+# positions) were never counted, while the block's inputs other than the chain's, subtracted
+# from its profile ([Note: Memory outside the blocks]), were: A_i and B_i came out short by
+# their bytes (Longformer 1 KB, HY-V4 2 KB under the measured peak), and kept_i too, which
+# D_i absorbed at keep (it is the measured step less the kept bytes). So every input counts
+# from the start of the block's profile. D_i and D_end then no longer hold those bytes, which
+# had covered an input a checkpointed block holds past the stack ([Note: Inputs a
+# checkpointed block holds]; llama's all-full forecast went 495 bytes under at W=4 when only
+# this was fixed).
+
+# [Note: Inputs a checkpointed block holds]
+# A checkpointed block (any decision but keep) holds every input it is given until its
+# backward, to recompute; a kept block holds only what its ops save. An input the step with
+# every block kept frees early -- the position ids and cache positions no layer reads (256
+# bytes at llama's size), an eager attention's [batch, 1, seq, seq] mask that no op saves, an
+# encoder's mask after the encoder -- is then alive where D_i, D_end and T_head, all measured
+# with every block kept, do not count it. The measured step records, for each storage given to
+# a block as an input other than the chain's, the first block start it is dead at, or that it
+# is dead when the forward has returned (the loss made: an over-count where it died after the
+# head's peak); H = those (bytes, when, blocks). At block j's moments (its forward, the
+# code's before it, its backward, the code's backward after it: all count D_j) the forecast
+# adds the storages dead at j's start that a block before it, not kept, was given; at the end
+# of forward, those dead by then. Each storage counts once however many blocks hold it (every
+# layer of a stack holds the same mask). The solver adds them as if every block were
+# checkpointed, an upper bound, and takes keeping every block where that alone fits.
 
 
 def _stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
@@ -298,6 +331,7 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
         recorder = CostRecorder()
         try:
             with _Meter(model=block) as meter:
+                meter._track_all(tree_flatten((a, k))[0])  # See [Note: Inputs a block never reads]
                 with recorder:
                     out = block(*a, **k)
                 forward = len(recorder.ops)
@@ -691,6 +725,7 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         between_end=between[-1],
         forward_transient=[made.transient.get(i, 0) for i in range(len(profiles))],
         grad_rest_at=[min(grad_rest, made.rest_at(i)) for i in range(len(profiles))] if made.last_use else [],
+        released_inputs=made.released(),
     )
     return dataclasses.replace(profile, **_backward_outside(profile, made))
 
@@ -870,6 +905,15 @@ def _fake_like(t, device):
     return fake.requires_grad_(t.requires_grad)  # reads only the shape: no op touches the real tensor
 
 
+# [Note: The batch from the step's start]
+# MemoryMeter counts a tensor made before its region from the first op that touches it; the
+# batch is alive for the whole step (the caller holds it), but the real and the fake step touch
+# it at different times. transformers checks input_ids for padding (input_ids[:, [-1, 0]]) at
+# the start of a real step and skips the check on fake tensors (is_tracing), so the fake step
+# first read them at the embedding, after Tapas's segment index had peaked in 3.5 MB of
+# temporaries: that peak was forecast without them (256 bytes under). The measured step counts
+# the batch from its start: at most its bytes above the measure before the real step reads it,
+# never below.
 @dataclass
 class _WholeStep:
     """What one measured step of the whole model gives the profile."""
@@ -957,9 +1001,11 @@ def _measure_step(
         calls.restart()
         blocks_made = _BlocksMade(outside)
         with _Meter(model=model, optimizer=opt) as whole, recorder:
+            whole._track_all(tree_flatten(example_inputs)[0])  # See [Note: The batch from the step's start]
             meter_box.append(whole)
             with _Uses(blocks_made):
                 loss = step_loss(model, example_inputs, loss_fn)
+            blocks_made.inputs_dead(len(blocks))  # the forward has returned
             loss.backward()
             del loss
             blocks_made.backward_ends()
@@ -1030,12 +1076,24 @@ class _BlocksMade:
         self.after_peak: dict[int, int] = {}
         self.watched: set[int] = set()
         self._in_backward: tuple[int, str, MemoryMeter, Callable[[], int]] | None = None
+        # the blocks' inputs other than the chain's, by storage: [weak reference, bytes, blocks
+        # given it, the first block start it is dead at (None: alive)]; see [Note: Inputs a
+        # checkpointed block holds]
+        self._inputs: dict[int, list] = {}
+        self._dead: list[list] = []
 
     def start(self, i: int, meter: MemoryMeter, inputs: tuple, captured: dict[int, tuple], ops: int) -> None:
         leaves, copies = tree_flatten(inputs)[0], tree_flatten(captured[i])[0]
         tensors = [(t, c) for t, c in zip(leaves, copies) if isinstance(t, torch.Tensor)]
         chain = tensors[:1] if tensors and tensors[0][0].untyped_storage()._cdata in self._last_output else []
         self.shared[i] = sum(c.untyped_storage().nbytes() for _, c in tensors[len(chain) :])
+        self.inputs_dead(i)
+        for t, _ in tensors[len(chain) :]:
+            st = t.untyped_storage()
+            entry = self._inputs.get(st._cdata)
+            if entry is None or entry[0].expired():
+                entry = self._inputs[st._cdata] = [StorageWeakRef(st), st.nbytes(), set(), None]
+            entry[2].add(i)
         if chain and chain[0][0].requires_grad:  # its gradient: the block's backward is over
             chain[0][0].register_hook(lambda grad: self._block_done(i))
         self.live[i] = meter.current_bytes - _tensor_bytes(captured)
@@ -1073,6 +1131,19 @@ class _BlocksMade:
             i, kind, meter, copies = self._in_backward
             (self.backward_peak if kind == "block" else self.after_peak)[i] = meter.peak_bytes - copies()
             self._in_backward = None
+
+    def inputs_dead(self, when: int) -> None:
+        """The blocks' inputs freed by now (block ``when`` starts, or the forward's end: the
+        number of blocks) are dead from ``when``."""
+        for key, entry in list(self._inputs.items()):
+            if entry[0].expired():
+                entry[3] = when
+                self._dead.append(entry)
+                del self._inputs[key]
+
+    def released(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """H: (bytes, dead from, blocks given it) per input freed before the forward's end."""
+        return [(nbytes, when, tuple(sorted(given))) for _, nbytes, given, when in self._dead]
 
     def used(self, args) -> None:
         """An op of the forward: the parameters outside the blocks it reads."""

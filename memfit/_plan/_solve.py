@@ -243,14 +243,16 @@ class _Moments:
 
     def parts_at(self, where: str, profile: ModelProfile, kept: Sequence[float], decisions: list[str]) -> dict:
         """The named parts of moment ``where`` under ``decisions``: they add up to its bytes."""
+        held = held_inputs(profile, decisions)
         if where == "end of forward":
-            return {**self.parts[where], "kept_activations": sum(kept)}
+            return {**self.parts[where], "held_inputs": held[-1], "kept_activations": sum(kept)}
         if where.startswith("forward before "):
             i = block_names(profile).index(where.removeprefix("forward before "))
             return {
                 **self.parts["backward"],
                 "unit_buffers": 0.0,
                 "between_blocks": self.between[i],
+                "held_inputs": held[i],
                 "kept_activations": sum(kept[:i]) + profile.blocks[i].input_bytes,
                 "forward_transient": self.transient[i],
             }
@@ -260,6 +262,7 @@ class _Moments:
                 **self.parts["backward"],
                 "unit_buffers": self.forward_units[i],
                 "between_blocks": self.between[i],
+                "held_inputs": held[i],
                 "kept_activations": sum(kept[:i]),
                 "block_forward": float(profile.blocks[i].forward_peak.get(decisions[i], 0)),
             }
@@ -271,6 +274,7 @@ class _Moments:
                 "unit_buffers": self.in_flight[i],
                 "between_blocks": self.between[i],
                 "gradients": self.gradients[i] + b.grad_bytes,
+                "held_inputs": held[i],
                 "kept_activations": sum(kept[:i]) + b.input_bytes,
                 "backward_outside": float(profile.after_outside[i]),
             }
@@ -284,9 +288,22 @@ class _Moments:
             "between_blocks": self.between[i],
             "backward_outside": self.outside[i],
             "gradients": self.gradients[i],
+            "held_inputs": held[i],
             "kept_activations": sum(kept[:i]),
             "block_backward": b.peak[decisions[i]],
         }
+
+
+def held_inputs(profile: ModelProfile, decisions: Sequence[str] | None) -> list[float]:
+    """Per block j, then for the end of forward: the bytes of the inputs a block before it, not
+    kept, holds that the step with every block kept has freed by then (``decisions`` None: as if
+    no block were kept, the solver's bound); see [Note: Inputs a checkpointed block holds]."""
+    out = [0.0] * (len(profile.blocks) + 1)
+    for nbytes, dead_from, given in profile.released_inputs:
+        if decisions is None or any(decisions[k] != "keep" for k in given):
+            for j in range(dead_from, len(out)):
+                out[j] += nbytes
+    return out
 
 
 def timeline(profile: ModelProfile, decisions: list[str], sharding: Sharding | None = None) -> list[dict]:
@@ -318,18 +335,19 @@ def forecast(profile: ModelProfile, decisions: list[str], sharding: Sharding | N
     decision-independent terms (``term:``) and the parts the peak's moment adds up (``part:``)."""
     m = _Moments.of(profile, sharding)
     kept = [b.kept[d] for b, d in zip(profile.blocks, decisions)]
+    held = held_inputs(profile, decisions)
     moments, names = {}, block_names(profile)
     for i, b in enumerate(profile.blocks):
         if m.transient[i]:
-            moments[f"forward before {names[i]}"] = m.base + sum(kept[:i]) + m.forward[i]
+            moments[f"forward before {names[i]}"] = m.base + held[i] + sum(kept[:i]) + m.forward[i]
         block_forward = m.forward_units[i] + m.between[i] + b.forward_peak.get(decisions[i], 0)
-        moments[f"forward of {names[i]}"] = m.base + sum(kept[:i]) + block_forward
-    moments["end of forward"] = m.base + sum(kept) + m.end_of_forward
+        moments[f"forward of {names[i]}"] = m.base + held[i] + sum(kept[:i]) + block_forward
+    moments["end of forward"] = m.base + held[-1] + sum(kept) + m.end_of_forward
     for i in reversed(range(len(profile.blocks))):
         b = profile.blocks[i]
-        moments[f"backward of {names[i]}"] = m.base + m.backward[i] + sum(kept[:i]) + b.peak[decisions[i]]
+        moments[f"backward of {names[i]}"] = m.base + held[i] + m.backward[i] + sum(kept[:i]) + b.peak[decisions[i]]
         if m.after[i]:
-            moments[f"backward after {names[i]}"] = m.base + sum(kept[:i]) + m.after[i]
+            moments[f"backward after {names[i]}"] = m.base + held[i] + sum(kept[:i]) + m.after[i]
     moments["backward before the blocks"] = m.tail
     if m.end_of_backward:
         moments["end of backward"] = m.end_of_backward
@@ -363,6 +381,10 @@ def solve(
     """Least-extra-time decisions whose forecast peak fits ``budget``; None if none fits. A
     module run several times takes one decision for all its calls: each decision for it is
     tried, the other blocks solved as usual ([Note: A module run several times])."""
+    keep = ["keep"] * len(profile.blocks)
+    if profile.released_inputs and "keep" in allowed and all("keep" in b.kept for b in profile.blocks):
+        if forecast(profile, keep, sharding)["peak"] <= budget:  # the chain below bounds H as if none kept
+            return keep
     paths = [b.path for b in profile.blocks]
     shared = sorted({p for p in paths if paths.count(p) > 1})
     if not shared:
@@ -395,12 +417,13 @@ def _solve_chain(
         return None
     grain = max(budget / BINS, 1.0)
     n = len(profile.blocks)
+    held = held_inputs(profile, None)  # a bound: see [Note: Inputs a checkpointed block holds]
     bins = np.arange(BINS + 1)
     cost = np.full(BINS + 1, np.inf)
     cost[0] = 0.0
     choices = np.zeros((n, BINS + 1), dtype=np.int8)
     for i, b in enumerate(profile.blocks):
-        cap = budget - m.base
+        cap = budget - m.base - held[i]
         new = np.full(BINS + 1, np.inf)
         pick = np.zeros(BINS + 1, dtype=np.int8)
         for d in allowed:
@@ -421,7 +444,7 @@ def _solve_chain(
             pick[better] = DECISIONS.index(d)
         cost = new
         choices[i] = pick
-    end_cap = budget - m.base - m.end_of_forward
+    end_cap = budget - m.base - held[-1] - m.end_of_forward
     ok = np.where(bins * grain <= end_cap, cost, np.inf)
     if not np.isfinite(ok).any():
         return None

@@ -83,7 +83,7 @@ def plot(rows: list[dict], path: str, title: str) -> None:
 CATEGORIES = {
     "parameters and optimizer state": ("state",),
     "gathered parameters": ("gather_buffers", "unit_buffers", "kept_gathered"),
-    "activations": ("before_blocks", "between_blocks", "kept_activations", "last_output"),
+    "activations": ("before_blocks", "between_blocks", "held_inputs", "kept_activations", "last_output"),
     "gradients": ("gradients", "root_reduce"),
     "working memory": (
         "block_forward",

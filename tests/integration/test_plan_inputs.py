@@ -39,7 +39,14 @@ def test_tensor_tuple_and_dict_batches_give_the_same_plan():
     by_dict = memfit.plan(Net(), {"x": x, "y": y}, **keep)
     by_tensor = memfit.plan(Net(), x, loss_fn=lambda logits: loss_fn(logits, y), **keep)
     memory = [{k: v for k, v in p.forecast.items() if k != "extra_time"} for p in (by_tuple, by_dict, by_tensor)]
-    assert memory[0] == memory[1] == memory[2]
+    assert memory[0] == memory[1]
+    # The labels a loss_fn closes over are not the batch: counted from the loss, not the step's
+    # start ([Note: The batch from the step's start]); the same bytes, the same peak.
+    moved = ("term:before_blocks", "term:head_transient")
+    assert {k: v for k, v in memory[0].items() if k not in moved} == {
+        k: v for k, v in memory[2].items() if k not in moved
+    }
+    assert sum(memory[0][k] for k in moved) == sum(memory[2][k] for k in moved)
 
 
 def test_logits_without_a_loss_are_refused_with_what_to_pass():

@@ -153,6 +153,6 @@ def test_a_plan_train_cannot_run_says_so_and_why(capsys):
     """Offloaded blocks and a chunked head fit where no uniform kind does: the last lines say
     memfit train cannot run the plan, and why, before the closest run."""
     flags = ["--model", "llama", "--layers", "2", "--hidden", "64", "--seq", "256", "--batch", "8"]
-    assert main(["plan", *flags, "--budget", "97.2MiB"]) == 0
+    assert main(["plan", *flags, "--budget", "97.7MiB"]) == 0  # the smallest: 97.57 MiB
     out = capsys.readouterr().out
     assert "memfit train cannot run this plan within the budget: it needs offload blocks and a chunked head" in out
