@@ -31,7 +31,12 @@ VOCAB, SEQ, BATCH, IMAGE = 128, 16, 2, 32
 SECONDS = 60  # one architecture's three steps; tiny ones take about a second
 # Architectures whose tiny config is small but slow on a CPU (reference implementations of their
 # linear-attention kernels, 30-60 s on a loaded machine): model type -> seconds allowed.
-SLOW_SECONDS = {"bailing_hybrid": 300, "kimi_linear": 300, "hrm_text": 300}  # 32 blocks: ~90 s to plan alone here
+SLOW_SECONDS = {
+    "bailing_hybrid": 300,
+    "kimi_linear": 300,
+    "hrm_text": 300,  # 32 blocks: ~90 s to plan alone here
+    "zamba": 300,  # its Mamba scan in Python (no mamba_ssm): ~100 s to plan on a loaded machine
+}
 MAX_PARAMS = 5_000_000  # a tiny config above this was not shrunk (a size the shrinker does not know)
 
 
@@ -122,9 +127,122 @@ _SMALL = {
     "state_size": 16,
 }
 _TOKENS = {"pad_token_id": VOCAB - 1, "bos_token_id": VOCAB - 2, "eos_token_id": VOCAB - 3}  # ids outside moved in
-# Model-specific settings the generic shrinker cannot guess (model type -> attributes).
+_SEAMLESS = {
+    "speech_encoder_layers": 2,
+    "speech_encoder_attention_heads": 4,
+    "speech_encoder_intermediate_size": 64,
+    "feature_projection_input_dim": 80,
+}
+# Model-specific settings the generic shrinker cannot guess (model type -> attributes; a dict for a
+# sub-config, such as "text_config", sets that sub-config's attributes).
 OVERRIDES: dict[str, dict] = {
     "diffllama": {"attention_dropout": 0.0},  # raises for attention dropout (no defined semantics)
+    # a byte-group hash table of 500002 rows per n-gram size; the global width of the local models
+    "blt": {
+        "encoder_hash_byte_group_vocab": 64,
+        "encoder_config": {"hidden_size_global": 32},
+        "decoder_config": {"hidden_size_global": 32},
+        "global_config": {"encoder_cross_output_size": 64},  # local width x cross_attn_k (set at init)
+    },
+    # per-layer token embeddings: their own vocabulary and width
+    "gemma4_text": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8},
+    "gemma4": {"text_config": {"vocab_size_per_layer_input": VOCAB, "hidden_size_per_layer_input": 8}},
+    # 256 "zero" (identity) experts beside the routed ones; the experts' width under its own name
+    "longcat_flash": {"zero_expert_num": 2, "expert_ffn_hidden_size": 64},
+    # the audio encoder's conformer blocks and convolution channels
+    "phi4_multimodal": {
+        "audio_config": {
+            "num_blocks": 2,
+            "nemo_conv_channels": 16,
+            "ext_pw_out_channel": 32,
+            "depthwise_separable_out_channel": 32,
+        }
+    },
+    "recurrent_gemma": {"lru_width": 32},  # the recurrent layer's width (the hidden size, published)
+    # pronunciation and glyph-shape embeddings: their own vocabularies and widths
+    "roc_bert": {
+        "shape_vocab_size": 64,
+        "shape_embed_dim": 16,
+        "pronunciation_vocab_size": 64,
+        "pronunciation_embed_dim": 16,
+    },
+    # the shared attention's sizes and the layer kinds are derived from the published sizes at init
+    "zamba": {
+        "layers_block_type": ["linear_attention", "hybrid"] * 2,
+        "num_hidden_layers": 4,
+        "attention_hidden_size": 64,  # 2 x hidden
+        "attention_head_dim": 16,  # 2 x hidden / heads
+        "mamba_dt_rank": 2,  # hidden / 16
+    },
+    "zamba2": {
+        "layers_block_type": ["linear_attention", "hybrid"] * 2,
+        "hybrid_layer_ids": [1, 3],
+        "num_hidden_layers": 4,
+        "attention_hidden_size": 64,  # 2 x hidden
+        "attention_head_dim": 16,  # 2 x hidden / heads
+        "mamba_headdim": 8,  # expand x hidden / mamba heads
+        "num_query_groups": 4,  # heads
+        "adapter_rank": 8,
+    },
+    # per-stage sizes under other names
+    "cvt": {"embed_dim": (16, 32, 64), "depth": (1, 2, 3)},  # transformers reads stage k's k-th drop-path rate
+    # a width multiplier (channels rounded to 8) and a depth multiplier; hidden_dim is the top
+    # convolution's channels, round_filters(1280)
+    "efficientnet": {"width_coefficient": 0.05, "depth_coefficient": 1.0, "hidden_dim": 64},
+    # each stage's channels (in = the previous stage's out; the classifier reads hidden_sizes[-1])
+    "hgnet_v2": {
+        "stem_channels": (3, 8, 16),
+        "stage_in_channels": (16, 16, 32, 64),
+        "stage_mid_channels": (8, 8, 16, 16),
+        "stage_out_channels": (16, 32, 64, 64),
+        "stage_num_blocks": (1, 1, 2, 1),
+        "hidden_sizes": [16, 32, 64, 64],
+        "embedding_size": 16,
+    },
+    # the latent array (latents x width) and its self-attention blocks
+    "perceiver": {
+        "num_latents": 16,
+        "d_latents": 32,
+        "num_self_attends_per_block": 2,
+        "num_self_attention_heads": 4,
+        "num_cross_attention_heads": 4,
+        "max_position_embeddings": SEQ,  # the masked LM's decoder outputs this many positions
+    },
+    "luke": {"entity_vocab_size": 64, "entity_emb_size": 16},  # the entity vocabulary and width
+    # the language model (Nemotron-H): its published 52-layer pattern (one layer of each kind
+    # here) and its Mamba heads, under their own names
+    "nemo_speechlm": {
+        "text_config": {
+            "layers_block_type": ["linear_attention", "moe", "full_attention"],
+            "mamba_num_heads": 4,
+            "mamba_head_dim": 16,  # heads x head width = expand x hidden
+            "n_groups": 1,
+            "ssm_state_size": 16,
+            "moe_shared_expert_intermediate_size": 64,
+        }
+    },
+    # the decoder's cross-attention over the encoder, sized under its own names
+    "dia": {
+        "decoder_config": {
+            "cross_hidden_size": 32,  # the encoder's width
+            "cross_num_attention_heads": 4,
+            "cross_num_key_value_heads": 4,
+            "cross_head_dim": 8,
+        }
+    },
+    # the speech encoder (a conformer) under its own names; 80 features a frame, as batch_for gives
+    "seamless_m4t": _SEAMLESS,
+    "seamless_m4t_v2": _SEAMLESS,
+    # the audio tokenizers' convolution stages double num_filters each (2048 channels at the last)
+    "vibevoice_asr": {
+        "acoustic_tokenizer_encoder_config": {"num_filters": 2},
+        "semantic_tokenizer_encoder_config": {"num_filters": 2},
+    },
+    "vibevoice": {
+        "audio_config": {"num_filters": 2},
+        "semantic_model_config": {"num_filters": 2},
+        "diffusion_head_config": {"frequency_embedding_size": 32, "latent_size": 32},  # the tokenizer's width
+    },
 }
 
 
@@ -181,9 +299,19 @@ def tiny_config(arch: Arch):
 
     cfg = AutoConfig.for_model(arch.model_type)
     _shrink(cfg)
-    for key, value in OVERRIDES.get(arch.model_type, {}).items():
-        setattr(cfg, key, value)
+    _override(cfg, OVERRIDES.get(arch.model_type, {}))
     return cfg
+
+
+def _override(cfg, values: dict) -> None:
+    """Set the attributes of ``values`` on ``cfg``; a dict for a sub-config sets its attributes."""
+    from transformers import PretrainedConfig
+
+    for key, value in values.items():
+        if isinstance(value, dict) and isinstance(getattr(cfg, key, None), PretrainedConfig):
+            _override(getattr(cfg, key), value)
+        else:
+            setattr(cfg, key, value)
 
 
 def build(arch: Arch, seed: int = 0) -> torch.nn.Module:

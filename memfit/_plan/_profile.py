@@ -516,14 +516,13 @@ def _caches_off(model: nn.Module) -> list[tuple[Any, bool]]:
 # with some probability: which layers run, and so the step's memory, is random. The planner
 # plans the step that runs every layer, the largest, with the skeleton's layerdrop set to 0
 # (the skeleton is a copy: the model keeps its own).
-_LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
-
-
 def _layerdrop_off(skeleton: nn.Module) -> None:
+    """Every float attribute named ``*layerdrop`` of the modules and their configs to 0
+    ("layerdrop", "encoder_layerdrop", SeamlessM4T's "speech_encoder_layerdrop", ...)."""
     for m in skeleton.modules():
         for owner in (m, getattr(m, "config", None)):
-            for name in _LAYERDROP:
-                if isinstance(getattr(owner, name, None), float) and getattr(owner, name):
+            for name, value in list(vars(owner).items()) if owner is not None else ():
+                if name.endswith("layerdrop") and isinstance(value, float) and value:
                     setattr(owner, name, 0.0)
 
 
