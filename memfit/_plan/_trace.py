@@ -36,7 +36,9 @@ from torch.utils._pytree import tree_flatten, tree_map
 # (x[mask], x[mask] = v), its count of True, the largest per mask shape: the backward of
 # x[mask] = v indexes its gradient by the mask, which no forward op read (SpeechT5's and
 # wav2vec2's SpecAugment mask time steps so), and gets that count. The fake step then gets the recorded answer
-# at the same place: the same op, the n-th such op inside the same module's call. A module
+# at the same place: the n-th call of the same op on arguments of the same shapes inside the
+# same module's call (counted per op and shapes: a real kernel may read data the fake one does
+# not, one_hot's class check, which a count over every op would shift at: LongcatFlash). A module
 # called several times keeps the largest answer (the largest count, the largest tensor), a
 # bound on what any of its calls needs. An op no module call frames (a checkpointed block's
 # recompute in backward runs its own forward outside Module.__call__) gets the largest answer
@@ -88,7 +90,7 @@ class DataValues:
     """Answers recorded per (module path, n-th data-reading op in that module's call), and
     per (op, shapes and dtypes of its tensor arguments) for a call no module frames."""
 
-    answers: dict[tuple[str, int], tuple[str, object]] = field(default_factory=dict)
+    answers: dict[tuple, object] = field(default_factory=dict)  # (path, op, shapes, n-th) -> answer
     by_shape: dict[tuple, object] = field(default_factory=dict)
     mask_counts: dict[tuple[int, ...], int] = field(default_factory=dict)  # a boolean index's shape -> its Trues
 
@@ -101,37 +103,39 @@ class DataValues:
                 count = int(mask.sum())
                 self.mask_counts[tuple(mask.shape)] = max(count, self.mask_counts.get(tuple(mask.shape), 0))
 
-    def add(self, key: tuple[str, int], op: str, shapes: tuple, value) -> None:
+    def add(self, key: tuple, op: str, shapes: tuple, value) -> None:
         old = self.answers.get(key)
-        self.answers[key] = (op, value if old is None or old[0] != op else _larger(old[1], value))
+        self.answers[key] = value if old is None else _larger(old, value)
         known = self.by_shape.get((op, shapes))
         self.by_shape[(op, shapes)] = value if known is None else _larger(known, value)
 
-    def find(self, key: tuple[str, int], op: str, shapes: tuple):
+    def find(self, key: tuple, op: str, shapes: tuple):
+        """The answer the n-th such op gave in the same module's call, else the largest for
+        the op and shapes anywhere."""
         found = self.answers.get(key)
-        if found is not None and found[0] == op:
-            return found[1]
-        return self.by_shape.get((op, shapes))
+        return found if found is not None else self.by_shape.get((op, shapes))
 
 
 class _Calls:
-    """The stack of module calls running, each with its count of data-reading ops so far."""
+    """The stack of module calls running, each with its count of data-reading ops so far, per
+    op and argument shapes (a real step's kernels read data the fake step's do not: one_hot
+    checks its classes with .item(); a count over every op would shift at each of them)."""
 
     def __init__(self, model: nn.Module) -> None:
         self.paths = {id(m): p for p, m in model.named_modules()}
-        self.stack: list[list] = []
+        self.stack: list[tuple[str, dict]] = []
 
-    def next_key(self) -> tuple[str, int]:
+    def next_key(self, op: str, shapes: tuple) -> tuple:
         if not self.stack:
-            return ("", -1)
-        top = self.stack[-1]
-        top[1] += 1
-        return (top[0], top[1])
+            return ("", op, shapes, -1)
+        path, counts = self.stack[-1]
+        n = counts[(op, shapes)] = counts.get((op, shapes), -1) + 1
+        return (path, op, shapes, n)
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
         def pre(module, args):
-            self.stack.append([self.paths.get(id(module), "?"), -1])
+            self.stack.append((self.paths.get(id(module), "?"), {}))
 
         def post(module, args, out):
             if self.stack:
@@ -157,7 +161,8 @@ class _Record(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.values.add_masks(func, args)
         if _reads_data(func):
-            self.values.add(self.calls.next_key(), str(func), _shapes((args, kwargs)), _describe(out))
+            op, shapes = str(func), _shapes((args, kwargs))
+            self.values.add(self.calls.next_key(op, shapes), op, shapes, _describe(out))
         return out
 
 
@@ -175,7 +180,7 @@ class _ToList(TorchFunctionMode):
         if func is torch.Tensor.tolist:
             item, shapes = str(torch.ops.aten._local_scalar_dense.default), (((), args[0].dtype),)
             for x in tree_flatten(out)[0]:
-                self.values.add(self.calls.next_key(), item, shapes, x)
+                self.values.add(self.calls.next_key(item, shapes), item, shapes, x)
         return out
 
 
@@ -256,9 +261,10 @@ class _FakeRules(TorchDispatchMode):
         if not _reads_data(func):
             return func(*args, **kwargs)
         device = next((t.device for t in tree_flatten((args, kwargs))[0] if torch.is_tensor(t)), None)
-        key, shapes = self.calls.next_key(), _shapes((args, kwargs))
+        op, shapes = str(func), _shapes((args, kwargs))
+        key = self.calls.next_key(op, shapes)
         masked = (lambda: _masked_index(self.values, func, args)) if self.values is not None else None
-        return _replay(self.values, key, str(func), shapes, lambda: func(*args, **kwargs), device, masked)
+        return _replay(self.values, key, op, shapes, lambda: func(*args, **kwargs), device, masked)
 
 
 def _bf16(args) -> bool:

@@ -130,3 +130,35 @@ def test_values_read_from_the_data_come_from_one_real_forward():
         meta = torch.nn.Sequential(*[Routed() for _ in range(3)])
     with pytest.raises(ValueError, match=r"reads values from its data \(aten.nonzero.default in 0\)"):
         memfit.plan(meta, x, budget="1GB", loss_fn=lambda y: y.square().mean())
+
+
+class OneHotRouted(torch.nn.Module):
+    """LongcatFlash's experts: one_hot of the routing (whose real kernel reads the data to check
+    the classes, the fake one does not), then per expert hit, torch.where on its 2-D mask."""
+
+    def __init__(self, experts: int = 4) -> None:
+        super().__init__()
+        self.experts = experts
+        self.router = torch.nn.Linear(64, experts)
+        self.lin = torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        top = self.router(x).topk(2, dim=-1).indices  # [tokens, 2]
+        mask = torch.nn.functional.one_hot(top, num_classes=self.experts).permute(2, 1, 0)  # [E, 2, tokens]
+        out = torch.zeros_like(x)
+        for e in torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero():
+            _, tokens = torch.where(mask[int(e.item())])
+            out = out.index_add(0, tokens, self.lin(x[tokens]))
+        return out
+
+
+def test_recorded_values_are_matched_by_op_and_shapes():
+    # The real step's one_hot reads its input (.item() checks) where the fake one does not: a
+    # count over every data-reading op gave torch.where the answer of another op (a 1-D nonzero:
+    # "not enough values to unpack"). Answers are counted per op and argument shapes.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[OneHotRouted() for _ in range(2)])
+    x = torch.randn(32, 64)
+    plan = memfit.plan(model, x, budget="1GB", loss_fn=lambda y: y.square().mean(), device_profile="cpu")
+    measured = plan.measure(model, x, loss_fn=lambda y: y.square().mean())
+    assert 1.0 <= plan.predicted_peak / measured <= 1.2, plan.compare(measured)
