@@ -26,8 +26,19 @@ class Trace:
     A "use" is any read, write or add into the buffer on that stream.
     """
 
-    def __init__(self) -> None:
-        self.log: list[tuple] = []
+    def __init__(self, log: list[tuple] | None = None) -> None:
+        self.log: list[tuple] = log if log is not None else []
+
+    def alive(self, match: Callable[[str], bool]) -> tuple[int, set[str]]:
+        """Of the buffers whose names ``match``: the most allocated and not yet freed at once,
+        and those still so at the end of the log."""
+        live: set[str] = set()
+        most = 0
+        for kind, name, _ in self.log:
+            if kind in ("alloc", "free") and match(name):
+                (live.add if kind == "alloc" else live.discard)(name)
+                most = max(most, len(live))
+        return most, live
 
     def violations(self) -> list[str]:
         """Uses and frees that break the stream rules:

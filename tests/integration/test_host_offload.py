@@ -208,15 +208,7 @@ def test_module_buffers_stay(harness):
 
 
 def _outstanding(log, prefix):
-    live, most = set(), 0
-    for kind, name, _ in log:
-        if isinstance(name, str) and name.startswith(prefix):
-            if kind == "alloc":
-                live.add(name)
-            elif kind == "free":
-                live.discard(name)
-            most = max(most, len(live))
-    return most, live
+    return memfit.testing.Trace(log).alive(lambda name: name.startswith(prefix))
 
 
 @pytest.mark.parametrize("save", [None, "all"])

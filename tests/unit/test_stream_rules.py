@@ -132,14 +132,7 @@ def test_sharding_and_activation_offload_trace_into_one_log():
 
 def _alive(log, suffix):
     """Buffers named ``*suffix`` the trace allocated and has not freed."""
-    alive = set()
-    for kind, name, _ in log:
-        if isinstance(name, str) and name.endswith(suffix):
-            if kind == "alloc":
-                alive.add(name)
-            elif kind == "free":
-                alive.discard(name)
-    return alive
+    return Trace(log).alive(lambda name: name.endswith(suffix))[1]
 
 
 def test_buffers_are_freed_as_early_as_fsdp2_frees_them():
