@@ -521,7 +521,7 @@ def _layerdrop_off(skeleton: nn.Module) -> None:
     ("layerdrop", "encoder_layerdrop", SeamlessM4T's "speech_encoder_layerdrop", ...)."""
     for m in skeleton.modules():
         for owner in (m, getattr(m, "config", None)):
-            for name, value in list(vars(owner).items()) if owner is not None else ():
+            for name, value in list(getattr(owner, "__dict__", {}).items()):  # (a dict config: none)
                 if name.endswith("layerdrop") and isinstance(value, float) and value:
                     setattr(owner, name, 0.0)
 

@@ -22,7 +22,7 @@ from memfit._shard._layout import Layout
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._optim_state import install_optimizer_state_hooks, localize_loaded_state
 from memfit._shard._param import ShardedParam, shard_of, sharded_as
-from memfit._shard._unit import ShardedModule, ShardState, Unit, user_class
+from memfit._shard._unit import ShardedModule, ShardState, TrainingState, Unit, user_class
 
 # [Note: Units, roots and tied parameters]
 # `shard(module)` makes `module` a unit: it owns the parameters registered in its subtree that
@@ -368,7 +368,12 @@ def pre_forward_with_lazy_init(module: nn.Module, args: tuple, kwargs: dict):
 # full parameters and its gradients are reduced with the unit's. Inside the unit's forward the
 # unit is gathered and the pre-hook returns at once (a state check per call of such a module);
 # the hook after the call is registered by the pre-hook of an outside call, for that call only.
-# A parameter read directly (`module.weight` outside any module call) is not seen.
+# A unit kept gathered after its backward (reshard_after_backward=False) and stepped since is
+# gathered again, as its own forward would. A call that raises leaves its hook after the call
+# behind; the module's next call removes it first. Not handled: a parameter read directly
+# (`module.weight` outside any module call), and an outside call of a module the root owns
+# before the root's first forward, which records the root alone as the forward order (no
+# prefetch from then on; the results are the same).
 
 
 def install_outside_hooks(unit: Unit) -> None:
@@ -380,33 +385,40 @@ def install_outside_hooks(unit: Unit) -> None:
             if m is not unit.module and sp not in by_module.setdefault(m, []):
                 by_module[m].append(sp)
     for m, sps in by_module.items():
-        m.register_forward_pre_hook(functools.partial(_outside_pre_forward, sps), with_kwargs=True)
+        m.register_forward_pre_hook(functools.partial(_outside_pre_forward, sps, []), with_kwargs=True)
 
 
-def _outside_pre_forward(sps: list[ShardedParam], module: nn.Module, args: tuple, kwargs: dict):
-    for sp in sps:
-        owner = sp.owner  # (a tie may have moved the parameter to a unit above since the hook was set)
-        if owner is not None and owner.shard_state is not ShardState.UNSHARDED and not sp.direct:
-            break
-    else:  # inside the units' forwards (or their chunks are the full tensors): nothing to do
+def _outside(sp: ShardedParam) -> bool:
+    """Whether ``sp``'s unit must be gathered for a call of one of its modules: not gathered,
+    or kept gathered after a backward (reshard_after_backward=False) and stepped since."""
+    owner = sp.owner  # (a tie may have moved the parameter to a unit above since the hook was set)
+    if owner is None or sp.direct:  # (a direct chunk is the full tensor)
+        return False
+    if owner.shard_state is not ShardState.UNSHARDED:
+        return True
+    return owner.training_state in (TrainingState.IDLE, TrainingState.REDUCED) and owner._stale()
+
+
+def _outside_pre_forward(sps: list[ShardedParam], pending: list, module: nn.Module, args: tuple, kwargs: dict):
+    while pending:  # the hook of an outside call whose forward raised (it never ran)
+        pending.pop().remove()
+    if not any(_outside(sp) for sp in sps):  # inside the units' forwards: nothing to do
         return None
-    units = list(dict.fromkeys(sp.owner for sp in sps if sp.owner is not None and not sp.direct))
-    units = [u for u in units if u.shard_state is not ShardState.UNSHARDED]
+    units = list(dict.fromkeys(cast(Unit, sp.owner) for sp in sps if _outside(sp)))
     changed = None
     for u in units:
         out = pre_forward_with_lazy_init(u.module, args, kwargs)
         if out is not None:
             changed = args, kwargs = out
     # this call's own post-forward: a hook for this call only (none on the calls inside a unit)
-    handle: list = []
-    handle.append(
-        module.register_forward_hook(functools.partial(_outside_post_forward, units, handle), with_kwargs=True)
+    pending.append(
+        module.register_forward_hook(functools.partial(_outside_post_forward, units, pending), with_kwargs=True)
     )
     return changed
 
 
-def _outside_post_forward(units: list[Unit], handle: list, module: nn.Module, args: tuple, kwargs: dict, output):
-    handle.pop().remove()
+def _outside_post_forward(units: list[Unit], pending: list, module: nn.Module, args: tuple, kwargs: dict, output):
+    pending.pop().remove()
     for u in reversed(units):
         cast(_runtime.RootState, u.root_state).post_forward(u, output)
 

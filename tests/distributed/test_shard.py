@@ -485,6 +485,12 @@ def case_module_of_a_unit_called_outside_its_forward(rank, world):
         with torch.no_grad():
             model(batch("mlp", rank, 50)[0])
         assert all(u.shard_state.name == "SHARDED" for u in units_of(model))
+    with torch.no_grad():
+        expected = model(batch("mlp", rank, 51)[0])
+        with pytest.raises(IndexError):  # an outside call that raises leaves its hook...
+            model.emb.tok(torch.full((1, 1), 10**6))
+        assert torch.equal(model(batch("mlp", rank, 51)[0]), expected)  # ...which the next call removes first
+    assert all(u.shard_state.name == "SHARDED" for u in units_of(model))
 
 
 def case_two_forwards_then_two_backwards(rank, world):

@@ -398,3 +398,19 @@ def test_a_plan_for_another_world_size_than_calibrated_warns():
         memfit.plan(model, {}, budget="1GB", profile=profile, world_size=4, device_profile="cpu")
     with pytest.warns(UserWarning, match=r"calibrated with 2 ranks.*world size 4.*memfit calibrate --world-size 4"):
         memfit.plan(model, {}, budget="1GB", profile=profile, world_size=4, device_profile=two)
+
+
+def test_layerdrop_is_turned_off_by_any_name_and_a_dict_config_is_left_alone():
+    """SeamlessM4T's speech_encoder_layerdrop dropped a layer while the planner profiled; a
+    module whose `config` is a plain dict (no attributes) must not stop planning."""
+    from types import SimpleNamespace
+
+    from memfit._plan._profile import _layerdrop_off
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    model[0].config = SimpleNamespace(speech_encoder_layerdrop=0.1, layerdrop=0.2, dropout=0.1)
+    model[1].config = {"layerdrop": 0.1}
+    model[1].decoder_layerdrop = 0.3
+    _layerdrop_off(model)
+    assert vars(model[0].config) == {"speech_encoder_layerdrop": 0.0, "layerdrop": 0.0, "dropout": 0.1}
+    assert model[1].config == {"layerdrop": 0.1} and model[1].decoder_layerdrop == 0.0
