@@ -3,7 +3,8 @@
 The device follows ``--device`` (auto: CUDA when there is one) and the backend the device:
 NCCL on the local GPU (``LOCAL_RANK``) for CUDA, gloo for the CPU. A group memfit starts meets
 on 127.0.0.1 at a port the OS gave as free. ``MEMFIT_PG_TIMEOUT`` (seconds) bounds how long one
-collective of `memfit train` may wait.
+collective of `memfit train` may wait. Under torchrun, each attempt meets under keys of its own
+in the agent's store (see [Note: A fresh store for each torchrun attempt]).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import os
 import socket
 import sys
 import threading
+import time
+import uuid
 import warnings
 import weakref
 from collections.abc import Callable, Mapping
@@ -134,10 +137,75 @@ def init_process_group(
         return placement
     kwargs = {"timeout": timeout} if timeout is not None else {}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            wait = timeout or datetime.timedelta(minutes=10)
+            agent = dist.TCPStore(
+                os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=wait
+            )
+            kwargs.update(store=attempt_store(agent, rank, world_size, wait), rank=rank, world_size=world_size)
         _join(placement, **kwargs)
     else:
         _join(placement, init_method=f"tcp://{HOST}:{free_port()}", rank=0, world_size=1, **kwargs)
     return placement
+
+
+# [Note: A fresh store for each torchrun attempt]
+# torchrun's agent (c10d rendezvous, torch >= 2.4) hosts one TCPStore and hands it to every
+# attempt of its workers: TORCHELASTIC_USE_AGENT_STORE=True, the same MASTER_PORT after each
+# restart, and env:// adds no prefix per attempt. The keys a dead attempt wrote are still there
+# when the restarted ranks meet, so a rank can read a dead peer's entry before the live peer
+# overwrites it: gloo then connects to a dead address ("connectFullMesh failed ... Connection
+# refused") until it times out, on every restart; NCCL reads a stale unique id
+# (pytorch/pytorch#135712). TORCHELASTIC_RESTART_COUNT cannot name the attempt: an agent whose
+# own workers did not fail restarts them without counting, so two nodes can disagree on it.
+# memfit's group therefore meets under a prefix rank 0 draws afresh (a random session), handed
+# out through keys no earlier attempt can have written: rank r > 0 posts a random token under
+# hello/r and waits for welcome/<token>; rank 0 answers each hello it sees (a stale one too,
+# harmlessly: no live rank waits for that key) until every rank r has written
+# joined/<session>/r. Both ends wait at most the process group's timeout, and say who was missing.
+
+
+def attempt_store(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """``store`` under a prefix that the ``world_size`` ranks calling this agree on and that no
+    earlier group on ``store`` used. See [Note: A fresh store for each torchrun attempt]."""
+    meet = dist.PrefixStore("memfit/attempt/", store)
+    if rank == 0:
+        deadline = time.monotonic() + timeout.total_seconds()
+        session = uuid.uuid4().hex
+        pending, answered = set(range(1, world_size)), {}
+        while pending:
+            for r in sorted(pending):
+                if meet.check([f"joined/{session}/{r}"]):
+                    pending.discard(r)
+                elif meet.check([f"hello/{r}"]):
+                    token = meet.get(f"hello/{r}").decode()
+                    if answered.get(r) != token:
+                        meet.set(f"welcome/{token}", session)
+                        answered[r] = token
+            if pending and time.monotonic() > deadline:
+                missing = ", ".join(map(str, sorted(pending)))
+                raise RuntimeError(
+                    f"memfit: rank 0: rank(s) {missing} of {world_size} did not join this attempt's process "
+                    f"group within {timeout.total_seconds():g} s; check that every rank started (torchrun "
+                    "--nnodes, the other nodes' logs), or raise MEMFIT_PG_TIMEOUT"
+                )
+            if pending:
+                time.sleep(0.01)
+    else:
+        token = uuid.uuid4().hex
+        meet.set(f"hello/{rank}", token)
+        try:
+            meet.wait([f"welcome/{token}"], timeout)
+        except dist.DistStoreError as e:
+            raise RuntimeError(
+                f"memfit: rank {rank}: rank 0 did not answer within {timeout.total_seconds():g} s when this "
+                f"attempt's process group met at the torchrun agent's store; check rank 0's log, or raise "
+                "MEMFIT_PG_TIMEOUT"
+            ) from e
+        session = meet.get(f"welcome/{token}").decode()
+        meet.set(f"joined/{session}/{rank}", "")
+    return dist.PrefixStore(f"memfit/{session}/", store)
 
 
 def spawn(fn: Callable, world_size: int, *args, device: str = "cpu", where: str = "memfit"):

@@ -3,7 +3,6 @@
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -116,18 +115,12 @@ def test_elastic_restarts_keep_the_global_batch_and_the_loss_curve(tmp_path):
 
 def test_torchrun_restarts_after_a_killed_rank(tmp_path):
     memfit_train("--json", str(tmp_path / "whole.json"), torchrun=2)
-    # Known flake of torch 2.13's gloo on this machine, not of memfit: in about one run in five
-    # the restarted group cannot form its mesh ("connectFullMesh failed ... Connection
-    # refused") on every restart torchrun allows. Only that failure is retried, with a fresh
-    # job; any other outcome is judged at once.
-    for attempt in range(3):
-        ck = tmp_path / f"ck{attempt}"
-        proc = memfit_train(
-            "--checkpoint-dir", str(ck), "--save-every", "2", "--resume", "auto",
-            "--json", str(tmp_path / "restarted.json"), torchrun=2, fail_at_step=3, check=False,
-        )  # fmt: skip
-        if proc.returncode == 0 or "connectFullMesh failed" not in proc.stdout + proc.stderr:
-            break
+    # The restarted ranks meet in the agent's store, which still holds the dead attempt's keys
+    # (see [Note: A fresh store for each torchrun attempt]).
+    proc = memfit_train(
+        "--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2", "--resume", "auto",
+        "--json", str(tmp_path / "restarted.json"), torchrun=2, fail_at_step=3, check=False,
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     whole, restarted = read(tmp_path / "whole.json"), read(tmp_path / "restarted.json")
     assert whole["world_size"] == restarted["world_size"] == 2
@@ -153,13 +146,9 @@ def test_accumulate_more_micro_batches_than_batch_rows(tmp_path):
 
 def test_rank_killed_while_saving_leaves_the_previous_checkpoint(tmp_path):
     ck = tmp_path / "ck"
-    for _attempt in range(3):  # the gloo flake of test_torchrun_restarts_after_a_killed_rank
-        shutil.rmtree(ck, ignore_errors=True)
-        killed = memfit_train(
-            "--checkpoint-dir", str(ck), "--save-every", "2", torchrun=2, fail_in_save=2, restarts=0, check=False
-        )  # fmt: skip
-        if "connectFullMesh failed" not in killed.stdout + killed.stderr:
-            break
+    killed = memfit_train(
+        "--checkpoint-dir", str(ck), "--save-every", "2", torchrun=2, fail_in_save=2, restarts=0, check=False
+    )  # fmt: skip
     assert killed.returncode != 0 and "saved checkpoint step 2" in killed.stdout, killed.stderr[-3000:]
     assert "saved checkpoint step 4" not in killed.stdout
     names = sorted(os.listdir(ck))
