@@ -22,7 +22,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -135,7 +135,7 @@ def init_process_group(
         if placement.device.type == "cuda":  # pragma: no cover (needs a GPU)
             torch.cuda.set_device(placement.device)
         return placement
-    kwargs = {"timeout": timeout} if timeout is not None else {}
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -173,7 +173,7 @@ def attempt_store(store: dist.Store, rank: int, world_size: int, timeout: dateti
     if rank == 0:
         deadline = time.monotonic() + timeout.total_seconds()
         session = uuid.uuid4().hex
-        pending, answered = set(range(1, world_size)), {}
+        pending, answered = set(range(1, world_size)), dict[int, str]()
         while pending:
             for r in sorted(pending):
                 if meet.check([f"joined/{session}/{r}"]):
