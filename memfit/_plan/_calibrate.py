@@ -269,7 +269,7 @@ def _tiny_step(device: torch.device, timed, depth: int, checkpointed: bool) -> t
     step()  # the optimizer's state exists from here on, as in a planned step
     with CostRecorder() as recorder:
         step()
-    return timed(step, 7), len(recorder.ops)
+    return timed(step, 15), len(recorder.ops)
 
 
 def _op_overhead(device: torch.device, timed) -> dict[str, float]:
@@ -316,7 +316,10 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 # `calibrate_group` measures what a job's ranks see, in the group they train in:
 # - compute: every rank calibrates at the same time (on a host whose cores the ranks share, each
 #   rank's rates are its share), each op's median repeat, not its fastest (the fastest is one
-#   where the other ranks left the cores alone, which a step does not see);
+#   where the other ranks left the cores alone, which a step does not see); then each figure the
+#   median of every rank's: timings of a few ms that the other ranks' phases shift (a tiny
+#   step's cost per op: 12.6 to 23.9 us from rank to rank at W=2 here; on rank 0's figures alone
+#   one 4-rank calibration priced a BERT step at 908 ms that measured 347 ms, another at 268);
 # - links: the group times memfit's own all-gather and reduce-scatter (memfit/_shard/
 #   _collectives: on gloo a reduce-scatter is an all-to-all on two ranks and an all-reduce on
 #   more, fitted as one) and torch's all-reduce (DDP's) at sizes from 16 KiB to 16 MiB, each the slowest
@@ -324,9 +327,14 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 #   all of them by least squares on the ring formulas of [Note: Pricing communication] (W - 1
 #   steps and (W - 1) / W of the bytes; an all-reduce twice that): the intra-node link of the
 #   group's size (ranks_per_node = W: one host);
-# - collective_overhead: forward and backward passes of 4 small blocks, each a memfit unit,
-#   less the same passes unsharded, less the ring time of what they sent, per collective: the
-#   host's work a collective costs a step (hooks, buffers' copies, waits, the ranks' skew).
+# - collective_overhead and collective_byte_overhead: forward and backward passes of 4 small
+#   blocks, each a memfit unit, less the same passes unsharded, less the ring time of what they
+#   sent; at two widths (the same collectives, 16x the bytes), fitted as a cost per collective
+#   (hooks, buffers' copies, waits, the ranks' skew) and one per byte sent. The second is what
+#   the link's time alone misses where the collectives share the compute's cores and memory:
+#   2 gloo ranks on this 2-core machine, blocks of width 64/128/256/512 measured 0.55/1.30/1.88/
+#   6.08 ms per collective beyond the ring time (one width's fit, as calibrate_group did before),
+#   growing with the bytes (a block's parameters: 0.13/0.53/2.1/8.4 MB).
 # `calibrate` in one process has no link figures: its profile prices collectives on the "cpu"
 # profile's. The link time the overhead subtracts is all of it, where a step hides part of it
 # behind compute (see [Note: Pricing communication]): the overhead is low by the hidden part.
@@ -435,11 +443,14 @@ class _Block(torch.nn.Module):
         return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
 
 
-def _collective_overhead(group, device, bandwidth: float, latency: float, width: int = 128, micro: int = 5) -> float:
-    """Seconds each collective adds to a sharded step beyond its ring time on the fitted link:
-    ``micro`` forward and backward passes of 4 blocks, each a memfit unit, less the same passes
-    unsharded, less the ring time of what they sent, per collective (the median of 5 runs, each
-    between barriers and the slowest rank's). See [Note: Calibrating the links]."""
+def _collective_overhead(
+    group, device, bandwidth: float, latency: float, widths: tuple[int, ...] = (128, 512), micro: int = 5
+) -> tuple[float, float]:
+    """(seconds per collective, seconds per byte sent) a sharded step pays beyond the collectives'
+    ring time on the fitted link: for each width, ``micro`` forward and backward passes of 4
+    blocks, each a memfit unit, less the same passes unsharded, less the ring time of what they
+    sent (each the median of 5 runs, between barriers, the slowest rank's); the two figures fitted
+    over the widths (same collectives, more bytes). See [Note: Calibrating the links]."""
     import torch.distributed as dist
 
     from memfit._shard import FullyShardedDataParallel
@@ -447,7 +458,7 @@ def _collective_overhead(group, device, bandwidth: float, latency: float, width:
 
     w, device = dist.get_world_size(group), torch.device(device)
 
-    def passes(model) -> float:
+    def passes(model, width: int) -> float:
         x = torch.randn(64, width, device=device)
         runs = []
         for _ in range(7):
@@ -460,16 +471,42 @@ def _collective_overhead(group, device, bandwidth: float, latency: float, width:
             runs.append(_slowest(time.perf_counter() - t0, group, device))
         return statistics.median(runs[2:])
 
-    torch.manual_seed(0)
-    plain = torch.nn.Sequential(*[_Block(width) for _ in range(4)]).to(device)
-    alone = passes(plain)
-    plain.zero_grad(set_to_none=True)
-    sharded = FullyShardedDataParallel(plain, auto_wrap_policy={_Block}, group=group, device=device)
-    before = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes)
-    together = passes(sharded)
-    calls = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before[0]) / 7
-    ring = (STATS.bytes - before[1]) / 7 / bandwidth + calls * (w - 1) * latency
-    return max(0.0, (together - alone - ring) / calls) if calls else 0.0
+    work: list[tuple[float, float]] = []  # (collectives, bytes) of one run's passes
+    extra: list[float] = []  # seconds beyond the unsharded passes and the ring time
+    for width in widths:
+        torch.manual_seed(0)
+        plain = torch.nn.Sequential(*[_Block(width) for _ in range(4)]).to(device)
+        alone = passes(plain, width)
+        plain.zero_grad(set_to_none=True)
+        sharded = FullyShardedDataParallel(plain, auto_wrap_policy={_Block}, group=group, device=device)
+        before = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes)
+        together = passes(sharded, width)
+        calls = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before[0]) / 7
+        sent = (STATS.bytes - before[1]) / 7
+        work.append((calls, sent))
+        extra.append(together - alone - sent / bandwidth - calls * (w - 1) * latency)
+    if not work[0][0]:
+        return 0.0, 0.0
+    per_call, per_byte_rate = _fit_link(work, extra)  # extra = calls x per_call + bytes / rate
+    return per_call, (0.0 if per_byte_rate >= 1e29 else 1 / per_byte_rate)
+
+
+def _median_profile(profiles: list[DeviceProfile]) -> DeviceProfile:
+    """Every rate and cost of ``profiles`` (each rank's calibration) the median over them, the
+    rest the first's. See [Note: Calibrating the links]."""
+
+    def median(values: list[Any]) -> Any:
+        first = values[0]
+        if isinstance(first, float):
+            return statistics.median(values)
+        if isinstance(first, dict):
+            return {k: median([v[k] for v in values]) for k in first if all(k in v for v in values)}
+        if isinstance(first, tuple) and all(len(v) == len(first) for v in values):
+            return tuple(median(list(column)) for column in zip(*values))
+        return first
+
+    fields = {f.name: median([getattr(p, f.name) for p in profiles]) for f in dataclasses.fields(profiles[0])}
+    return dataclasses.replace(profiles[0], **fields)
 
 
 def calibrate_group(group=None, device: str | torch.device | None = None, *, cpu_time: bool = False) -> DeviceProfile:
@@ -493,13 +530,26 @@ def calibrate_group(group=None, device: str | torch.device | None = None, *, cpu
     counters = copy.deepcopy(STATS)
     try:
         mine = calibrate(device, save=False, cpu_time=cpu_time, typical=True)
+        every: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, mine, group=group)
+        mine = _median_profile(every)
         links = calibrate_links(group, device)
-        overhead = _collective_overhead(group, device, links["intra_node_bandwidth"], links["intra_node_latency"])
+        per_call, per_byte = _collective_overhead(
+            group, device, links["intra_node_bandwidth"], links["intra_node_latency"]
+        )
     finally:
         STATS.__dict__.update(counters.__dict__)
     source = f"{mine.source} by {w} ranks" if (w := dist.get_world_size(group)) > 1 else mine.source
     mine = dataclasses.replace(mine, source=source, calibrated_ranks=w)
-    box = [dataclasses.replace(mine, name=f"calibrated-{device.type}", collective_overhead=overhead, **links)]
+    box = [
+        dataclasses.replace(
+            mine,
+            name=f"calibrated-{device.type}",
+            collective_overhead=per_call,
+            collective_byte_overhead=per_byte,
+            **links,
+        )
+    ]
     src = dist.get_global_rank(group, 0) if group is not None else 0
     dist.broadcast_object_list(box, src=src, group=group, device=device if device.type != "cpu" else None)
     return box[0]

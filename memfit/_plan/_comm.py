@@ -33,7 +33,9 @@ from memfit._plan._time import PROFILES, DeviceProfile
 # the next unit's compute. A block's backward compute is taken as 2x its priced forward (the two
 # matmuls per forward matmul of a Linear layer), its recompute added to it. Each collective also
 # costs the compute thread the profile's collective_overhead (issuing it, waiting, its buffers'
-# copies, the ranks' skew: measured by calibrate_group, 0 in the named profiles), always exposed.
+# copies, the ranks' skew) and collective_byte_overhead per byte it sends (where the copies share
+# the compute's cores: gloo on a CPU), always exposed; both measured by calibrate_group, 0 in the
+# named profiles.
 # Nothing here was measured on an accelerator; on gloo, benchmarks/autoconfig.py compares it
 # with measured steps.
 
@@ -139,8 +141,12 @@ def micro_batch_comm(units: Units, world_size: int, shards: int, reshard: bool, 
     t["communication"] = fwd_busy + bwd_busy  # link time, hidden or not
     # each collective's host work is on the compute thread: exposed (see collective_overhead)
     t["collectives"] = float(sum(1 for x in (*fwd_before, *bwd_before) if x) + _issued(grads, s, r, world_size))
+    sent = t["all_gather_bytes"] + t["reduce_scatter_bytes"] + t["all_reduce_bytes"]
     t["exposed_communication"] = (
-        (fwd_end - sum(fwd_compute)) + (bwd_end - sum(bwd_compute)) + t["collectives"] * device.collective_overhead
+        (fwd_end - sum(fwd_compute))
+        + (bwd_end - sum(bwd_compute))
+        + t["collectives"] * device.collective_overhead
+        + sent * device.collective_byte_overhead
     )
     return t
 

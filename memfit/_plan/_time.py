@@ -102,6 +102,11 @@ class DeviceProfile:
             into and out of its buffers, the ranks' skew. Measured by calibrate_group (see
             [Note: Calibrating the links]); 0 in the named profiles (an accelerator's streams
             hide the host's part).
+        collective_byte_overhead: seconds per byte a collective sends that a step pays beyond its
+            time on the link, on the compute thread: where the collectives' copies share the
+            compute's cores and memory (gloo on a CPU's ranks) a byte costs a step more than the
+            link showed alone. Measured by calibrate_group with collective_overhead; 0 in the named
+            profiles.
         workspace_bytes: device memory a step's allocator holds beside the tensors MemoryMeter
             counts (see [Note: The allocator beside the tensors]); 0 on a CPU.
         calibrated_ranks: how many ranks ran while it was measured (`memfit calibrate`: 1,
@@ -129,6 +134,7 @@ class DeviceProfile:
     inter_node_latency: float = 0.0  # seconds per ring step between nodes
     ranks_per_node: int = 8
     collective_overhead: float = 0.0  # seconds a collective adds to a step beyond its link time (see above)
+    collective_byte_overhead: float = 0.0  # and per byte it sends (see above)
     workspace_bytes: int = 0  # device memory the allocator holds beside tensors in a step (see above)
     calibrated_ranks: int = 0  # ranks running while it was measured; 0: not measured (see above)
 
@@ -138,11 +144,12 @@ class DeviceProfile:
         if "float32" not in self.flops or min(rates) <= 0 or min(self.op_overhead, self.matmul_latency) < 0:
             raise ValueError(f"memfit.DeviceProfile {self.name!r}: rates must be positive, float32 included")
         links = (self.intra_node_bandwidth, self.intra_node_latency, self.inter_node_bandwidth, self.inter_node_latency)
-        if min(*links, self.collective_overhead) < 0 or self.ranks_per_node < 1:
+        per_collective = (self.collective_overhead, self.collective_byte_overhead)
+        if min(*links, *per_collective) < 0 or self.ranks_per_node < 1:
             raise ValueError(
-                f"memfit.DeviceProfile {self.name!r}: link bandwidths, latencies and collective_overhead must be "
-                f">= 0 (0: no figures) and ranks_per_node >= 1, got {links}, {self.collective_overhead} and "
-                f"{self.ranks_per_node}"
+                f"memfit.DeviceProfile {self.name!r}: link bandwidths, latencies, collective_overhead and "
+                f"collective_byte_overhead must be >= 0 (0: no figures) and ranks_per_node >= 1, got {links}, "
+                f"{per_collective} and ranks_per_node={self.ranks_per_node}"
             )
 
     def rate(self, dtype: torch.dtype) -> float:

@@ -285,8 +285,16 @@ def test_each_collective_adds_the_calibrated_overhead():
         priced = comm.micro_batch_comm(units, w, s, reshard, last, slow)
         assert base["collectives"] == priced["collectives"] == count, (w, s, reshard, last)
         assert priced["exposed_communication"] - base["exposed_communication"] == pytest.approx(count * 1e-3)
-    with pytest.raises(ValueError, match="collective_overhead"):
-        dataclasses.replace(FAKE, collective_overhead=-1.0)
+        # and collective_byte_overhead once per byte the micro-batch's collectives send
+        per_byte = comm.micro_batch_comm(
+            units, w, s, reshard, last, dataclasses.replace(FAKE, collective_byte_overhead=1e-9)
+        )
+        sent = base["all_gather_bytes"] + base["reduce_scatter_bytes"] + base["all_reduce_bytes"]
+        assert (sent > 0) == (count > 0)
+        assert per_byte["exposed_communication"] - base["exposed_communication"] == pytest.approx(sent * 1e-9)
+    for field in ("collective_overhead", "collective_byte_overhead"):
+        with pytest.raises(ValueError, match=field):
+            dataclasses.replace(FAKE, **{field: -1.0})
 
 
 def test_a_link_fit_recovers_its_latency_and_bandwidth():
@@ -297,3 +305,27 @@ def test_a_link_fit_recovers_its_latency_and_bandwidth():
     assert _fit_link(work, seconds) == pytest.approx((5e-5, 2e9), rel=1e-6)
     # bytes alone explain the times: no negative latency
     assert _fit_link([(1, 1e6), (1, 2e6), (3, 1e6)], [0.9e-3, 2.0e-3, 0.8e-3])[0] == 0.0
+
+
+def test_a_groups_profile_takes_the_median_of_its_ranks():
+    from memfit._plan._calibrate import _median_profile
+
+    ranks = [
+        dataclasses.replace(
+            FAKE,
+            flops={"float32": rate, "bfloat16": 2 * rate},
+            op_overhead=overhead,
+            matmul_latency=latency,
+            bandwidth_curve=((1e6, bw), (1e8, bw / 2)),
+            math_rates={"aten.exp": rate / 100},
+            source=f"rank {i}",
+        )
+        for i, (rate, overhead, latency, bw) in enumerate(
+            [(4e10, 2e-5, 0.0, 8e9), (1e10, 9e-5, 3e-4, 6e9), (3e10, 1e-5, 1e-6, 1e10)]
+        )
+    ]
+    group = _median_profile(ranks)
+    assert group.flops == {"float32": 3e10, "bfloat16": 6e10}
+    assert (group.op_overhead, group.matmul_latency) == (2e-5, 1e-6)  # one rank's outlier does not move it
+    assert group.bandwidth_curve == ((1e6, 8e9), (1e8, 4e9)) and group.math_rates == {"aten.exp": 3e8}
+    assert (group.source, group.name, group.ranks_per_node) == ("rank 0", FAKE.name, FAKE.ranks_per_node)
