@@ -7,14 +7,15 @@ the group's collectives; see [Note: Calibrating the links]); autoconfigure then 
 configuration of each model on that profile (micro-batch x accumulation for the global batch;
 replicated, hybrid and fully sharded, with and without reshard_after_forward) and each
 configuration that fits the budget runs for real: replicated as torch DDP (no_sync for all but
-the last micro-batch), sharded as memfit.FullyShardedDataParallel over a mesh of replicas x
-shards (each block a unit), the plan's checkpoint decisions applied, AdamW. Step time: the
+the last micro-batch; --replicated memfit: memfit's units over a W x 1 mesh, as
+`memfit train --hybrid-shards 1` runs it), sharded as memfit.FullyShardedDataParallel over a
+mesh of replicas x shards (each block a unit), the plan's checkpoint decisions applied, AdamW. Step time: the
 median of the repeats after warm-up, each step between barriers (the slowest rank's).
 Peak: the largest over ranks of MemoryMeter over the last step (AdamW's state exists). The
 table compares predicted and measured step time and the pick's measured time with the best.
 
     .venv/bin/python benchmarks/autoconfig.py [--models bert,gpt2,llama --worlds 2,4
-        --global-batch 16 --budget 40MB] [--out benchmarks/results/autoconfig_cpu.md]
+        --global-batch 16 --budget 40MB --replicated ddp|memfit] [--out benchmarks/results/autoconfig_cpu.md]
 """
 
 from __future__ import annotations
@@ -40,15 +41,16 @@ def _decisions(plan: memfit.Plan) -> dict[str, memfit.Decision]:
     return {path: plan.decision(kind) for path, kind in plan.decisions.items()}  # its rule and offload too
 
 
-def _build(preset: Preset, world: int, shards: int, reshard: bool, decisions: dict) -> torch.nn.Module:
+def _build(preset: Preset, world: int, shards: int, reshard: bool, decisions: dict, replicated: str) -> torch.nn.Module:
     torch.manual_seed(0)
     model = preset.build()
     model.train()
     for path, decision in decisions.items():  # the plan autoconfigure chose for this configuration
         decision.apply(model.get_submodule(path), name=path)
-    if shards == 1:
+    if shards == 1 and replicated == "ddp":
         return DDP(model)
-    if shards < world and shards not in _MESHES:  # hybrid: replicas x shards, one mesh per shape
+    # hybrid (and replicated on memfit's units): a replicas x shards mesh, one per shape
+    if shards < world and shards not in _MESHES:
         from torch.distributed.device_mesh import init_device_mesh
 
         _MESHES[shards] = init_device_mesh("cpu", (world // shards, shards), mesh_dim_names=("replicate", "shard"))
@@ -63,7 +65,7 @@ _MESHES: dict[int, object] = {}
 def _step(model, opt, batches: list[dict], replicated: bool) -> None:
     for k, batch in enumerate(batches):
         last = k == len(batches) - 1
-        with model.no_sync() if replicated and not last else contextlib.nullcontext():  # DDP: all-reduce once
+        with model.no_sync() if replicated and not last else contextlib.nullcontext():  # replicated: reduce once
             model(**batch).loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -79,10 +81,10 @@ def _timed(fn) -> float:
     return took.item()
 
 
-def _measure(rank, world, preset, config, warmup, repeats) -> tuple[float, int]:
+def _measure(rank, world, preset, config, warmup, repeats, replicated) -> tuple[float, int]:
     """The median step time and the largest peak of any rank's last step."""
     micro, accumulation, shards, reshard, decisions = config
-    model = _build(preset, world, shards, reshard, decisions)
+    model = _build(preset, world, shards, reshard, decisions, replicated)
     opt = torch.optim.AdamW(model.parameters())
     seq = preset.shape.seq
     batches = [batch_at(preset.arch, micro, seq, step=rank * accumulation + k) for k in range(accumulation)]
@@ -109,7 +111,9 @@ def _worker(rank: int, world: int, presets: dict[str, Preset], args) -> dict:
             (c.micro_batch, c.accumulation, c.layout.shard_size, c.layout.reshard_after_forward, _decisions(c.plan))
             for c in fits
         ]
-        measured = [_measure(rank, world, preset, config, args.warmup, args.repeats) for config in configs]
+        measured = [
+            _measure(rank, world, preset, config, args.warmup, args.repeats, args.replicated) for config in configs
+        ]
         out["models"][name] = (result, searched, measured)
     return out
 
@@ -144,6 +148,7 @@ def main() -> None:
     p.add_argument("--budget", default="40MB")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--replicated", choices=["ddp", "memfit"], default="ddp", help="what runs replicated layouts")
     p.add_argument("--out")
     args = p.parse_args()
     shape = Shape(layers=args.layers, hidden=args.hidden, heads=4, seq=args.seq, batch=1, vocab=args.vocab, dropout=0.0)
@@ -165,7 +170,8 @@ def _header(args, shape) -> list[str]:
         f"budget {args.budget} per rank. Time priced on this machine's profile measured by each group's ranks "
         f"together (memfit calibrate_group). torch {torch.__version__}, {os.cpu_count()} CPU cores shared by the "
         f"ranks. Step: median of {args.repeats} after {args.warmup} warm-up, between barriers (slowest rank); "
-        "peak: the largest rank's MemoryMeter peak over the last step.",
+        "peak: the largest rank's MemoryMeter peak over the last step. Replicated rows run "
+        + ("as torch DDP." if args.replicated == "ddp" else "on memfit's units over a W x 1 mesh."),
         "",
     ]
 
@@ -176,9 +182,12 @@ def _report(args, world: int, out: dict) -> list[str]:
         f"## {world} ranks",
         "",
         f"Calibration ({out['calibration_s']:.0f} s): fp32 matmul {prof.flops['float32'] / 1e9:.1f} GFLOP/s per rank, "
-        f"memory {prof.memory_bandwidth / 1e9:.1f} GB/s, op overhead {prof.op_overhead * 1e6:.1f} us; link "
-        f"{prof.intra_node_bandwidth / 1e9:.2f} GB/s, {prof.intra_node_latency * 1e6:.0f} us per ring step; "
-        f"{prof.collective_overhead * 1e3:.2f} ms per collective on the compute thread.",
+        f"matmul latency {prof.matmul_latency * 1e6:.1f} us, memory {prof.memory_bandwidth / 1e9:.1f} GB/s, op "
+        f"overhead {prof.op_overhead * 1e6:.1f} us; link {prof.intra_node_bandwidth / 1e9:.2f} GB/s, "
+        f"{prof.intra_node_latency * 1e6:.0f} us per ring step; on the compute thread "
+        f"{prof.collective_overhead * 1e3:.2f} ms per collective and "
+        f"{prof.collective_byte_overhead * prof.intra_node_bandwidth:.2f}x its link time per byte sent (each "
+        "figure the median of the ranks').",
         "",
         "| model | micro | accum | layout | predicted ms | measured ms | measured / predicted | rank predicted | rank "
         "measured | predicted peak MiB | measured peak MiB |",
