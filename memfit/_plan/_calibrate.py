@@ -410,22 +410,23 @@ def _slowest(seconds: float, group, device: torch.device) -> float:
 
 def _fit_link(work: list[tuple[float, float]], seconds: list[float]) -> tuple[float, float]:
     """Least squares of seconds = steps x latency + bytes / bandwidth: (latency >= 0, bandwidth)."""
-    (s11, s12, s22), (b1, b2) = [0.0, 0.0, 0.0], [0.0, 0.0]
-    for (steps, nbytes), t in zip(work, seconds):
-        s11, s12, s22, b1, b2 = (
-            s11 + steps * steps,
-            s12 + steps * nbytes,
-            s22 + nbytes * nbytes,
-            b1 + steps * t,
-            b2 + nbytes * t,
-        )
-    det = s11 * s22 - s12 * s12
-    latency, per_byte = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
-    if latency < 0:  # bytes alone explain the times
-        latency, per_byte = 0.0, b2 / s22
-    elif per_byte < 0:  # latency alone does (bandwidth beyond what the sizes can show)
-        latency, per_byte = b1 / s11, 0.0
+    latency, per_byte = _fit_two(work, seconds)
     return latency, 1 / max(per_byte, 1e-30)
+
+
+def _fit_two(work: list[tuple[float, float]], seconds: list[float]) -> tuple[float, float]:
+    """Least squares of seconds = x a + y b over ``work``'s (x, y): (a, b), both >= 0 (a
+    negative one dropped and the other refitted alone)."""
+    (s11, s12, s22), (b1, b2) = [0.0, 0.0, 0.0], [0.0, 0.0]
+    for (x, y), t in zip(work, seconds):
+        s11, s12, s22, b1, b2 = s11 + x * x, s12 + x * y, s22 + y * y, b1 + x * t, b2 + y * t
+    det = s11 * s22 - s12 * s12
+    a, b = (b1 * s22 - b2 * s12) / det, (s11 * b2 - s12 * b1) / det
+    if a < 0:  # y alone explains the times (a link: bytes alone)
+        a, b = 0.0, b2 / s22
+    elif b < 0:  # x alone does (a link: bandwidth beyond what the sizes can show)
+        a, b = b1 / s11, 0.0
+    return max(a, 0.0), max(b, 0.0)
 
 
 class _Block(torch.nn.Module):
@@ -487,8 +488,7 @@ def _collective_overhead(
         extra.append(together - alone - sent / bandwidth - calls * (w - 1) * latency)
     if not work[0][0]:
         return 0.0, 0.0
-    per_call, per_byte_rate = _fit_link(work, extra)  # extra = calls x per_call + bytes / rate
-    return per_call, (0.0 if per_byte_rate >= 1e29 else 1 / per_byte_rate)
+    return _fit_two(work, extra)  # extra = calls x per call + bytes x per byte
 
 
 def _median_profile(profiles: list[DeviceProfile]) -> DeviceProfile:

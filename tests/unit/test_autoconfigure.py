@@ -298,13 +298,17 @@ def test_each_collective_adds_the_calibrated_overhead():
 
 
 def test_a_link_fit_recovers_its_latency_and_bandwidth():
-    from memfit._plan._calibrate import _fit_link
+    from memfit._plan._calibrate import _fit_link, _fit_two
 
     work = [(steps, nbytes) for steps in (1, 3, 6) for nbytes in (1e4, 1e6, 1e7)]
     seconds = [steps * 5e-5 + nbytes / 2e9 for steps, nbytes in work]
     assert _fit_link(work, seconds) == pytest.approx((5e-5, 2e9), rel=1e-6)
     # bytes alone explain the times: no negative latency
     assert _fit_link([(1, 1e6), (1, 2e6), (3, 1e6)], [0.9e-3, 2.0e-3, 0.8e-3])[0] == 0.0
+    # calibrate_group's per-collective costs: two widths (same collectives, 16x the bytes)
+    work = [(22, 1e5), (22, 1.6e6)]
+    assert _fit_two(work, [22 * 1e-3 + y * 2e-9 for _, y in work]) == pytest.approx((1e-3, 2e-9), rel=1e-6)
+    assert _fit_two(work, [-2e-3, -5e-3]) == (0.0, 0.0)  # all of it hidden (an accelerator): nothing
 
 
 def test_a_groups_profile_takes_the_median_of_its_ranks():
