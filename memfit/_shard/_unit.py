@@ -78,9 +78,16 @@ class GradSync(Enum):
 # parameter without a gradient keeps the .grad it had (None: as in plain torch). With one
 # data-parallel rank there is no rank to diverge from: nothing is recorded for the step's
 # checks, so the step reads nothing back to the host (See [Note: Divergence detection]).
-# Parameters whose chunks live on the host (offload) still go through the unit's buffers; at
-# one rank of a shard group under HSDP (replicas > 1) the all-gather's output is its input and
-# the reduce-scatter's output is its input: neither collective is called.
+# Parameters whose chunks live on the host (offload) still go through the unit's buffers.
+# A shard group of one rank under HSDP (replicas > 1: the replicated layout, a (W, 1) mesh)
+# computes on its chunks in the same way, as DDP computes on its parameters: no gather and no
+# copy in forward; autograd accumulates into the chunks' .grad (no_sync too), and the synced
+# backward puts every trainable chunk's gradient, flags and check sums into one buffer per
+# unit (one _chunk_cat), all-reduces it over the replicas and makes the .grad tensors views of
+# it, as DDP's bucket views. A gradient kept from the step before (zero_grad(set_to_none=
+# False)) is the same on every replica, so the mean of (old + new) is old + the new mean, as
+# in DDP, which reduces the accumulated .grad too. The reduce-scatter is not called (its
+# output would be its input), nor is the all-gather for parameters that still need one.
 
 
 class Unit:
@@ -108,7 +115,7 @@ class Unit:
         self.group = layout.shard  # the parameters are sharded over it
         self.rank = dist.get_rank(self.group)
         self.world = dist.get_world_size(self.group)
-        if layout.data_parallel == 1:  # See [Note: One rank computes on its shards]
+        if self.world == 1:  # See [Note: One rank computes on its shards]
             for sp in params:
                 if not sp.direct and sp.can_compute_on_shard():
                     sp.compute_on_shard()
@@ -371,8 +378,11 @@ class Unit:
         backward with the step's other checks: a parameter that no rank used keeps
         ``grad = None``, as in single-process training.
         """
-        trainable = [p for p in self._copied() if p.sharded.requires_grad]
-        if not trainable:  # See [Note: One rank computes on its shards]: the chunks have their gradients
+        # See [Note: One rank computes on its shards]: with no replicas a direct chunk has its
+        # gradient already; with replicas it is all-reduced with the others.
+        params = self._copied() if self.layout.replicate is None else self.params
+        trainable = [p for p in params if p.sharded.requires_grad]
+        if not trainable:
             return None
         key = tuple(id(p) for p in trainable)
         layout = self._reduce_plans.get(key)

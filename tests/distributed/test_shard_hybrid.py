@@ -6,6 +6,7 @@ also shards over 3 and over 1 of the 4 ranks). Parity tolerances are test_shard'
 the order of the gradient sum differs (1e-6 relative).
 """
 
+import contextlib
 import copy
 import os
 
@@ -195,6 +196,49 @@ def case_bytes_per_link(rank, world, _root):
     assert psi / shards <= sum(reduce_slot.values()) <= psi / shards + padding + extras
 
 
+def case_replicated_computes_on_its_parameters_as_ddp(rank, world, _root):
+    """A (R, 1) mesh (shard groups of one rank) runs as DDP: the parameters are the chunks
+    themselves (no gather, no copy), one all-reduce per unit and synced backward, none under
+    no_sync; gradients as DDP's within fp32 rounding (the mean's order differs), across
+    accumulation and gradients kept from the step before (zero_grad(set_to_none=False)).
+    Fails on the old code: the units gathered into copies of the parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    mesh = mesh_of((world, 1))
+    torch.manual_seed(0)
+    ref = make_model("mlp")
+    model = hybrid(mesh)(copy.deepcopy(ref))
+    ddp = DDP(ref)
+    units = memfit.testing.sharded_units(model)
+    tensors = [p for u in units for p in u.params if p.full.dim() > 0]  # a 0-dim one has a chunk of 1 row
+    assert len(tensors) > 1 and all(p.direct for p in tensors)
+    named = dict(model.named_parameters())
+    stats = memfit.testing.collective_stats()
+    for step in range(3):
+        micro = [batch("mlp", rank, 2 * step + k) for k in range(2)]
+        stats.reset()
+        for k, (x, y) in enumerate(micro):
+            last = k == len(micro) - 1
+            with contextlib.nullcontext() if last else model.no_sync():
+                out = loss_of("mlp", model, x, y)
+                assert all(p.full is p.sharded for p in tensors)  # computes on them
+                out.backward()
+            if not last:
+                assert stats.all_gathers == stats.all_reduces == stats.reduce_scatters == 0
+        assert stats.all_reduces == len(units) and stats.all_gathers == stats.reduce_scatters == 0
+        for k, (x, y) in enumerate(micro):
+            with contextlib.nullcontext() if k == len(micro) - 1 else ddp.no_sync():
+                out = loss_of("mlp", ddp, x, y)
+                out.backward()
+        for n, p in ddp.module.named_parameters():
+            torch.testing.assert_close(
+                named[n].grad.view(p.shape), p.grad, rtol=1e-6, atol=1e-7, msg=f"{n} at step {step}"
+            )
+        if step == 1:  # the gradients stay and the next step adds to them
+            for m in (model, ddp.module):
+                m.zero_grad(set_to_none=False)
+
+
 # -- checkpoints across layouts ----------------------------------------------------------------
 
 
@@ -326,6 +370,7 @@ CASES = [
     case_hybrid_shard_spellings_match_mesh,
     case_mesh_sliced_from_a_larger_one,
     case_bytes_per_link,
+    case_replicated_computes_on_its_parameters_as_ddp,
     case_checkpoint_hsdp_to_plain_w3_w1_and_back,
     case_partial_reshard_parity_bytes_and_memory,
 ]
