@@ -277,4 +277,4 @@ class FSDP1API(ShardedModule):
         """Clip the gradients of the whole model by their global norm; returns that norm
         (before clipping) as a tensor on the gradients' device, in their dtype, as FSDP1's
         ``clip_grad_norm_`` does."""
-        return _utils.clip_grad_norm_tensor(cast(nn.Module, self), max_norm, norm_type)[0]
+        return _utils.clip_grad_norm_tensor(cast(nn.Module, self), max_norm, norm_type)

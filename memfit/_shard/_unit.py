@@ -217,6 +217,7 @@ class Unit:
             streams.note("alloc", f"{self.name}:gather-out", "gather")
             if self.shard_state is ShardState.PARTIAL:  # See [Note: Partial reshard after forward]
                 send, group = cast(torch.Tensor, self._piece), self.post_forward_group  # kept at reshard
+                streams.note("use", f"{self.name}:piece", "gather")  # written on compute, waited for above
             else:  # in place, as FSDP2: this rank's slot of the output is the input
                 send, group = out.view(self.world, -1)[self.rank], self.group
                 copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
@@ -265,6 +266,7 @@ class Unit:
         torch.split_with_sizes_copy(out.view(self.world, -1), layout.sizes, dim=1, out=[*outs, ids])
         if self._keeps_piece():
             self._piece = self._rows_to_keep(out)
+            streams.note("alloc", f"{self.name}:piece", "compute")
         streams.note("use", f"{self.name}:gather-out", "compute")
         if streams.holds:  # freed once the gather stream waited for the copy-out (See _hold)
             self._hold(f"{self.name}:gather-out", out, streams.record("compute"))
@@ -282,8 +284,9 @@ class Unit:
         if self.shard_state is ShardState.GATHERING:
             self.wait_unshard()
         keep = after_forward and self._piece is not None
-        if not keep:
+        if not keep and self._piece is not None:  # compute waited for the gather that sent it
             self._piece = None
+            self._streams().note("free", f"{self.name}:piece", "compute")
         if self.shard_state is ShardState.PARTIAL and not keep:
             self.shard_state = ShardState.SHARDED
         if self.shard_state is not ShardState.UNSHARDED:

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit._shard._device import device_of_units, fill, host_read
+from memfit._shard._device import device_of_units, fill, host_read, same_device
 from memfit._shard._unit import ShardState, units_of
 
 __all__ = ["clip_grad_norm_", "summon_full_params"]
@@ -22,16 +22,33 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     Returns the total norm before clipping, the same float on every rank, equal to what
     ``torch.nn.utils.clip_grad_norm_`` returns for the unsharded model. The norm is reduced
     on the compute device (where NCCL takes it, even when the shards are offloaded) and read
-    on the host once: the call's one host sync (the inf-norm included).
+    on the host once, to return it: the call's one host sync (the inf-norm included).
+    :func:`clip_grad_norm_tensor` clips without reading anything (offloaded shards aside).
     """
-    return clip_grad_norm_tensor(model, max_norm, norm_type)[1]
+    read = clip_grads(model, max_norm, norm_type, read=True)[1]
+    return float("nan") if read is None else read  # the meta test device has no values
+
+
+def clip_grad_norm_tensor(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    """As torch FSDP1's method: :func:`clip_grads`' norm on the gradients' device (the compute
+    device when they have several or none), in the dtype their dtypes promote to (fp32 when
+    this rank has none)."""
+    units = units_of(model)
+    dtypes = {sp.sharded.grad.dtype for u in units for sp in u.params if sp.sharded.grad is not None}
+    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32  # once per dtype
+    return clip_grads(model, max_norm, norm_type)[0].to(dtype)
 
 
 @torch.no_grad()
-def clip_grad_norm_tensor(model: nn.Module, max_norm: float, norm_type: float = 2.0) -> tuple[torch.Tensor, float]:
-    """:func:`clip_grad_norm_`'s norm as a tensor too, as torch FSDP1 returns it: on the
-    gradients' device (the compute device when they have several or none), in the dtype their
-    dtypes promote to (fp32 when this rank has none)."""
+def clip_grads(
+    model: nn.Module, max_norm: float, norm_type: float = 2.0, read: bool = False
+) -> tuple[torch.Tensor, float | None]:
+    """:func:`clip_grad_norm_` without the host read, as ``torch.nn.utils.clip_grad_norm_``:
+    the gradients are multiplied by min(1, max_norm / (norm + 1e-6)) on the device (by exactly
+    1 when they are within the norm), so nothing waits for the device. Returns the norm on the
+    compute device, in fp32 (fp64 where a gradient is), and its value where it was read, once:
+    when ``read``, or to clip gradients of offloaded shards, in host memory, on the host (None:
+    not read; the meta test device's too)."""
     units = units_of(model)
     grads = [sp.sharded.grad for u in units for sp in u.params if sp.sharded.grad is not None]
     counted = [g for u in units if _counts(u) for sp in u.params if (g := sp.sharded.grad) is not None]
@@ -56,15 +73,18 @@ def clip_grad_norm_tensor(model: nn.Module, max_norm: float, norm_type: float = 
         total = total.sum()
         dist.all_reduce(total, group=group)
         total = total.pow(1.0 / norm_type)
-    total_f = host_read(total)
-    total_f = float("nan") if total_f is None else total_f  # the meta test device has no values
-    coef = max_norm / (total_f + 1e-6)
-    if coef < 1.0:
-        for part in _by_device(grads):
+    # The coefficient in double, then in the gradients' wide dtype: what multiplying by the
+    # Python float max_norm / (norm + 1e-6) gives (fp64 where the device has it).
+    coef_dtype = torch.float32 if total.device.type == "mps" else torch.float64
+    coef = (max_norm / (total.to(coef_dtype) + 1e-6)).clamp(max=1.0).to(wide)
+    groups = _by_device(grads)
+    value = host_read(total) if read or any(not same_device(g[0].device, coef.device) for g in groups) else None
+    for part in groups:
+        if same_device(part[0].device, coef.device):
             torch._foreach_mul_(part, coef)
-    dtypes = {g.dtype for g in grads}  # a few: promoted once per distinct dtype, not per gradient
-    dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
-    return total.to(dtype), total_f  # on the compute device, as torch FSDP1 returns it
+        elif value is not None and max_norm / (value + 1e-6) < 1.0:  # offloaded: the host clips them
+            torch._foreach_mul_(part, max_norm / (value + 1e-6))
+    return total, value
 
 
 def _counts(unit) -> bool:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import memfit
+from memfit._shard._utils import clip_grads
 from memfit.cli import _checkpoints
 from memfit.cli._choose import MIXED, choose, mixed_precision
 from memfit.cli._data import Tokens, load_tokens, window_batch
@@ -348,16 +349,16 @@ def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict
                 loss = loss_of(model, mb) / run.accumulate
                 loss.backward()
             total += loss.detach()
-        norm = memfit.clip_grad_norm_(model, cfg.clip)
+        norm, _ = clip_grads(model, cfg.clip)  # read with the loss, in _agree
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = meter.peak_bytes if meter else 0
-    loss_sum, votes, seconds, peaks = _agree(run, total, stop.votes(), time.perf_counter() - t0, peak)
+    loss_sum, norm_f, votes, seconds, peaks = _agree(run, total, norm, stop.votes(), time.perf_counter() - t0, peak)
     slowest = max(range(run.world), key=lambda r: seconds[r])
     entry = {
         "step": step + 1,
         "loss": loss_sum / run.world,
-        "grad_norm": float(norm),
+        "grad_norm": norm_f,
         "lr": cfg.lr_at(step),
         "tokens_per_s": run.accumulate * run.batch * run.world * run.seq / (time.perf_counter() - t0),
         "step_s_slowest": seconds[slowest],
@@ -371,32 +372,37 @@ def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict
 
 # [Note: One read per step]
 # A step reads the device once, in `_agree`: one all-reduce of a small vector that holds this
-# rank's summed loss (accumulated on the device, never read per micro-batch), its stop request
+# rank's summed loss (accumulated on the device, never read per micro-batch), the gradients'
+# norm (the same on every rank: rank 0's slot only), its stop request
 # (See [Note: Stopping on a signal] in memfit/cli/_preempt.py), its step time and its measured
 # peak (each rank in a slot of its own, the others zero, so the sum is the list over ranks), then
 # one read of the result. The stop request has to be read every step (a step in flight is the
 # last one), so the loss, the slowest rank's time and the peaks ride in that read for nothing.
 # The vector is filled with `fill_` (a kernel with a scalar argument, no host-to-device copy,
-# which on CUDA would wait for the stream). memfit.clip_grad_norm_ reads its norm once itself.
+# which on CUDA would wait for the stream). The clipping reads nothing (clip_grad_norm_tensor
+# multiplies by the clamped coefficient on the device, as torch.nn.utils.clip_grad_norm_).
 # A rank's time runs from its step's start to its arrival at this all-reduce; the step's own
 # collectives (the backward's reduce-scatters, the norm's all-reduce) make the ranks wait for
 # each other, so the times differ by less than the ranks' work does: the slowest is the step's
 # time, and `slowest_rank` (in --metrics) a hint only. On an accelerator the norm's read has
-# waited for the backward, so only the optimizer's kernels may still be queued (not testable here).
+# waited for the optimizer step's kernels (not testable here).
 
 
-def _agree(run: _Run, total: torch.Tensor, votes: list[float], seconds: float, peak: int):
-    """Sum over ranks of [loss, stop votes..., per-rank step seconds, per-rank peaks]; the step's one read."""
+def _agree(run: _Run, total: torch.Tensor, norm: torch.Tensor, votes: list[float], seconds: float, peak: int):
+    """Sum over ranks of [loss, gradient norm (rank 0's), stop votes..., per-rank step seconds,
+    per-rank peaks]; the step's one read."""
     w, n = run.world, len(votes)
-    shared = torch.zeros(1 + n + 2 * w, dtype=torch.float64, device=run.device)
+    shared = torch.zeros(2 + n + 2 * w, dtype=torch.float64, device=run.device)
     shared[0].copy_(total)
+    if run.rank == 0:
+        shared[1].copy_(norm)
     for i, v in enumerate(votes):
-        shared[1 + i].fill_(v)
-    shared[1 + n + run.rank].fill_(seconds)
-    shared[1 + n + w + run.rank].fill_(float(peak))
+        shared[2 + i].fill_(v)
+    shared[2 + n + run.rank].fill_(seconds)
+    shared[2 + n + w + run.rank].fill_(float(peak))
     dist.all_reduce(shared)
     values = shared.tolist()  # the host sync
-    return values[0], values[1 : 1 + n], values[1 + n : 1 + n + w], values[1 + n + w :]
+    return values[0], values[1], values[2 : 2 + n], values[2 + n : 2 + n + w], values[2 + n + w :]
 
 
 def _micro_batches(run: _Run, step: int) -> list[dict[str, torch.Tensor]]:

@@ -79,6 +79,21 @@ def test_hybrid_all_reduce_runs_on_its_own_stream():
     assert sum(e[0] == "wait" and e[1] == "compute" and e[2] in on_all_reduce for e in log) == 2  # per backward
 
 
+def test_a_partial_reshards_kept_piece_is_sent_and_freed_in_order():
+    """reshard_after_forward=2 over 4 ranks: the piece a unit keeps after forward (its rows of
+    the gathered buffer, copied on compute) is what backward's all-gather sends on the gather
+    stream; it is freed on compute only after compute waited for that all-gather."""
+    with meta_accelerator(4, rank=1), trace_streams() as trace:
+        model = sharded_net(reshard_after_forward=2)
+        backward(model)
+        backward(model)
+        names = [u.name for u in sharded_units(model)][1:]  # the root keeps no piece
+    assert trace.violations() == []
+    for name in names:
+        kinds = [(e[0], e[2]) for e in trace.log if e[1] == f"{name}:piece"]
+        assert kinds == [("alloc", "compute"), ("use", "gather"), ("free", "compute")] * 2, (name, kinds)
+
+
 def test_the_checker_finds_an_unordered_read_of_the_reduce_output():
     """The accumulation race as the old code traced it: compute waited only for the copy-in's
     event, recorded before the reduce-scatter wrote the output."""

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
+from memfit._shard._utils import clip_grads
 from memfit.cli import TrainConfig, main
 from memfit.cli._checkpoints import identity, schedule_change
 from memfit.cli._data import window_batch
@@ -208,8 +209,9 @@ def test_the_trainer_puts_only_chunks_of_the_model_on_the_device():
 
 def test_a_step_reads_the_device_once_beyond_the_librarys_reads(group_of_one):
     """The trainer's own host syncs in a steady-state step with --accumulate 3: one (the stop
-    flag's read, which carries the loss; before it, one .item() per micro-batch and one for the
-    mean). The reference runs the same library calls without the trainer."""
+    flag's read, which carries the loss and the gradient norm; before it, one .item() per
+    micro-batch and one for the mean, and the clipping's read of its norm). The reference runs
+    the same library calls without the trainer."""
     run = _build(TrainConfig(accumulate=3, device="cpu", **TINY), torch.device("cpu"))
     stop = StopRequests(rank=0)  # not entered: no handlers, no request
     for step in range(2):
@@ -222,10 +224,13 @@ def test_a_step_reads_the_device_once_beyond_the_librarys_reads(group_of_one):
         for i, mb in enumerate(micro):
             with run.model.no_sync() if i < 2 else torch.enable_grad():
                 (loss_of(run.model, mb) / 3).backward()
-        memfit.clip_grad_norm_(run.model, 1.0)
+        with HostSyncCounter() as clipping:
+            clip_grads(run.model, 1e-3)  # small: the gradients are scaled
         run.opt.step()
         run.opt.zero_grad(set_to_none=True)
-    # (the library's reads on the CPU: AdamW's step counts, the sharded step's checks, the norm)
+    # The clipping reads nothing (it read its norm once, before the trainer carried the norm in
+    # its one read); the library's reads on the CPU: AdamW's step counts, the sharded step's checks.
+    assert clipping.calls == []
     assert trainer.calls == [*library.calls, "tolist"], (trainer.calls, library.calls)
 
 
