@@ -102,15 +102,12 @@ def choose(
 def _auto(
     cfg: TrainConfig, model: nn.Module, example: dict, world: int, device, paths: list[str], global_batch: int | None
 ) -> Choice:
-    # Sharded layouts only: train runs a replicated one on memfit's units (shard groups of 1),
-    # whose forecast assumes torch DDP's memory; run so, replicated rows measured 1.19-2.06x
-    # their price and 3 of 17 above their forecast peak (benchmarks/results/
-    # autoconfig_memfit_replicated_cpu.md; as torch DDP 0.96-1.53x and none above).
-    # --hybrid-shards 1 still replicates on request.
-    sharded = [s for s in range(2, world + 1) if world % s == 0] or None
+    # Every layout, replicated too: train runs a replicated one on memfit's units over a (W, 1)
+    # mesh, which compute on their parameters and all-reduce once per unit, as the planner
+    # prices it (benchmarks/results/autoconfig_memfit_replicated_cpu.md).
     result = memfit.autoconfigure(
         model, example, budget=str(cfg.budget), world_size=world, global_batch=global_batch,
-        device_profile=device, decisions=PLANNED_KINDS, chunk_head=False, shard_sizes=sharded,
+        device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
     )  # fmt: skip
     best = result.best
     assert best.plan is not None  # autoconfigure raises when nothing fits
