@@ -355,7 +355,8 @@ def calibrate_links(group=None, device: str | torch.device = "cpu", repeats: int
         raise ValueError("memfit calibrate_links: a group of one rank has no links to time; run it on 2 or more")
     device = torch.device(device)
     # on gloo memfit reduce-scatters over more than 2 ranks by an all-reduce: 2 rings of bytes
-    scatter_rings = 2 if w > 2 and device.type == "cpu" and c._is_gloo(group) else 1
+    by_all_reduce = device.type == "cpu" and c._is_gloo(group)
+    scatter_rings = 2 if w > 2 and by_all_reduce else 1
     work: list[tuple[float, float]] = []
     seconds: list[float] = []
     for nbytes in _LINK_SIZES:
@@ -390,6 +391,7 @@ def calibrate_links(group=None, device: str | torch.device = "cpu", repeats: int
         "inter_node_bandwidth": bandwidth,
         "inter_node_latency": latency,
         "ranks_per_node": w,
+        "scatter_by_all_reduce": by_all_reduce,
     }
 
 
@@ -445,19 +447,23 @@ class _Block(torch.nn.Module):
 
 
 def _collective_overhead(
-    group, device, bandwidth: float, latency: float, widths: tuple[int, ...] = (128, 512), micro: int = 5
+    group, device, links: dict[str, Any], widths: tuple[int, ...] = (128, 512), micro: int = 5
 ) -> tuple[float, float]:
-    """(seconds per collective, seconds per byte sent) a sharded step pays beyond the collectives'
-    ring time on the fitted link: for each width, ``micro`` forward and backward passes of 4
-    blocks, each a memfit unit, less the same passes unsharded, less the ring time of what they
-    sent (each the median of 5 runs, between barriers, the slowest rank's); the two figures fitted
-    over the widths (same collectives, more bytes). See [Note: Calibrating the links]."""
+    """(seconds per collective, seconds per byte sent) a sharded step pays beyond what the time
+    model exposes of its collectives on the fitted link (``links``, :func:`calibrate_links`):
+    for each width, ``micro`` forward and backward passes of 4 blocks, each a memfit unit, less
+    the same passes unsharded, less the exposed communication [Note: Pricing communication]
+    gives them (each pass's blocks computing as the unsharded passes measured, backward twice
+    forward; each the median of 5 runs, between barriers, the slowest rank's); the two figures
+    fitted over the widths (same collectives, more bytes). See [Note: Calibrating the links]."""
     import torch.distributed as dist
 
+    from memfit._plan import _comm
     from memfit._shard import FullyShardedDataParallel
     from memfit._shard._collectives import STATS
 
     w, device = dist.get_world_size(group), torch.device(device)
+    linked = dataclasses.replace(PROFILES["cpu"], **links, collective_overhead=0.0, collective_byte_overhead=0.0)
 
     def passes(model, width: int) -> float:
         x = torch.randn(64, width, device=device)
@@ -473,19 +479,23 @@ def _collective_overhead(
         return statistics.median(runs[2:])
 
     work: list[tuple[float, float]] = []  # (collectives, bytes) of one run's passes
-    extra: list[float] = []  # seconds beyond the unsharded passes and the ring time
+    extra: list[float] = []  # seconds beyond the unsharded passes and the exposed communication
     for width in widths:
         torch.manual_seed(0)
         plain = torch.nn.Sequential(*[_Block(width) for _ in range(4)]).to(device)
         alone = passes(plain, width)
         plain.zero_grad(set_to_none=True)
+        block = float(sum(p.numel() * p.element_size() for p in plain[0].parameters()))
         sharded = FullyShardedDataParallel(plain, auto_wrap_policy={_Block}, group=group, device=device)
         before = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes)
         together = passes(sharded, width)
         calls = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before[0]) / 7
         sent = (STATS.bytes - before[1]) / 7
         work.append((calls, sent))
-        extra.append(together - alone - sent / bandwidth - calls * (w - 1) * latency)
+        forward = alone / micro / 4 / 3  # a block's forward; its backward twice that
+        units = _comm.Units(0.0, 0.0, [block] * 4, [block] * 4, 0.0, 0.0, [forward] * 4, [2 * forward] * 4)
+        exposed = _comm.micro_batch_comm(units, w, w, True, True, linked)["exposed_communication"]
+        extra.append(together - alone - micro * exposed)
     if not work[0][0]:
         return 0.0, 0.0
     return _fit_two(work, extra)  # extra = calls x per call + bytes x per byte
@@ -534,9 +544,7 @@ def calibrate_group(group=None, device: str | torch.device | None = None, *, cpu
         dist.all_gather_object(every, mine, group=group)
         mine = _median_profile(every)
         links = calibrate_links(group, device)
-        per_call, per_byte = _collective_overhead(
-            group, device, links["intra_node_bandwidth"], links["intra_node_latency"]
-        )
+        per_call, per_byte = _collective_overhead(group, device, links)
     finally:
         STATS.__dict__.update(counters.__dict__)
     source = f"{mine.source} by {w} ranks" if (w := dist.get_world_size(group)) > 1 else mine.source

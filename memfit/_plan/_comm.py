@@ -18,6 +18,9 @@ from memfit._plan._time import PROFILES, DeviceProfile
 # over the intra-node link (NVLink), anything wider (a replica group, strided by the shard size,
 # spans shard_size x (g - 1) + 1 ranks) over the inter-node one (its slowest hop bounds a ring).
 # Per micro-batch, sharded over s ranks with r = W / s replicas:
+#   (where the profile says scatter_by_all_reduce, gloo on a CPU, a reduce-scatter over s > 2
+#   ranks is memfit's all-reduce of the whole buffer: twice t(reduce-scatter) on the link; the
+#   bytes counted stay the reduce-scatter's, as memfit's counters count them)
 #   forward   all-gather every unit (the root first);
 #   backward  all-gather every block again (reshard_after_forward=True; none when False), then
 #             after its backward reduce-scatter its gradients over the s ranks and, with r > 1,
@@ -126,7 +129,8 @@ def micro_batch_comm(units: Units, world_size: int, shards: int, reshard: bool, 
         bwd_before = [0.0, *(all_gather_time(p, s, shard_link) for p in again), 0.0]
         grads = [0.0, *units.block_grads[::-1], units.root_grads]
         replica = link(device, r, stride=s)
-        bwd_after = [reduce_scatter_time(g, s, shard_link) + all_reduce_time(g / s, r, replica) for g in grads]
+        rings = 2 if device.scatter_by_all_reduce and s > 2 else 1  # gloo: an all-reduce
+        bwd_after = [rings * reduce_scatter_time(g, s, shard_link) + all_reduce_time(g / s, r, replica) for g in grads]
         t["all_gather_bytes"] = sum(ring_bytes(p, s) for p in gathers) + sum(ring_bytes(p, s) for p in again)
         t["reduce_scatter_bytes"] = sum(ring_bytes(g, s) for g in grads)
         t["all_reduce_bytes"] = sum(2 * ring_bytes(g / s, r) for g in grads)

@@ -109,6 +109,10 @@ class DeviceProfile:
             profiles.
         workspace_bytes: device memory a step's allocator holds beside the tensors MemoryMeter
             counts (see [Note: The allocator beside the tensors]); 0 on a CPU.
+        scatter_by_all_reduce: memfit's reduce-scatter over more than two ranks runs as an
+            all-reduce of the whole buffer, two rings of bytes and steps (gloo on a CPU, which has
+            no reduce-scatter of its own; memfit/_shard/_collectives.py): priced so. Set by
+            calibrate_group on gloo; False in the named profiles (NCCL's is one ring).
         calibrated_ranks: how many ranks ran while it was measured (`memfit calibrate`: 1,
             calibrate_group: the group's size; the per-rank compute and the collectives
             depend on it: a plan for another world size warns); 0: a named profile.
@@ -137,6 +141,7 @@ class DeviceProfile:
     collective_byte_overhead: float = 0.0  # and per byte it sends (see above)
     workspace_bytes: int = 0  # device memory the allocator holds beside tensors in a step (see above)
     calibrated_ranks: int = 0  # ranks running while it was measured; 0: not measured (see above)
+    scatter_by_all_reduce: bool = False  # a reduce-scatter over 3+ ranks is an all-reduce (see above)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON

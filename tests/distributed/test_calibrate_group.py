@@ -23,6 +23,7 @@ WIDTH = 32
 def case_links_are_fitted_alike_on_every_rank(rank, world):
     links = calibrate_links(repeats=2)
     assert links["ranks_per_node"] == world
+    assert links["scatter_by_all_reduce"] is True  # gloo on the CPU: see memfit/_shard/_collectives.py
     assert links["intra_node_bandwidth"] > 0 and math.isfinite(links["intra_node_bandwidth"])
     assert links["intra_node_latency"] >= 0
     assert (links["inter_node_bandwidth"], links["inter_node_latency"]) == (
@@ -48,7 +49,8 @@ def case_a_micro_batchs_collectives_are_counted_as_priced(rank, world):
         units = comm.Units(0.0, 0.0, [block] * 4, [block] * 4, 0.0, 0.0, [1e-3] * 4, [2e-3] * 4)
         priced = comm.micro_batch_comm(units, world, world, reshard, True, PROFILES["cpu"])
         assert priced["collectives"] == issued, (reshard, priced["collectives"], issued)
-    per_call, per_byte = _collective_overhead(None, "cpu", 1e9, 1e-4, widths=(WIDTH, 4 * WIDTH), micro=2)
+    links = {"intra_node_bandwidth": 1e9, "intra_node_latency": 1e-4, "ranks_per_node": world}
+    per_call, per_byte = _collective_overhead(None, "cpu", links, widths=(WIDTH, 4 * WIDTH), micro=2)
     assert min(per_call, per_byte) >= 0 and math.isfinite(per_call + per_byte)
 
 

@@ -216,6 +216,22 @@ def test_bytes_per_rank_per_micro_batch():
     assert ddp_other["all_reduce_bytes"] == ddp_other["exposed_communication"] == 0.0
 
 
+def test_a_reduce_scatter_run_as_an_all_reduce_is_priced_as_one():
+    """gloo (scatter_by_all_reduce): memfit's reduce-scatter over more than 2 ranks all-reduces
+    the whole buffer: twice the link time; over 2 ranks (an all-to-all) and the counted bytes
+    unchanged. Backward's compute is 0, so every collective is exposed."""
+    units = comm.Units(0.0, P_ROOT, [0.0] * 2, [P_BLOCK] * 2, 0.0, 0.0, [0.0] * 2, [0.0] * 2)
+    gloo = dataclasses.replace(FAKE, scatter_by_all_reduce=True)
+    for world, rings in ((4, 2), (2, 1)):
+        plain, doubled = (comm.micro_batch_comm(units, world, world, True, True, d) for d in (FAKE, gloo))
+        scatters = sum(comm.reduce_scatter_time(g, world, comm.link(FAKE, world)) for g in (P_ROOT, P_BLOCK, P_BLOCK))
+        assert plain["communication"] == pytest.approx(scatters)
+        assert doubled["communication"] == pytest.approx(rings * scatters)
+        assert doubled["reduce_scatter_bytes"] == plain["reduce_scatter_bytes"]
+    hybrid = comm.micro_batch_comm(units, 4, 2, True, True, gloo)  # 2x2: the shard group's is an all-to-all
+    assert hybrid["communication"] == comm.micro_batch_comm(units, 4, 2, True, True, FAKE)["communication"]
+
+
 def test_blocks_kept_gathered_from_forward_cost_their_parameters():
     """reshard_after_forward=False: at the end of forward every block is whole on top of what
     resharding holds; in block i's backward blocks 0..i are, instead of two blocks."""
