@@ -328,17 +328,20 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 #   steps and (W - 1) / W of the bytes; an all-reduce twice that): the intra-node link of the
 #   group's size (ranks_per_node = W: one host);
 # - collective_overhead and collective_byte_overhead: forward and backward passes of 4 small
-#   blocks, each a memfit unit, less the same passes unsharded, less the ring time of what they
-#   sent; at two widths (the same collectives, 16x the bytes), fitted as a cost per collective
+#   blocks, each a memfit unit, less the same passes unsharded, less the exposed communication
+#   the time model gives those passes (their blocks computing as the unsharded passes measured;
+#   [Note: Pricing communication]); at two widths (the same collectives, 16x the bytes), fitted as a cost per collective
 #   (hooks, buffers' copies, waits, the ranks' skew) and one per byte sent. The second is what
 #   the link's time alone misses where the collectives share the compute's cores and memory:
 #   2 gloo ranks on this 2-core machine, blocks of width 64/128/256/512 measured 0.55/1.30/1.88/
 #   6.08 ms per collective beyond the ring time (one width's fit, as calibrate_group did before),
 #   growing with the bytes (a block's parameters: 0.13/0.53/2.1/8.4 MB).
 # `calibrate` in one process has no link figures: its profile prices collectives on the "cpu"
-# profile's. The link time the overhead subtracts is all of it, where a step hides part of it
-# behind compute (see [Note: Pricing communication]): the overhead is low by the hidden part.
-# benchmarks/autoconfig.py measures what these are worth against real steps.
+# profile's. Until the overhead subtracted the modelled exposure instead of all the ring time
+# (hidden or not), and gloo's reduce-scatter over 3+ ranks was priced as the all-reduce it is
+# (scatter_by_all_reduce), fully sharded steps at 4 ranks measured 1.37-1.49x their price
+# against 1.08-1.31x for hybrid and replicated ones. benchmarks/autoconfig.py measures what
+# these are worth against real steps.
 _LINK_SIZES = [2**k for k in (14, 16, 18, 20, 22, 24)]  # bytes: 16 KiB .. 16 MiB
 
 
