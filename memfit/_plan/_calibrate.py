@@ -339,9 +339,10 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 # `calibrate` in one process has no link figures: its profile prices collectives on the "cpu"
 # profile's. Until the overhead subtracted the modelled exposure instead of all the ring time
 # (hidden or not), and gloo's reduce-scatter over 3+ ranks was priced as the all-reduce it is
-# (scatter_by_all_reduce), fully sharded steps at 4 ranks measured 1.37-1.49x their price
-# against 1.08-1.31x for hybrid and replicated ones. benchmarks/autoconfig.py measures what
-# these are worth against real steps.
+# (scatter_by_all_reduce), fully sharded steps at 4 ranks measured a median 1.37x their price,
+# hybrid ones 1.20x; since, 1.17-1.29x and 1.42-1.54x (two runs): the 4-rank fit leaves almost
+# no cost per collective, which hybrid units (two per unit) miss most. benchmarks/autoconfig.py
+# measures what these are worth against real steps (docs/planning.md).
 _LINK_SIZES = [2**k for k in (14, 16, 18, 20, 22, 24)]  # bytes: 16 KiB .. 16 MiB
 
 

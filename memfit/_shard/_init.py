@@ -392,10 +392,14 @@ def _outside(sp: ShardedParam) -> bool:
     """Whether ``sp``'s unit must be gathered for a call of one of its modules: not gathered,
     or kept gathered after a backward (reshard_after_backward=False) and stepped since."""
     owner = sp.owner  # (a tie may have moved the parameter to a unit above since the hook was set)
-    if owner is None or sp.direct:  # (a direct chunk is the full tensor)
+    # (a direct chunk is the full tensor; with replicas its gradient must still be reduced, so
+    # the call runs as a call of the unit)
+    if owner is None or (sp.direct and owner.layout.replicate is None):
         return False
     if owner.shard_state is not ShardState.UNSHARDED:
         return True
+    if sp.direct:  # "gathered" at once when prefetched: outside the unit's forward unless it runs
+        return owner.training_state in (TrainingState.IDLE, TrainingState.REDUCED)
     return owner.training_state in (TrainingState.IDLE, TrainingState.REDUCED) and owner._stale()
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections.abc import Iterator
 from enum import Enum, auto
 from typing import TYPE_CHECKING, cast
@@ -81,13 +82,16 @@ class GradSync(Enum):
 # Parameters whose chunks live on the host (offload) still go through the unit's buffers.
 # A shard group of one rank under HSDP (replicas > 1: the replicated layout, a (W, 1) mesh)
 # computes on its chunks in the same way, as DDP computes on its parameters: no gather and no
-# copy in forward; autograd accumulates into the chunks' .grad (no_sync too), and the synced
-# backward puts every trainable chunk's gradient, flags and check sums into one buffer per
+# copy in forward; autograd accumulates into the chunks' .grad (no_sync too, unless a wider
+# reduce dtype keeps the sum: accumulate_grads), and the synced backward puts every trainable chunk's gradient, flags and check sums into one buffer per
 # unit (one _chunk_cat), all-reduces it over the replicas and makes the .grad tensors views of
-# it, as DDP's bucket views. A gradient kept from the step before (zero_grad(set_to_none=
-# False)) is the same on every replica, so the mean of (old + new) is old + the new mean, as
-# in DDP, which reduces the accumulated .grad too. The reduce-scatter is not called (its
-# output would be its input), nor is the all-gather for parameters that still need one.
+# it, as DDP's bucket views. A gradient an all-reduce gave (kept: zero_grad(set_to_none=
+# False), two backwards) is set aside when the unit's backward starts and added to the new
+# mean after the all-reduce, as the other chunks' are (and FSDP2's): reducing it again would
+# scale it by W / the divide factor and round it to a 16-bit reduce dtype. The reduce-scatter
+# is not called (its output would be its input), nor is the all-gather for parameters that
+# still need one. Hooks on a direct chunk's gradient accumulation fire with this rank's
+# gradient before the all-reduce, as DDP's do.
 
 
 class Unit:
@@ -364,6 +368,20 @@ class Unit:
             else:
                 p.accumulated_grad.add_(grad)
             p.full.grad = None
+
+    def set_aside_reduced(self) -> None:
+        """A backward starts in this unit: under replicas, a direct chunk's gradient that its last
+        all-reduce gave it (kept: zero_grad(set_to_none=False), two backwards) is set aside, so
+        that autograd accumulates only this backward's (and no_sync's) gradients, which the
+        all-reduce averages; the reduced ones are added after it, as for the other chunks
+        (See [Note: One rank computes on its shards])."""
+        if self.layout.replicate is None:
+            return
+        for p in self.params:
+            grad = p.sharded.grad
+            if p.direct and grad is not None and p.kept_grad is None and p.reduced_grad is not None:
+                if p.reduced_grad() is grad:
+                    p.kept_grad, p.sharded.grad = grad, None
 
     def reduce_grads(self) -> None:
         """Reduce-scatter the gradients and wait for it (see :meth:`start_reduce`)."""
@@ -668,6 +686,10 @@ class PendingReduce:
         checks = self.unit._checks()
         for p, off in zip(self.layout.params, self.layout.offsets):
             g = out[off : off + p.local_numel].view(p.sharded.shape)
+            if p.kept_grad is not None:  # a direct chunk's reduced gradient, set aside: added to
+                p.sharded.grad, p.kept_grad = p.kept_grad, None
+            if p.direct:
+                p.reduced_grad = weakref.ref(p.sharded.grad if p.sharded.grad is not None else g)
             if p.sharded.grad is None:
                 p.sharded.grad = g
                 checks.fresh_grad(p)

@@ -82,8 +82,8 @@ def clip_grads(
     for part in groups:
         if same_device(part[0].device, coef.device):
             torch._foreach_mul_(part, coef)
-        elif value is not None and max_norm / (value + 1e-6) < 1.0:  # offloaded: the host clips them
-            torch._foreach_mul_(part, max_norm / (value + 1e-6))
+        elif value is not None and not (coef_host := max_norm / (value + 1e-6)) >= 1.0:  # offloaded:
+            torch._foreach_mul_(part, coef_host)  # the host clips them (by NaN too, as the device)
     return total, value
 
 

@@ -379,8 +379,9 @@ def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict
 # one read of the result. The stop request has to be read every step (a step in flight is the
 # last one), so the loss, the slowest rank's time and the peaks ride in that read for nothing.
 # The vector is filled with `fill_` (a kernel with a scalar argument, no host-to-device copy,
-# which on CUDA would wait for the stream). The clipping reads nothing (clip_grad_norm_tensor
-# multiplies by the clamped coefficient on the device, as torch.nn.utils.clip_grad_norm_).
+# which on CUDA would wait for the stream). The clipping reads nothing (clip_grads multiplies
+# by the clamped coefficient on the device, as torch.nn.utils.clip_grad_norm_), except where
+# the shards are offloaded: their gradients are clipped on the host after one read.
 # A rank's time runs from its step's start to its arrival at this all-reduce; the step's own
 # collectives (the backward's reduce-scatters, the norm's all-reduce) make the ranks wait for
 # each other, so the times differ by less than the ranks' work does: the slowest is the step's

@@ -239,6 +239,50 @@ def case_replicated_computes_on_its_parameters_as_ddp(rank, world, _root):
                 m.zero_grad(set_to_none=False)
 
 
+def case_replicated_adds_reduced_gradients_once_and_reduces_outside_calls(rank, world, _root):
+    """(R, 1) mesh: a gradient an all-reduce gave, kept into the next backward, is added after
+    the next all-reduce, not averaged again (with set_gradient_divide_factor(1) reducing it again
+    scaled it by R); a unit's module called outside its forward (ModernVBERT's embedding) has
+    its gradient reduced too (it stayed this rank's). Both fail on the code before the fix."""
+    from tests.distributed.test_shard import CallsInsideUnits, Embeddings, mse_step
+
+    mesh = mesh_of((world, 1))
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    model = copy.deepcopy(ref)
+    memfit.fully_shard(model[0], mesh=mesh)
+    memfit.fully_shard(model, mesh=mesh)
+    model.set_gradient_divide_factor(1.0)
+    model[0].set_gradient_divide_factor(1.0)
+    torch.manual_seed(1 + rank)
+    xs = [torch.randn(3, 4) for _ in range(2)]
+    for x in xs:  # two synced backwards, no zero_grad between
+        model(x).sum().backward()
+        ref(x).sum().backward()
+    for n, p in ref.named_parameters():
+        want = p.grad.clone()
+        dist.all_reduce(want)  # the sum over ranks (divide factor 1) of both backwards
+        torch.testing.assert_close(dict(model.named_parameters())[n].grad, want, rtol=1e-6, atol=1e-6, msg=n)
+    torch.manual_seed(0)
+    ref = CallsInsideUnits()
+    model = memfit.FullyShardedDataParallel(
+        copy.deepcopy(ref),
+        auto_wrap_policy={Embeddings, nn.Sequential},
+        sharding_strategy="HYBRID_SHARD",
+        device_mesh=mesh,
+    )
+    for step in range(2):
+        mse_step(model, *batch("mlp", rank, step))
+        mse_step(ref, *global_batch("mlp", world, step))
+        for n, p in ref.named_parameters():  # fp32 sums in another order
+            got = dict(model.named_parameters())[n].grad
+            torch.testing.assert_close(
+                got, p.grad, rtol=1e-5, atol=1e-6, msg=f"{n} {step} {(got - p.grad).abs().max()} {p.grad.abs().max()}"
+            )
+        for m in (model, ref):
+            m.zero_grad()
+
+
 # -- checkpoints across layouts ----------------------------------------------------------------
 
 
@@ -371,6 +415,7 @@ CASES = [
     case_mesh_sliced_from_a_larger_one,
     case_bytes_per_link,
     case_replicated_computes_on_its_parameters_as_ddp,
+    case_replicated_adds_reduced_gradients_once_and_reduces_outside_calls,
     case_checkpoint_hsdp_to_plain_w3_w1_and_back,
     case_partial_reshard_parity_bytes_and_memory,
 ]
