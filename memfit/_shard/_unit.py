@@ -83,15 +83,16 @@ class GradSync(Enum):
 # A shard group of one rank under HSDP (replicas > 1: the replicated layout, a (W, 1) mesh)
 # computes on its chunks in the same way, as DDP computes on its parameters: no gather and no
 # copy in forward; autograd accumulates into the chunks' .grad (no_sync too, unless a wider
-# reduce dtype keeps the sum: accumulate_grads), and the synced backward puts every trainable chunk's gradient, flags and check sums into one buffer per
-# unit (one _chunk_cat), all-reduces it over the replicas and makes the .grad tensors views of
-# it, as DDP's bucket views. A gradient an all-reduce gave (kept: zero_grad(set_to_none=
-# False), two backwards) is set aside when the unit's backward starts and added to the new
-# mean after the all-reduce, as the other chunks' are (and FSDP2's): reducing it again would
-# scale it by W / the divide factor and round it to a 16-bit reduce dtype. The reduce-scatter
-# is not called (its output would be its input), nor is the all-gather for parameters that
-# still need one. Hooks on a direct chunk's gradient accumulation fire with this rank's
-# gradient before the all-reduce, as DDP's do.
+# reduce dtype keeps the sum: accumulate_grads), and the synced backward puts every trainable
+# chunk's gradient, flags and check sums into one buffer per unit (one _chunk_cat),
+# all-reduces it over the replicas and makes the .grad tensors views of it, as DDP's bucket
+# views. A gradient an all-reduce gave (kept: zero_grad(set_to_none=False), two backwards) is
+# set aside when the unit's backward starts and added to the new mean after the all-reduce,
+# as the other chunks' are (and FSDP2's): reducing it again would scale it by W / the divide
+# factor and round it to a 16-bit reduce dtype. The reduce-scatter is not called (its output
+# would be its input), nor is the all-gather for parameters that still need one. Hooks on a
+# direct chunk's gradient accumulation fire with this rank's gradient before the all-reduce,
+# as DDP's do.
 
 
 class Unit:
@@ -673,6 +674,8 @@ class PendingReduce:
         checks = unit._checks()
         if checks.debug:  # the check reads the buffer's tail now, on compute
             streams.wait("compute", done)
+            if post != "reduce":  # (done's stream waited for the reduce stream; the trace wants it direct)
+                streams.wait("compute", scattered)
             streams.note("use", name, "compute")
             if post != "reduce":  # the buffer may be freed after the check: its stream waits too
                 streams.wait("reduce", done)

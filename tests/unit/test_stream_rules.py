@@ -56,6 +56,24 @@ def test_debug_checks_read_the_reduce_output_after_the_reduce():
     assert trace.violations() == []
 
 
+def test_replicated_units_debug_checks_are_ordered():
+    """A (4, 1) mesh with MEMFIT_DEBUG_COLLECTIVES=1: each unit's buffer is written on compute
+    (the gradients copied in), all-reduced on the all-reduce stream and read at once on compute;
+    every read follows a wait on what wrote it, across kept gradients and no_sync."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    with meta_accelerator(4, rank=1), debug_collectives(), trace_streams() as trace:
+        mesh = init_device_mesh("meta", (4, 1), mesh_dim_names=("replicate", "shard"))
+        model = sharded_net(mesh=mesh)
+        backward(model)
+        backward(model)  # the gradients of the first are kept: set aside, added after
+        with model.no_sync():
+            backward(model)
+        backward(model)
+    assert trace.violations() == []
+    assert any(e[0] == "use" and e[1].endswith(":reduce-out") and e[2] == "compute" for e in trace.log)
+
+
 def test_hybrid_all_reduce_runs_on_its_own_stream():
     """Point 12: with replicas, each unit's all-reduce (and the division and accumulation after
     it) runs on an all-reduce stream that waited for the reduce-scatter; the reduce stream never
