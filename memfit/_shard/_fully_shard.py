@@ -131,6 +131,14 @@ class FSDPModule(ShardedModule):
         if not factor > 0:
             raise ValueError(f"memfit: set_gradient_divide_factor takes a positive factor, got {factor!r}")
         unit = self._memfit_unit
+        world = unit.layout.data_parallel
+        if factor != world and unit.layout.replicate is not None and any(p.direct for p in unit.params):
+            raise ValueError(
+                f"memfit: set_gradient_divide_factor({factor!r}) on {unit.name!r}, replicated over {world} ranks "
+                "(shard groups of one rank): its gradients are reduced as DDP reduces them, kept ones included, "
+                f"which only a mean over the {world} ranks leaves right. Shard over 2 or more ranks per group, "
+                "or leave the factor at the number of ranks."
+            )
         unit.divide_factor = float(factor)
         unit._reduce_plans.clear()
 

@@ -399,7 +399,7 @@ def _outside(sp: ShardedParam) -> bool:
     if owner.shard_state is not ShardState.UNSHARDED:
         return True
     if sp.direct:  # "gathered" at once when prefetched: outside the unit's forward unless it runs
-        return owner.training_state in (TrainingState.IDLE, TrainingState.REDUCED)
+        return torch.is_grad_enabled() and owner.training_state in (TrainingState.IDLE, TrainingState.REDUCED)
     return owner.training_state in (TrainingState.IDLE, TrainingState.REDUCED) and owner._stale()
 
 

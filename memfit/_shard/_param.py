@@ -92,10 +92,6 @@ class ShardedParam:
         # no_sync with a wider reduce dtype: the micro-batches' full gradients summed in it
         self.accumulated_grad: torch.Tensor | None = None
         self.direct = False  # the full tensor is the chunk itself (See [Note: One rank computes on its shards])
-        # A direct chunk under replicas: the .grad its last all-reduce gave it (weakly), and that
-        # gradient set aside while a backward accumulates new ones (See _unit.Unit.set_aside_reduced)
-        self.reduced_grad: weakref.ref | None = None
-        self.kept_grad: torch.Tensor | None = None
         self.register(self.sharded)
 
     def can_compute_on_shard(self) -> bool:

@@ -174,7 +174,6 @@ class RootState:
             return
         self.ensure_finish_queued()
         unit.training_state = TrainingState.BACKWARD
-        unit.set_aside_reduced()
         unit.wait_unshard()
         for prev in self.backward_prefetch(unit):
             if prev.training_state is TrainingState.FORWARD:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import weakref
 from collections.abc import Iterator
 from enum import Enum, auto
 from typing import TYPE_CHECKING, cast
@@ -86,13 +85,14 @@ class GradSync(Enum):
 # reduce dtype keeps the sum: accumulate_grads), and the synced backward puts every trainable
 # chunk's gradient, flags and check sums into one buffer per unit (one _chunk_cat),
 # all-reduces it over the replicas and makes the .grad tensors views of it, as DDP's bucket
-# views. A gradient an all-reduce gave (kept: zero_grad(set_to_none=False), two backwards) is
-# set aside when the unit's backward starts and added to the new mean after the all-reduce,
-# as the other chunks' are (and FSDP2's): reducing it again would scale it by W / the divide
-# factor and round it to a 16-bit reduce dtype. The reduce-scatter is not called (its output
-# would be its input), nor is the all-gather for parameters that still need one. Hooks on a
-# direct chunk's gradient accumulation fire with this rank's gradient before the all-reduce,
-# as DDP's do.
+# views. As in DDP, what is reduced is the accumulated .grad: a gradient kept from an earlier
+# step (zero_grad(set_to_none=False), two backwards) is the same on every replica, so the
+# mean of (kept + new) is kept + the new mean. That holds for a mean over the W ranks in a
+# dtype no narrower than the gradients': a chunk whose reduce dtype is narrower (a bf16
+# reduce of fp32 gradients) goes through the unit's buffers, and set_gradient_divide_factor
+# is refused on such a unit. Hooks on a direct chunk's gradient accumulation fire with this
+# rank's gradient before the all-reduce, as DDP's do. The reduce-scatter is not called (its
+# output would be its input), nor is the all-gather for parameters that still need one.
 
 
 class Unit:
@@ -122,7 +122,8 @@ class Unit:
         self.world = dist.get_world_size(self.group)
         if self.world == 1:  # See [Note: One rank computes on its shards]
             for sp in params:
-                if not sp.direct and sp.can_compute_on_shard():
+                narrow = reduce_dtype is not None and reduce_dtype.itemsize < sp.sharded.dtype.itemsize
+                if not sp.direct and sp.can_compute_on_shard() and not (narrow and layout.replicate is not None):
                     sp.compute_on_shard()
         self.reshard_after_forward = bool(reshard_after_forward)  # after forward, free (or keep 1/k)
         self.post_forward_group = None  # partial reshard: the k ranks backward gathers over
@@ -369,20 +370,6 @@ class Unit:
             else:
                 p.accumulated_grad.add_(grad)
             p.full.grad = None
-
-    def set_aside_reduced(self) -> None:
-        """A backward starts in this unit: under replicas, a direct chunk's gradient that its last
-        all-reduce gave it (kept: zero_grad(set_to_none=False), two backwards) is set aside, so
-        that autograd accumulates only this backward's (and no_sync's) gradients, which the
-        all-reduce averages; the reduced ones are added after it, as for the other chunks
-        (See [Note: One rank computes on its shards])."""
-        if self.layout.replicate is None:
-            return
-        for p in self.params:
-            grad = p.sharded.grad
-            if p.direct and grad is not None and p.kept_grad is None and p.reduced_grad is not None:
-                if p.reduced_grad() is grad:
-                    p.kept_grad, p.sharded.grad = grad, None
 
     def reduce_grads(self) -> None:
         """Reduce-scatter the gradients and wait for it (see :meth:`start_reduce`)."""
@@ -689,10 +676,6 @@ class PendingReduce:
         checks = self.unit._checks()
         for p, off in zip(self.layout.params, self.layout.offsets):
             g = out[off : off + p.local_numel].view(p.sharded.shape)
-            if p.kept_grad is not None:  # a direct chunk's reduced gradient, set aside: added to
-                p.sharded.grad, p.kept_grad = p.kept_grad, None
-            if p.direct:
-                p.reduced_grad = weakref.ref(p.sharded.grad if p.sharded.grad is not None else g)
             if p.sharded.grad is None:
                 p.sharded.grad = g
                 checks.fresh_grad(p)

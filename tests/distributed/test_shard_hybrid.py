@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import ShardingStrategy
+from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
 import memfit
 import memfit.testing
@@ -239,30 +239,25 @@ def case_replicated_computes_on_its_parameters_as_ddp(rank, world, _root):
                 m.zero_grad(set_to_none=False)
 
 
-def case_replicated_adds_reduced_gradients_once_and_reduces_outside_calls(rank, world, _root):
-    """(R, 1) mesh: a gradient an all-reduce gave, kept into the next backward, is added after
-    the next all-reduce, not averaged again (with set_gradient_divide_factor(1) reducing it again
-    scaled it by R); a unit's module called outside its forward (ModernVBERT's embedding) has
-    its gradient reduced too (it stayed this rank's). Both fail on the code before the fix."""
+def case_replicated_refuses_a_divide_factor_and_reduces_outside_calls(rank, world, _root):
+    """(R, 1) mesh: gradients are reduced as DDP reduces them, kept ones included, which only a
+    mean over the R ranks leaves right: another divide factor is refused by name (it scaled a
+    kept gradient by R / factor); a narrower reduce dtype goes through the unit's buffers. A
+    unit's module called outside its forward (ModernVBERT's embedding) has its gradient reduced
+    too (it stayed this rank's: the outside hook skipped direct chunks, and a prefetched one
+    looked gathered)."""
     from tests.distributed.test_shard import CallsInsideUnits, Embeddings, mse_step
 
     mesh = mesh_of((world, 1))
-    torch.manual_seed(0)
-    ref = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    model = copy.deepcopy(ref)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
     memfit.fully_shard(model[0], mesh=mesh)
     memfit.fully_shard(model, mesh=mesh)
-    model.set_gradient_divide_factor(1.0)
-    model[0].set_gradient_divide_factor(1.0)
-    torch.manual_seed(1 + rank)
-    xs = [torch.randn(3, 4) for _ in range(2)]
-    for x in xs:  # two synced backwards, no zero_grad between
-        model(x).sum().backward()
-        ref(x).sum().backward()
-    for n, p in ref.named_parameters():
-        want = p.grad.clone()
-        dist.all_reduce(want)  # the sum over ranks (divide factor 1) of both backwards
-        torch.testing.assert_close(dict(model.named_parameters())[n].grad, want, rtol=1e-6, atol=1e-6, msg=n)
+    with pytest.raises(ValueError, match=r"set_gradient_divide_factor\(1.0\) on .*replicated over 4 ranks"):
+        model[0].set_gradient_divide_factor(1.0)
+    model.set_gradient_divide_factor(float(world))  # the mean: allowed
+    narrow = nn.Linear(4, 4)
+    memfit.fully_shard(narrow, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
+    assert not any(p.direct for u in memfit.testing.sharded_units(narrow) for p in u.params)
     torch.manual_seed(0)
     ref = CallsInsideUnits()
     model = memfit.FullyShardedDataParallel(
@@ -415,7 +410,7 @@ CASES = [
     case_mesh_sliced_from_a_larger_one,
     case_bytes_per_link,
     case_replicated_computes_on_its_parameters_as_ddp,
-    case_replicated_adds_reduced_gradients_once_and_reduces_outside_calls,
+    case_replicated_refuses_a_divide_factor_and_reduces_outside_calls,
     case_checkpoint_hsdp_to_plain_w3_w1_and_back,
     case_partial_reshard_parity_bytes_and_memory,
 ]
