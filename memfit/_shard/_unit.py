@@ -87,10 +87,10 @@ class GradSync(Enum):
 # all-reduces it over the replicas and makes the .grad tensors views of it, as DDP's bucket
 # views. As in DDP, what is reduced is the accumulated .grad: a gradient kept from an earlier
 # step (zero_grad(set_to_none=False), two backwards) is the same on every replica, so the
-# mean of (kept + new) is kept + the new mean. That holds for a mean over the W ranks in a
-# dtype no narrower than the gradients': a chunk whose reduce dtype is narrower (a bf16
-# reduce of fp32 gradients) goes through the unit's buffers, and set_gradient_divide_factor
-# is refused on such a unit. Hooks on a direct chunk's gradient accumulation fire with this
+# mean of (kept + new) is kept + the new mean. That holds for a mean over the W ranks in the
+# gradients' own dtype: a chunk with another reduce dtype goes through the unit's buffers (a
+# tie two such units share is refused), and set_gradient_divide_factor is refused on a unit
+# with direct chunks. Hooks on a direct chunk's gradient accumulation fire with this
 # rank's gradient before the all-reduce, as DDP's do. The reduce-scatter is not called (its
 # output would be its input), nor is the all-gather for parameters that still need one.
 
@@ -122,8 +122,17 @@ class Unit:
         self.world = dist.get_world_size(self.group)
         if self.world == 1:  # See [Note: One rank computes on its shards]
             for sp in params:
-                narrow = reduce_dtype is not None and reduce_dtype.itemsize < sp.sharded.dtype.itemsize
-                if not sp.direct and sp.can_compute_on_shard() and not (narrow and layout.replicate is not None):
+                # replicas reduce a direct chunk's .grad as it is (DDP's way): in its own dtype only
+                other = layout.replicate is not None and reduce_dtype not in (None, sp.sharded.dtype)
+                if sp.direct and other:  # a tie a unit with another reduce dtype made direct
+                    module, name = sp.uses[0]
+                    raise ValueError(
+                        f"memfit sharding: parameter '{name}' of {type(module).__name__} is tied across units "
+                        f"that reduce it in different dtypes ({sp.sharded.dtype} and {reduce_dtype}) on a "
+                        "replicated mesh (shard groups of one rank); give the units that share it the same "
+                        "mixed precision"
+                    )
+                if not sp.direct and sp.can_compute_on_shard() and not other:
                     sp.compute_on_shard()
         self.reshard_after_forward = bool(reshard_after_forward)  # after forward, free (or keep 1/k)
         self.post_forward_group = None  # partial reshard: the k ranks backward gathers over

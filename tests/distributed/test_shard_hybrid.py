@@ -242,7 +242,7 @@ def case_replicated_computes_on_its_parameters_as_ddp(rank, world, _root):
 def case_replicated_refuses_a_divide_factor_and_reduces_outside_calls(rank, world, _root):
     """(R, 1) mesh: gradients are reduced as DDP reduces them, kept ones included, which only a
     mean over the R ranks leaves right: another divide factor is refused by name (it scaled a
-    kept gradient by R / factor); a narrower reduce dtype goes through the unit's buffers. A
+    kept gradient by R / factor); another reduce dtype goes through the unit's buffers. A
     unit's module called outside its forward (ModernVBERT's embedding) has its gradient reduced
     too (it stayed this rank's: the outside hook skipped direct chunks, and a prefetched one
     looked gathered)."""
@@ -257,7 +257,16 @@ def case_replicated_refuses_a_divide_factor_and_reduces_outside_calls(rank, worl
     model.set_gradient_divide_factor(float(world))  # the mean: allowed
     narrow = nn.Linear(4, 4)
     memfit.fully_shard(narrow, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
-    assert not any(p.direct for u in memfit.testing.sharded_units(narrow) for p in u.params)
+    wider = nn.Linear(4, 4).to(torch.bfloat16)  # bf16 compute, fp32 reduce: no_sync sums set aside in fp32
+    memfit.shard(wider, mesh=mesh, mixed_precision=memfit.MixedPrecision(torch.bfloat16, torch.float32))
+    for m in (narrow, wider):  # another reduce dtype: through the unit's buffers
+        assert not any(p.direct for u in memfit.testing.sharded_units(m) for p in u.params)
+    tied = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Tanh(), nn.Linear(4, 4, bias=False))
+    tied[2].weight = tied[0].weight  # direct in the blocks, adopted by a root reducing in bf16
+    memfit.fully_shard(tied[0], mesh=mesh)
+    memfit.fully_shard(tied[2], mesh=mesh)
+    with pytest.raises(ValueError, match=r"'weight' of .*Linear is tied across units that reduce it in different"):
+        memfit.fully_shard(tied, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.bfloat16))
     torch.manual_seed(0)
     ref = CallsInsideUnits()
     model = memfit.FullyShardedDataParallel(
