@@ -330,8 +330,9 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 # - collective_overhead and collective_byte_overhead: forward and backward passes of 4 small
 #   blocks, each a memfit unit, less the same passes unsharded, less the exposed communication
 #   the time model gives those passes (their blocks computing as the unsharded passes measured;
-#   [Note: Pricing communication]); at two widths (the same collectives, 16x the bytes), fitted as a cost per collective
-#   (hooks, buffers' copies, waits, the ranks' skew) and one per byte sent. The second is what
+#   [Note: Pricing communication]); at two widths (the same collectives, 16x the bytes), fitted
+#   as a cost per collective (hooks, buffers' copies, waits, the ranks' skew) and one per byte
+#   sent. The second is what
 #   the link's time alone misses where the collectives share the compute's cores and memory:
 #   2 gloo ranks on this 2-core machine, blocks of width 64/128/256/512 measured 0.55/1.30/1.88/
 #   6.08 ms per collective beyond the ring time (one width's fit, as calibrate_group did before),
@@ -496,8 +497,9 @@ def _collective_overhead(
         calls = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before[0]) / 7
         sent = (STATS.bytes - before[1]) / 7
         work.append((calls, sent))
-        forward = alone / micro / 4 / 3  # a block's forward; its backward twice that
-        units = _comm.Units(0.0, 0.0, [block] * 4, [block] * 4, 0.0, 0.0, [forward] * 4, [2 * forward] * 4)
+        n = len(plain)
+        forward = alone / micro / n / 3  # a block's forward; its backward twice that
+        units = _comm.Units(0.0, 0.0, [block] * n, [block] * n, 0.0, 0.0, [forward] * n, [2 * forward] * n)
         exposed = _comm.micro_batch_comm(units, w, w, True, True, linked)["exposed_communication"]
         extra.append(together - alone - micro * exposed)
     if not work[0][0]:

@@ -670,11 +670,10 @@ class PendingReduce:
         checks = unit._checks()
         if checks.debug:  # the check reads the buffer's tail now, on compute
             streams.wait("compute", done)
-            if post != "reduce":  # (done's stream waited for the reduce stream; the trace wants it direct)
-                streams.wait("compute", scattered)
+            if post != "reduce":
+                streams.wait("compute", scattered)  # (done's stream waited for it; the trace wants it direct)
+                streams.wait("reduce", done)  # the buffer may be freed after the check: its stream waits too
             streams.note("use", name, "compute")
-            if post != "reduce":  # the buffer may be freed after the check: its stream waits too
-                streams.wait("reduce", done)
         tail = self.out[layout.flags : layout.flags + layout.checked]
         checks.reduced(unit, layout.params, tail, layout.exact, self.have)
 
