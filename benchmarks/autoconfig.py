@@ -184,7 +184,9 @@ def _report(args, world: int, out: dict) -> list[str]:
         f"Calibration ({out['calibration_s']:.0f} s): fp32 matmul {prof.flops['float32'] / 1e9:.1f} GFLOP/s per rank, "
         f"matmul latency {prof.matmul_latency * 1e6:.1f} us, memory {prof.memory_bandwidth / 1e9:.1f} GB/s, op "
         f"overhead {prof.op_overhead * 1e6:.1f} us; link {prof.intra_node_bandwidth / 1e9:.2f} GB/s, "
-        f"{prof.intra_node_latency * 1e6:.0f} us per ring step; on the compute thread "
+        f"{prof.intra_node_latency * 1e6:.0f} us per ring step"
+        + "".join(f"; {g}-rank groups {bw / 1e9:.2f} GB/s, {lat * 1e6:.0f} us" for g, lat, bw in prof.group_links)
+        + "; on the compute thread "
         f"{prof.collective_overhead * 1e3:.2f} ms per collective and "
         f"{prof.collective_byte_overhead * prof.intra_node_bandwidth:.2f}x its link time per byte sent (each "
         "figure the median of the ranks').",

@@ -17,6 +17,8 @@ from memfit._plan._time import PROFILES, DeviceProfile
 # on the link the group spans: g consecutive ranks (a shard group) within ranks_per_node talk
 # over the intra-node link (NVLink), anything wider (a replica group, strided by the shard size,
 # spans shard_size x (g - 1) + 1 ranks) over the inter-node one (its slowest hop bounds a ring).
+# A calibrated profile may hold the link of each smaller group size on its host (group_links,
+# measured with every group of that size running at once): a group within the node uses it.
 # Per micro-batch, sharded over s ranks with r = W / s replicas:
 #   (where the profile says scatter_by_all_reduce, gloo on a CPU, a reduce-scatter over s > 2
 #   ranks is memfit's all-reduce of the whole buffer: twice t(reduce-scatter) on the link; the
@@ -57,6 +59,9 @@ def link(device: DeviceProfile, ranks: int, stride: int = 1) -> Link:
     a profile without link figures (a calibration) prices on the "cpu" profile's."""
     figures = device if device.intra_node_bandwidth and device.inter_node_bandwidth else PROFILES["cpu"]
     if (ranks - 1) * stride + 1 <= figures.ranks_per_node:
+        for size, latency, bandwidth in figures.group_links:  # measured at this group size
+            if size == ranks:
+                return Link("intra-node", bandwidth, latency)
         return Link("intra-node", figures.intra_node_bandwidth, figures.intra_node_latency)
     return Link("inter-node", figures.inter_node_bandwidth, figures.inter_node_latency)
 

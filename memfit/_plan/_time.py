@@ -113,6 +113,11 @@ class DeviceProfile:
             all-reduce of the whole buffer, two rings of bytes and steps (gloo on a CPU, which has
             no reduce-scatter of its own; memfit/_shard/_collectives.py): priced so. Set by
             calibrate_group on gloo; False in the named profiles (NCCL's is one ring).
+        group_links: (ranks, latency, bandwidth) of the smaller groups a layout's collectives run
+            in on the same host (a hybrid layout's shard and replica groups), each measured with
+            every group of that size running at once, as the layout runs them; a group of a size
+            not listed uses the intra_node_* figures. Set by calibrate_group for the divisors of
+            its size (see [Note: Calibrating the links]); empty in the named profiles.
         calibrated_ranks: how many ranks ran while it was measured (`memfit calibrate`: 1,
             calibrate_group: the group's size; the per-rank compute and the collectives
             depend on it: a plan for another world size warns); 0: a named profile.
@@ -142,9 +147,11 @@ class DeviceProfile:
     workspace_bytes: int = 0  # device memory the allocator holds beside tensors in a step (see above)
     calibrated_ranks: int = 0  # ranks running while it was measured; 0: not measured (see above)
     scatter_by_all_reduce: bool = False  # a reduce-scatter over 3+ ranks is an all-reduce (see above)
+    group_links: tuple[tuple[int, float, float], ...] = ()  # (ranks, latency, bandwidth) per smaller group (see above)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON
+        object.__setattr__(self, "group_links", tuple((int(g), lat, bw) for g, lat, bw in self.group_links))
         rates = [*self.flops.values(), self.memory_bandwidth, self.offload_bandwidth]
         if "float32" not in self.flops or min(rates) <= 0 or min(self.op_overhead, self.matmul_latency) < 0:
             raise ValueError(f"memfit.DeviceProfile {self.name!r}: rates must be positive, float32 included")

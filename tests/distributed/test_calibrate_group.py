@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit._plan import _comm as comm
-from memfit._plan._calibrate import _Block, _collective_overhead, calibrate_links
+from memfit._plan._calibrate import _Block, _collective_overhead, _group_links, calibrate_links
 from memfit._plan._time import PROFILES
 from memfit._shard._collectives import STATS
 from tests._dist import Subtests, case_id
@@ -54,10 +54,24 @@ def case_a_micro_batchs_collectives_are_counted_as_priced(rank, world):
     assert min(per_call, per_byte) >= 0 and math.isfinite(per_call + per_byte)
 
 
+def case_smaller_groups_are_fitted_at_each_divisor(rank, world):
+    sizes = _group_links(None, torch.device("cpu"))  # 4 ranks: the 2-rank groups a hybrid 2 x 2 runs in
+    assert [g for g, _, _ in sizes] == [2], sizes
+    (_, latency, bandwidth), = sizes
+    assert latency >= 0 and 0 < bandwidth and math.isfinite(bandwidth)
+    dist.barrier()  # the subgroups are gone; the default group still works
+    assert calibrate_links(repeats=1)["ranks_per_node"] == world
+
+
 CASES = [case_links_are_fitted_alike_on_every_rank, case_a_micro_batchs_collectives_are_counted_as_priced]
 GROUP = Subtests(CASES)
+GROUP_OF_4 = Subtests([case_smaller_groups_are_fitted_at_each_divisor])
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_calibrate_group(case):
     GROUP.check(case, 2)
+
+
+def test_calibrate_group_of_four():
+    GROUP_OF_4.check(case_smaller_groups_are_fitted_at_each_divisor, 4)

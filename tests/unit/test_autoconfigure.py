@@ -3,6 +3,7 @@ and a fake device: no model runs. The arithmetic is the same as the code's, so c
 are exact up to float rounding (pytest.approx, rel 1e-6)."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -180,6 +181,12 @@ def test_collectives_cost_their_ring():
     assert comm.link(bare, 2) == comm.link(NAMED["cpu"], 2)
     h100 = NAMED["h100"]
     assert comm.link(h100, 8).bandwidth == 450e9 and comm.link(h100, 16).bandwidth == 50e9
+    # a smaller group measured on its own (calibrate_group's group_links): its figures, in the node
+    # only; the JSON of a cached calibration (lists) reads back as the same profile
+    sized = dataclasses.replace(FAKE, group_links=((2, 3e-6, 5e7),))
+    assert comm.link(sized, 2) == comm.link(sized, 2, stride=2) == comm.Link("intra-node", 5e7, 3e-6)
+    assert comm.link(sized, 4) == comm.link(FAKE, 4) and comm.link(sized, 2, stride=4) == comm.link(FAKE, 2, stride=4)
+    assert memfit.DeviceProfile(**json.loads(json.dumps(dataclasses.asdict(sized)))) == sized
 
 
 def test_communication_hides_behind_the_next_units_compute():
