@@ -57,7 +57,7 @@ def case_a_micro_batchs_collectives_are_counted_as_priced(rank, world):
 def case_smaller_groups_are_fitted_at_each_divisor(rank, world):
     sizes = _group_links(None, torch.device("cpu"))  # 4 ranks: the 2-rank groups a hybrid 2 x 2 runs in
     assert [g for g, _, _ in sizes] == [2], sizes
-    (_, latency, bandwidth), = sizes
+    ((_, latency, bandwidth),) = sizes
     assert latency >= 0 and 0 < bandwidth and math.isfinite(bandwidth)
     dist.barrier()  # the subgroups are gone; the default group still works
     assert calibrate_links(repeats=1)["ranks_per_node"] == world
