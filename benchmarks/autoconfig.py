@@ -10,7 +10,8 @@ configuration that fits the budget runs for real: replicated as torch DDP (no_sy
 the last micro-batch; --replicated memfit: memfit's units over a W x 1 mesh, as
 `memfit train --hybrid-shards 1` runs it), sharded as memfit.FullyShardedDataParallel over a
 mesh of replicas x shards (each block a unit), the plan's checkpoint decisions applied, AdamW. Step time: the
-median of the repeats after warm-up, each step between barriers (the slowest rank's).
+median of the repeats after warm-up, each step between barriers (the slowest rank's), the
+configurations of a model run in rounds (one step of each per round: drift falls on all alike).
 Peak: the largest over ranks of MemoryMeter over the last step (AdamW's state exists). The
 table compares predicted and measured step time and the pick's measured time with the best.
 
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import time
@@ -81,19 +83,32 @@ def _timed(fn) -> float:
     return took.item()
 
 
-def _measure(rank, world, preset, config, warmup, repeats, replicated) -> tuple[float, int]:
-    """The median step time and the largest peak of any rank's last step."""
-    micro, accumulation, shards, reshard, decisions = config
-    model = _build(preset, world, shards, reshard, decisions, replicated)
-    opt = torch.optim.AdamW(model.parameters())
-    seq = preset.shape.seq
-    batches = [batch_at(preset.arch, micro, seq, step=rank * accumulation + k) for k in range(accumulation)]
-    times = [_timed(lambda: _step(model, opt, batches, shards == 1)) for _ in range(warmup + repeats - 1)]
-    with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
-        times.append(_timed(lambda: _step(model, opt, batches, shards == 1)))
-    peak = torch.tensor([meter.peak_bytes])
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    return statistics.median(times[warmup:]), int(peak.item())
+def _measure(rank, world, preset, configs, warmup, repeats, replicated) -> list[tuple[float, int]]:
+    """Per configuration, the median step time and the largest peak of any rank's last step.
+    Every configuration is built first and the steps run in rounds, one step of each per round,
+    so that the machine's slow spells (another process, the ranks' skew) fall on all of them
+    alike, not on whichever ran then."""
+    runs = []
+    for micro, accumulation, shards, reshard, decisions in configs:
+        model = _build(preset, world, shards, reshard, decisions, replicated)
+        opt = torch.optim.AdamW(model.parameters())
+        batches = [
+            batch_at(preset.arch, micro, preset.shape.seq, step=rank * accumulation + k) for k in range(accumulation)
+        ]
+        runs.append(functools.partial(_step, model, opt, batches, shards == 1))
+    times: list[list[float]] = [[] for _ in runs]
+    for _ in range(warmup + repeats - 1):
+        for took, step in zip(times, runs):
+            took.append(_timed(step))
+    out = []
+    for took, step in zip(times, runs):
+        model, opt = step.args[:2]
+        with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
+            took.append(_timed(step))
+        peak = torch.tensor([meter.peak_bytes])
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        out.append((statistics.median(took[warmup:]), int(peak.item())))
+    return out
 
 
 def _worker(rank: int, world: int, presets: dict[str, Preset], args) -> dict:
@@ -111,9 +126,7 @@ def _worker(rank: int, world: int, presets: dict[str, Preset], args) -> dict:
             (c.micro_batch, c.accumulation, c.layout.shard_size, c.layout.reshard_after_forward, _decisions(c.plan))
             for c in fits
         ]
-        measured = [
-            _measure(rank, world, preset, config, args.warmup, args.repeats, args.replicated) for config in configs
-        ]
+        measured = _measure(rank, world, preset, configs, args.warmup, args.repeats, args.replicated)
         out["models"][name] = (result, searched, measured)
     return out
 
@@ -147,7 +160,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--budget", default="40MB")
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--replicated", choices=["ddp", "memfit"], default="ddp", help="what runs replicated layouts")
     p.add_argument("--out")
     args = p.parse_args()
@@ -169,7 +182,8 @@ def _header(args, shape) -> list[str]:
         f"Models: {args.models} (transformers, random init), {shape}; fp32, AdamW; global batch {args.global_batch}, "
         f"budget {args.budget} per rank. Time priced on this machine's profile measured by each group's ranks "
         f"together (memfit calibrate_group). torch {torch.__version__}, {os.cpu_count()} CPU cores shared by the "
-        f"ranks. Step: median of {args.repeats} after {args.warmup} warm-up, between barriers (slowest rank); "
+        f"ranks. Step: median of {args.repeats} after {args.warmup} warm-up, between barriers (slowest rank), "
+        "a model's configurations in rounds; "
         "peak: the largest rank's MemoryMeter peak over the last step. Replicated rows run "
         + ("as torch DDP." if args.replicated == "ddp" else "on memfit's units over a W x 1 mesh."),
         "",

@@ -67,7 +67,7 @@ SLOW_CASES = {  # one parameter of a test (the other stays in the fast tier)
 # quiet, 2 cores.
 SLOW_WORLDS = {
     "tests/distributed/test_shard.py": (3, 4),
-    "tests/distributed/test_plan_sharded.py": (2, 4),  # W=2 ~41 s: the sharded forecasts run in the slow tier only
+    "tests/distributed/test_plan_sharded.py": (2, 4),  # W=2 ~41 s: the sharded forecasts (W=1: bf16 in the fast tier)
     "tests/distributed/test_shard_hot_path.py": (4,),  # ~19 s
     "tests/distributed/test_shard_checkpoint.py": (3, 4),  # load at W=3 and 4 what W=2 saved (~26 s)
     "tests/distributed/test_shard_dcp.py": (3,),  # ~14 s

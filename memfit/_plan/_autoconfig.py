@@ -30,6 +30,7 @@ from memfit._plan._profile import (
 )
 from memfit._plan._solve import Sharding, smallest_budget
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
+from memfit._shard._mixed import MixedPrecision
 
 # [Note: Searching configurations]
 # A configuration is a micro-batch size b, gradient accumulation a (a x b x W = the global
@@ -238,6 +239,7 @@ def autoconfigure(
     chunk_head: bool | None = None,
     tokens_per_sample: int | None = None,
     max_micro_batch: int = 64,
+    mixed_precision: MixedPrecision | None = None,
 ) -> AutoConfig:
     """The configuration with the most predicted tokens per second whose forecast per-rank peak
     fits ``budget``: micro-batch size, gradient accumulation, sharding layout (replicated,
@@ -262,6 +264,8 @@ def autoconfigure(
         shard_sizes: shard group sizes to try (default: every divisor of ``world_size``; 1
             is replication).
         tokens_per_sample: default: the first tensor's elements per sample (a sequence length).
+        mixed_precision: as for memfit.plan; replicated layouts of more than one rank are not
+            searched under it ([Note: Forecasts under mixed precision]).
 
     Raises:
         PlanError: no configuration fits; the message gives the smallest budget that does.
@@ -273,6 +277,7 @@ def autoconfigure(
     tokens = tokens_per_sample or max(1, _first_tensor(example_batch).numel() // first)
     blocks = find_candidates(model)
     opts: dict[str, Any] = {"loss_fn": loss_fn, "optimizer": optimizer, "decisions": decisions, "device": device}
+    opts["mixed_precision"] = mixed_precision
 
     def profile_of(b: int) -> ModelProfile:
         batch = _resize(example_batch, first, b)
@@ -281,7 +286,15 @@ def autoconfigure(
     search = Search(budget_bytes, world_size, global_batch, device, optimizer_costs(model, optimizer), tokens)
     search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head)
     sizes = micro_batch_sizes(world_size, global_batch, micro_batches, max_micro_batch)
-    return search.run(profile_of, sizes, _layouts(world_size, shard_sizes))
+    layouts = _layouts(world_size, shard_sizes)
+    if mixed_precision is not None and world_size > 1:  # See [Note: Forecasts under mixed precision]
+        layouts = [layout for layout in layouts if layout.shard_size > 1]
+        if not layouts:
+            raise ValueError(
+                f"memfit.autoconfigure: shard_sizes={shard_sizes} leaves only replicated layouts, which are not "
+                "forecast under mixed_precision; allow a shard size above 1"
+            )
+    return search.run(profile_of, sizes, layouts)
 
 
 @dataclass(frozen=True)
@@ -336,7 +349,8 @@ def held_gradients(profile: ModelProfile, layout: Layout, accumulation: int) -> 
     """``profile`` with the gradients a layout holds beyond one micro-batch's step: those
     accumulated (1/s each) and torch DDP's buckets. See [Note: Searching configurations]."""
     grads = profile.grad_rest_bytes + sum(blk.grad_bytes for blk in profile.blocks)
-    accumulated = -(-grads // layout.shard_size) if accumulation > 1 else 0
+    shards = -(-int(grads * profile.grad_shard_scale) // layout.shard_size)  # in the shards' dtype
+    accumulated = shards if accumulation > 1 else 0
     buckets = grads if layout.shard_size == 1 and layout.world_size > 1 else 0
     return dataclasses.replace(
         profile,
@@ -393,9 +407,9 @@ def _units(plan: Plan, compute: float) -> Units:
     head = profile.head_chunked_time if plan.head == "chunked" else 0.0
     return Units(
         root_params=profile.param_bytes - profile.buffer_bytes - sum(b.param_bytes for b in blocks),
-        root_grads=profile.grad_rest_bytes,
+        root_grads=profile.grad_rest_bytes * profile.reduce_scale,  # reduced in the reduce dtype
         block_params=[b.param_bytes for b in blocks],
-        block_grads=[b.grad_bytes for b in blocks],
+        block_grads=[b.grad_bytes * profile.reduce_scale for b in blocks],
         root_forward=root / 3,
         root_backward=2 * root / 3 + head,
         block_forward=forward,

@@ -28,6 +28,7 @@ from memfit._plan._profile import (
 )
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, timeline
 from memfit._plan._time import DeviceProfile
+from memfit._shard._mixed import MixedPrecision
 from memfit.memory import MemoryMeter
 
 _TERMS = {
@@ -372,6 +373,7 @@ def plan(
     device_profile: str | DeviceProfile | None = None,
     offload: str | Offload | None = None,
     chunk_head: bool | None = None,
+    mixed_precision: MixedPrecision | None = None,
 ) -> Plan:
     """Profile ``model``'s blocks on ``example_inputs`` and choose, per block, keep / selective
     / full checkpoint / offload so the step's predicted peak fits ``budget`` at the least
@@ -409,6 +411,11 @@ def plan(
         offload: where "offload" puts a block's input: "cpu" (host memory; the default for a
             model planned for an accelerator), "disk" (the default on a CPU, where host memory
             is the memory being saved) or a :class:`memfit.Offload`.
+        mixed_precision: the :class:`memfit.MixedPrecision` the model will be sharded with
+            (memfit.shard / FullyShardedDataParallel / fully_shard): the step is measured as its
+            units compute (bf16 copies, activations and gradients beside fp32 shards and
+            optimizer state) and priced at the compute dtype's rate, at any world size. See
+            [Note: Forecasts under mixed precision].
 
     Raises:
         PlanError: no plan fits; the message gives the smallest budget that does.
@@ -427,6 +434,7 @@ def plan(
         check_batch(model, example_inputs)  # See [Note: Checking the batch before planning]
         blocks = [(p, model.get_submodule(p)) for p in candidates] if candidates is not None else None
         opts["chunk_head"] = chunk_head is not False
+        opts["mixed_precision"] = mixed_precision
         profile = profile_model(model, example_inputs, blocks, loss_fn=loss_fn, optimizer=optimizer, **opts)
     if missing := sorted({d for b in profile.blocks for d in decisions if d not in b.kept and d not in b.unavailable}):
         raise ValueError(f"memfit.plan: the profile given has no measurements for {missing}; profile again")

@@ -25,6 +25,7 @@ from memfit._plan._head import LMHead, find_head, unchunk_head
 from memfit._plan._head import chunk_head as chunk_forward
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
 from memfit._plan._trace import DataValues, NeedsDataError, fake_rules, record_data_values
+from memfit._shard._mixed import MixedPrecision
 from memfit.memory import MemoryMeter
 
 # [Note: The planner's memory model]
@@ -121,6 +122,20 @@ class ModelProfile:
     # frees before the end of forward, each (bytes, dies, blocks given it): dies j < n, dead as
     # block j starts; n, as the forward returns ([Note: Inputs a checkpointed block holds])
     released_inputs: list[tuple[int, int, tuple[int, ...]]] = field(default_factory=list)
+    # Mixed precision ([Note: Forecasts under mixed precision]): the parameters as the shards
+    # hold them, in their own dtype (0: they compute in it, no mixed precision); bytes of a
+    # gradient's shard (the shards' dtype) and of its reduce buffer (the reduce dtype) per byte
+    # of the gradient the compute makes (the compute dtype), over all trainable parameters.
+    master_bytes: int = 0
+    grad_shard_scale: float = 1.0
+    reduce_scale: float = 1.0
+    compute: str = ""  # what the step computes in under mixed precision (tables say it); "": the model's dtypes
+
+    @property
+    def measured_state(self) -> int:
+        """S as the measured step counted it: the parameters it computed with (under mixed
+        precision the compute copies, without the optimizer, which steps on the shards)."""
+        return self.param_bytes if self.master_bytes else self.state_bytes
 
 
 # [Note: Memory outside the blocks]
@@ -268,6 +283,10 @@ def _tensor_bytes(obj) -> int:
 
 def _state_bytes(module: nn.Module) -> int:
     return sum(t.untyped_storage().nbytes() for t in [*module.parameters(), *module.buffers()])
+
+
+def _params_bytes(module: nn.Module) -> int:
+    return sum(t.untyped_storage().nbytes() for t in module.parameters())
 
 
 def _fresh(args, kwargs):
@@ -427,12 +446,16 @@ def profile_model(
     decisions: tuple[str, ...] = DECISIONS,
     device: DeviceProfile | None = None,
     chunk_head: bool = True,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ModelProfile:
     """Every term of the planner's memory model for ``model`` on the batch, and the priced
     work of a step; with ``chunk_head`` and an LM head, the head's terms chunked as well (see
     [Note: The head as a decision]). ``candidates`` None: the default ones ([Note: Default
-    candidates]). See [Note: Planning on fake tensors] and [Note: Values read from the data]."""
+    candidates]). ``mixed_precision``: the step computes as memfit's units compute under it
+    ([Note: Forecasts under mixed precision]). See [Note: Planning on fake tensors] and
+    [Note: Values read from the data]."""
     opts = {
+        "mixed_precision": mixed_precision,
         "loss_fn": loss_fn,
         "optimizer": optimizer,
         "rule": rule,
@@ -663,20 +686,29 @@ def _candidate_paths(skeleton: nn.Module, inputs: Inputs, paths: list[str] | Non
     return paths
 
 
-def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, offload, decisions, device, chunk_head):
+def _profile(
+    model, example_inputs, paths, values, *, loss_fn, optimizer, rule, offload, decisions, device, chunk_head,
+    mixed_precision,
+):  # fmt: skip
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     first = next(iter(model.parameters()), None)
     on = "cpu" if first is None or first.device.type == "meta" else first.device
+    mp = mixed_precision
     with fake:
         skeleton = _fake_copy(model, on)
         inputs = tree_map(lambda t: _fake_like(t, on), example_inputs)
         skeleton.train()
         _caches_off(skeleton)
         _layerdrop_off(skeleton)
+        masters = _compute_as(skeleton, mp) if mp else []
         with fake_rules(skeleton, values):
             paths = _candidate_paths(skeleton, inputs, paths, type(model).__name__)
             blocks = [skeleton.get_submodule(p) for p in paths]
-            whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer)
+            for b in blocks if mp else ():
+                b.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
+            whole = _measure_step(skeleton, inputs, loss_fn, blocks, None if mp else optimizer)
+            if mp:  # the optimizer steps on the shards, in their own dtype
+                whole = _master_step(whole, masters, optimizer, _state_bytes(skeleton) - _params_bytes(skeleton))
             made = whole.made or _BlocksMade()
             profiles, seen = [], {}
             for i, (path, blk) in enumerate(zip(paths, blocks)):
@@ -698,18 +730,20 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
             chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
     marks = whole.marks
     between = _between(profiles, made, marks)
+    counted = state + (0 if mp else whole.optimizer_bytes)  # S as the measured step counted it
+    master = sum(p.numel() * p.element_size() for p in model.parameters())  # the shards: their own dtypes
     profile = ModelProfile(
         blocks=profiles,
-        state_bytes=state + whole.optimizer_bytes,
+        state_bytes=(master + buffers if mp else state) + whole.optimizer_bytes,
         param_bytes=state,
         optimizer_bytes=whole.optimizer_bytes,
         grad_rest_bytes=grad_rest,
-        before_blocks=marks["before"] - state - whole.optimizer_bytes,
+        before_blocks=marks["before"] - counted,
         last_output=marks["last_output"],
         head_transient=marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"],
         optimizer_peak=whole.optimizer_peak,
-        tail_transient=max(0, marks["tail_peak"] - state - whole.optimizer_bytes - sum(b.grad_bytes for b in profiles)),
-        leftover=max(0, marks["after_backward"] - state - whole.optimizer_bytes),
+        tail_transient=max(0, marks["tail_peak"] - counted - sum(b.grad_bytes for b in profiles)),
+        leftover=max(0, marks["after_backward"] - counted),
         buffer_bytes=buffers,
         step_time=device.ops_time(whole.costs),
         head=head,
@@ -725,8 +759,110 @@ def _profile(model, example_inputs, paths, values, *, loss_fn, optimizer, rule, 
         forward_transient=[made.transient.get(i, 0) for i in range(len(profiles))],
         grad_rest_at=[min(grad_rest, made.rest_at(i)) for i in range(len(profiles))] if made.last_use else [],
         released_inputs=made.released(),
+        **(_mixed_terms(masters, blocks, mp, master) if mp else {}),
     )
     return dataclasses.replace(profile, **_backward_outside(profile, made))
+
+
+# [Note: Forecasts under mixed precision]
+# memfit.MixedPrecision (FSDP2's MixedPrecisionPolicy) keeps the shards, their gradients and the
+# optimizer state in the parameters' own dtype (fp32 master weights), and computes on full
+# parameters cast to param_dtype (norm layers in fp32 by default): a unit's gathered copy, its
+# activations and the gradients its backward makes are in the compute dtype; the gradients are
+# copied into a reduce buffer of the reduce dtype and reduce-scattered into fp32 shards. So the
+# profile measures the step on a skeleton cast as the units compute (parameters to their
+# compute dtype, buffers and norm layers as MixedPrecision.prepare leaves them, the floating
+# inputs of the model and of each block cast to param_dtype, as a unit's pre-forward does), and
+# the optimizer step on fake shards in their own dtype with gradients in it. The forecast then
+# holds, per rank: the shards and optimizer state at 1/s (S); the units' compute copies as
+# gathered buffers at any shard count (one rank too: the copy is made each forward); the
+# gradients made in the compute dtype until their unit's reduce; the reduce buffer at
+# reduce_scale and the shard at grad_shard_scale of those bytes (one ratio over the whole
+# model: a norm layer's fp32 gradient among bf16 ones moves it by its share of the bytes).
+# Replicated layouts of W > 1 ranks are not forecast (memfit's (W, 1) units computing in
+# another dtype than their shards hold their gradients otherwise; autoconfigure leaves them out).
+def _compute_as(skeleton: nn.Module, mp: MixedPrecision) -> list[tuple[nn.Parameter, torch.dtype]]:
+    """Cast ``skeleton`` as memfit's units compute under ``mp`` (see [Note: Forecasts under
+    mixed precision]); returns each trainable parameter of the cast skeleton with the dtype its
+    shard keeps (its own before the cast)."""
+    cast: dict[int, nn.Parameter] = {}
+    masters = []
+    for m in skeleton.modules():
+        dtype = mp.compute_dtype(m)
+        for name, p in list(m._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in cast:  # a tied parameter takes its first module's dtype, as a unit's chunk does
+                new = p
+                if p.is_floating_point() and p.dtype != dtype:
+                    new = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                cast[id(p)] = new
+                if p.requires_grad:
+                    masters.append((new, p.dtype))
+            m._parameters[name] = cast[id(p)]
+    mp.prepare(list(skeleton.modules()))
+    skeleton.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
+    return masters
+
+
+def _inputs_to(dtype: torch.dtype) -> Callable:
+    """A forward pre-hook casting floating inputs to ``dtype``, as a unit's pre-forward does."""
+
+    def to(t):
+        return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+    def hook(module, args, kwargs):
+        return tree_map(to, args), tree_map(to, kwargs)
+
+    return hook
+
+
+def _master_step(
+    whole: _WholeStep, masters: list[tuple[nn.Parameter, torch.dtype]], optimizer: str, buffers: int
+) -> _WholeStep:
+    """``whole`` (a step measured without optimizer) with the optimizer's state, peak and ops
+    over shards in their own dtype: one step to create the state, one measured, each parameter
+    the step gave a gradient holding one of its shard's dtype; the model's ``buffers`` bytes
+    alive beside (the peak of a step measured with the optimizer counts them)."""
+    used = [(p, dtype) for p, dtype in masters if id(p) in whole.used]
+    shards = nn.ParameterList([nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device)) for p, dtype in used])
+    for p in shards:
+        p.grad = torch.zeros_like(p)
+    opt = _make_optimizer(optimizer, shards)
+    opt.step()
+    with _Meter(model=shards, optimizer=opt) as meter, CostRecorder() as recorder:
+        opt.step()
+    state = sum(v.untyped_storage().nbytes() for s in opt.state.values() for v in s.values() if torch.is_tensor(v))
+    costs = [*whole.forward_backward, *recorder.costs]
+    peak = meter.peak_bytes + buffers
+    return dataclasses.replace(whole, optimizer_bytes=state, optimizer_peak=peak, costs=costs)
+
+
+def _mixed_terms(masters, blocks: list[nn.Module], mp: MixedPrecision, master: int) -> dict[str, Any]:
+    """ModelProfile's mixed-precision fields (see [Note: Forecasts under mixed precision]): a
+    unit's reduce dtype is mp.reduce_dtype, or its gradients' one dtype, or fp32 where it mixes
+    dtypes (fp32 norm layers among bf16 ones), as memfit's reduce buffer takes it."""
+    owner: dict[int, int] = {}
+    for i, b in enumerate(blocks):
+        for p in b.parameters():
+            owner.setdefault(id(p), i)
+    units: dict[int, list[nn.Parameter]] = {}
+    for p, _ in masters:
+        units.setdefault(owner.get(id(p), -1), []).append(p)  # -1: the root
+    made = reduced = 0
+    for params in units.values():
+        dtypes = {p.dtype for p in params}
+        dtype = mp.reduce_dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        made += sum(p.numel() * p.element_size() for p in params)
+        reduced += sum(p.numel() * dtype.itemsize for p in params)
+    shard = sum(p.numel() * dt.itemsize for p, dt in masters)
+    computed = f"{str(mp.param_dtype).removeprefix('torch.')} compute"
+    return {
+        "master_bytes": master,
+        "grad_shard_scale": shard / made if made else 1.0,
+        "reduce_scale": reduced / made if made else 1.0,
+        "compute": computed + (", norm layers in float32" if mp.keep_norms_fp32 else ""),
+    }
 
 
 def _backward_outside(profile: ModelProfile, made: _BlocksMade) -> dict[str, list[int]]:
@@ -742,7 +878,7 @@ def _backward_outside(profile: ModelProfile, made: _BlocksMade) -> dict[str, lis
     within, after = [], []
     for i, b in enumerate(profile.blocks):
         grads = rest_at[i] + sum(c.grad_bytes for c in profile.blocks[i + 1 :])
-        alive = profile.state_bytes + profile.before_blocks + grads + between[i] + sum(kept[:i])
+        alive = profile.measured_state + profile.before_blocks + grads + between[i] + sum(kept[:i])
         within.append(max(0, int(made.backward_peak[i] - alive - b.peak["keep"])) if i in made.backward_peak else 0)
         done = alive + b.grad_bytes + b.input_bytes  # its gradients made; its input may still be held
         after.append(max(0, int(made.after_peak[i] - done)) if i in made.after_peak else 0)

@@ -100,7 +100,7 @@ def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
         # parameters and optimizer state (sharded); buffers (replicated)
         "state": (profile.state_bytes - profile.buffer_bytes) / s + profile.buffer_bytes,
         "before_blocks": profile.before_blocks,
-        "grad_rest": profile.grad_rest_bytes / s,
+        "grad_rest": profile.grad_rest_bytes * profile.grad_shard_scale / s,
         "last_output": profile.last_output,
         "head_transient": profile.head_transient,
         "optimizer_peak": profile.optimizer_peak / s,
@@ -109,12 +109,18 @@ def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
         "unit_buffers": 0.0,
         "workspace": float(profile.workspace_bytes),  # [Note: The allocator beside the tensors]
     }
-    if s > 1:  # see [Note: Sharded forecasts]
+    if gathered(profile, s):  # see [Note: Sharded forecasts]
         t["gather_buffers"] = profile.param_bytes - sum(b.param_bytes for b in profile.blocks)
         t["unit_buffers"] = 2 * max(b.param_bytes for b in profile.blocks)
         if sharding is not None and not sharding.reshard_after_forward:  # every block, at the end of forward
             t["unit_buffers"] = sum(b.param_bytes for b in profile.blocks)
     return t
+
+
+def gathered(profile: ModelProfile, shards: int) -> bool:
+    """Whether units compute on copies of their parameters: sharded, or under mixed precision
+    at any shard count (see [Note: Forecasts under mixed precision])."""
+    return shards > 1 or bool(profile.master_bytes)
 
 
 # [Note: Model-state offload, forecast only]
@@ -134,8 +140,8 @@ def state_offload(profile: ModelProfile, sharding: Sharding) -> tuple[float, flo
     from memfit._plan._time import PROFILES
 
     s = sharding.shards
-    params = profile.param_bytes - profile.buffer_bytes
-    grads = profile.grad_rest_bytes + sum(b.grad_bytes for b in profile.blocks)
+    params = profile.master_bytes or profile.param_bytes - profile.buffer_bytes  # the shards' dtype
+    grads = (profile.grad_rest_bytes + sum(b.grad_bytes for b in profile.blocks)) * profile.grad_shard_scale
     saved = (params + profile.optimizer_bytes + grads) / s
     bandwidth = profile.offload_bandwidth or PROFILES["cpu"].offload_bandwidth
     host = 2 * (params + grads + profile.optimizer_bytes) / s / PROFILES["cpu"].memory_bandwidth
@@ -169,27 +175,42 @@ class _Moments:
     def of(cls, profile: ModelProfile, sharding: Sharding | None) -> _Moments:
         t = terms(profile, sharding)
         s = sharding.shards if sharding else 1
+        units = gathered(profile, s)
+        shard, send = profile.grad_shard_scale / s, profile.reduce_scale  # per byte of a computed gradient
         gradients, grads_after = [0.0] * len(profile.blocks), 0.0
         in_flight = [0.0] * len(profile.blocks)
         # The root's gradients stay whole until its reduce-scatter, the last of the step.
         rest = profile.grad_rest_bytes
-        kept_whole = s > 1 and sharding is not None and not sharding.reshard_after_forward
+        kept_whole = units and sharding is not None and not sharding.reshard_after_forward
         rest_at = profile.grad_rest_at or [rest] * len(profile.blocks)
         for i in reversed(range(len(profile.blocks))):
-            own = profile.blocks[i].grad_bytes if s > 1 else 0  # unsharded until reduce-scattered
+            own = profile.blocks[i].grad_bytes if units else 0  # unsharded until reduce-scattered
             gradients[i] = rest_at[i] + grads_after + own  # whole (sharded: until the root's reduce-scatter)
             # units in flight: two blocks, or (kept gathered from forward) blocks 0..i
             in_flight[i] = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
             # in its forward: the same blocks whole (kept gathered: 0..i; else it and the next)
-            grads_after += profile.blocks[i].grad_bytes / s
+            grads_after += profile.blocks[i].grad_bytes * shard
         # The root's reduce-scatter, after its parameters were freed: its whole gradients, the
-        # send buffer they are copied into (as large) and the shard it receives.
-        eob = {"state": t["state"], "gradients": grads_after + rest / s, "root_reduce": 2 * rest}
+        # send buffer they are copied into (as large, in the reduce dtype) and the shard it
+        # receives. Under mixed precision ([Note: Forecasts under mixed precision]) the copy-in
+        # casts: one rank casts into the shard's gradient, staged in the compute dtype
+        # (_chunk_cat's own buffer); more ranks stage the cast in a buffer of the reduce dtype
+        # beside the send buffer, before the shard exists.
+        local, cast = s == 1, profile.reduce_scale != 1.0
+        root_grads, root_reduce = grads_after + rest * shard, rest * (1 + send)
+        if local:
+            root_reduce = rest * (1 + cast)
+        elif cast:
+            root_grads, root_reduce = grads_after, rest * (1 + 2 * send)
+        eob = {"state": t["state"], "gradients": root_grads, "root_reduce": root_reduce}
         eob["workspace"] = t["workspace"]
-        eob["bookkeeping"] = _BOOKKEEPING * (len(gradients) + 1)
+        # a cast's staging buffer carries the send buffer's padding (16-byte slots per rank) too:
+        # under mixed precision 1 KiB per unit and rank (measured: 3.6 KB beyond the other
+        # terms for BERT's 3 units at W = 4)
+        eob["bookkeeping"] = _BOOKKEEPING * (len(gradients) + 1) * (s if cast and not local else 1)
         # The embeddings' backward: the first block's reduce-scatter still in flight (its send
-        # buffer and shard), the root's full parameters.
-        first = profile.blocks[0].grad_bytes * (1 + 1 / s) if s > 1 else 0.0
+        # buffer and shard; one rank: the shard's gradient alone), the root's full parameters.
+        first = profile.blocks[0].grad_bytes * (shard if local else send + shard) if units else 0.0
         tail = {"state": t["state"], "gather_buffers": t["gather_buffers"], "gradients": grads_after + first}
         tail["workspace"] = t["workspace"]
         tail["tail_transient"] = t["tail_transient"]
@@ -217,7 +238,7 @@ class _Moments:
             base=sum(base.values()),
             end_of_forward=profile.between_end + t["last_output"] + t["head_transient"] + kept_gathered,
             backward=[g + u + d + r for g, u, d, r in zip(gradients, in_flight, between, outside)],
-            end_of_backward=sum(eob.values()) if s > 1 else 0.0,
+            end_of_backward=sum(eob.values()) if units else 0.0,
             tail=sum(tail.values()),
             optimizer=t["optimizer_peak"] + profile.leftover + t["workspace"],
             parts={
@@ -238,7 +259,7 @@ class _Moments:
             after=after,
             forward=forward,
             transient=transient,
-            forward_units=list(in_flight) if s > 1 else [0.0] * len(profile.blocks),
+            forward_units=list(in_flight) if units else [0.0] * len(profile.blocks),
         )
 
     def parts_at(self, where: str, profile: ModelProfile, kept: Sequence[float], decisions: list[str]) -> dict:

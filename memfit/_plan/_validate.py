@@ -15,14 +15,23 @@ from memfit._plan._profile import Inputs, _make_optimizer, step_loss
 
 
 def measured_sharded_peak(
-    plan: memfit.Plan, model: nn.Module, inputs: Inputs, layer: type, *, loss_fn=None, steps: int = 2
+    plan: memfit.Plan,
+    model: nn.Module,
+    inputs: Inputs,
+    layer: type,
+    *,
+    loss_fn=None,
+    steps: int = 2,
+    mixed_precision: memfit.MixedPrecision | None = None,
 ) -> int:
     """Train a copy of ``model`` under ``plan``, sharded over the process group (each block of
     class ``layer`` a unit, the root the rest), and return the largest peak over ranks of its
-    last step (MemoryMeter; after the first step the optimizer state exists)."""
+    last step (MemoryMeter; after the first step the optimizer state exists), under
+    ``mixed_precision`` when given."""
     model = plan.apply(copy.deepcopy(model))
     model.train()
-    model = cast(nn.Module, memfit.FullyShardedDataParallel(model, auto_wrap_policy={layer}))
+    wrap = {"auto_wrap_policy": {layer}, "mixed_precision": mixed_precision}
+    model = cast(nn.Module, memfit.FullyShardedDataParallel(model, **wrap))
     opt = _make_optimizer("adamw", model)
     for _ in range(steps):
         # Garbage in reference cycles is freed when Python's collector runs, which other threads
