@@ -427,6 +427,11 @@ def plan(
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
     shard = _sharding(world_size, shard_size, sharding)
+    if mixed_precision is not None and world_size > 1 and (shard is None or shard.shards == 1):
+        raise ValueError(
+            f"memfit.plan: mixed_precision over {world_size} replicas of one shard is not forecast (See [Note: "
+            "Forecasts under mixed precision]); shard the model (shard_size > 1, or the default: all ranks)"
+        )
     device = _device_profile(device_profile, _device_type(model))
     check_ranks(device, world_size, "memfit.plan")
     opts: dict[str, Any] = {"decisions": decisions, "device": device}

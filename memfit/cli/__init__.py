@@ -72,6 +72,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     pl.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="parameters and optimizer state")
     pl.add_argument(
+        "--mixed-precision",
+        default="no",
+        choices=["no", "bf16"],
+        help="bf16: forecast memfit train --mixed-precision bf16 (bf16 compute, fp32 master weights, gradients "
+        "reduced in fp32, fp32 optimizer state)",
+    )
+    pl.add_argument(
         "--device-profile",
         help="price time on: h100, h200, a100, cpu, calibrated (memfit calibrate); default: this machine's "
         "accelerator's named profile, else cpu",

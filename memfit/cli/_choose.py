@@ -33,10 +33,10 @@ if TYPE_CHECKING:
 #   when --global-batch is given), accumulation, shard group sizes and reshard_after_forward,
 #   and the per-block decisions at each; the pick (most predicted tokens/s within the budget)
 #   sets --batch, the accumulation, the layout and the decisions.
-# Time is priced on the named profile of the device the run computes on. The planner does not
-# price mixed precision (a bf16 run holds bf16 copies of the gathered parameters beside the fp32
-# shards: one process measured 3 MiB above the fp32 forecast of a tiny GPT-2), so --budget and
-# --auto refuse --mixed-precision bf16 rather than promise a peak they did not forecast.
+# Time is priced on the named profile of the device the run computes on. With --mixed-precision
+# bf16 both plan the step as memfit's units compute it (bf16 copies and activations beside fp32
+# shards and optimizer state: [Note: Forecasts under mixed precision]); --auto then searches
+# sharded layouts only (a replicated one is not forecast under mixed precision).
 PLANNED_KINDS = ("keep", "selective", "full")
 _TRAIN_ADVICE = "a smaller --batch, more ranks (torchrun --nproc-per-node), or a larger --budget."
 
@@ -88,6 +88,7 @@ def choose(
         return _auto(cfg, model, example, world, profile, paths, global_batch)
     opts: dict[str, Any] = {"world_size": world, "shard_size": cfg.hybrid_shards or None}
     opts.update(decisions=PLANNED_KINDS, candidates=paths, chunk_head=False, device_profile=profile)
+    opts.update(mixed_precision=mixed_precision(cfg.mixed_precision))
     try:
         plan = memfit.plan(model, example, budget=cfg.budget if accumulate == 1 else 2**62, **opts)
         if accumulate > 1:  # the gradients accumulated over the micro-batches: solved with them held
@@ -108,6 +109,7 @@ def _auto(
     result = memfit.autoconfigure(
         model, example, budget=str(cfg.budget), world_size=world, global_batch=global_batch,
         device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
+        mixed_precision=mixed_precision(cfg.mixed_precision),
     )  # fmt: skip
     best = result.best
     assert best.plan is not None  # autoconfigure raises when nothing fits

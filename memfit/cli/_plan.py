@@ -13,7 +13,7 @@ import memfit
 from memfit._plan._budget import describe_bytes, format_bytes
 from memfit._plan._calibrate import cache_path, calibrate, save_profile
 from memfit._plan._time import PROFILES, default_profile
-from memfit.cli._choose import PLANNED_KINDS
+from memfit.cli._choose import MIXED, PLANNED_KINDS, mixed_precision
 from memfit.cli._data import batch_at
 from memfit.cli._output import plot_timeline, write_json
 from memfit.models._spec import ModelSpec, resolve
@@ -28,6 +28,7 @@ class PlanConfig:
     world_size: int = 1
     shard_size: int | None = None  # hybrid sharding: ranks per shard group (None: all ranks)
     dtype: str = "fp32"  # parameters, gradients and optimizer state all in this dtype
+    mixed_precision: str = "no"  # bf16: computed in bf16 from fp32 master weights, as memfit train's flag
     device_profile: str | None = None  # a name from PROFILES, "calibrated", or None (this machine's device's named one)
     layers: int | None = None
     hidden: int | None = None
@@ -57,6 +58,13 @@ class PlanConfig:
             raise ValueError("memfit plan: --global-batch is for --auto (the search over micro-batches)")
         if self.dtype not in DTYPES:
             raise ValueError(f"memfit plan: unknown --dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
+        if self.mixed_precision not in MIXED:
+            raise ValueError(f"memfit plan: --mixed-precision takes {list(MIXED)}, got {self.mixed_precision!r}")
+        if self.mixed_precision != "no" and self.dtype != "fp32":
+            raise ValueError(
+                f"memfit plan: --mixed-precision {self.mixed_precision} keeps fp32 master weights and computes in "
+                f"{self.mixed_precision}: drop --dtype {self.dtype}"
+            )
         if self.device_profile not in (None, "calibrated", *PROFILES):
             raise ValueError(
                 f"memfit plan: unknown --device-profile {self.device_profile!r}; choose one of "
@@ -78,18 +86,29 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     batch = batch_at(spec.arch, rows, seq, step=0)
     params = sum(p.numel() for p in model.parameters())
     device, why = _device_profile(cfg.device_profile)
+    mixed = mixed_precision(cfg.mixed_precision)
+    held = f"{cfg.dtype} parameters, gradients and optimizer state"
+    if mixed is not None:
+        held = f"{cfg.mixed_precision} compute (torch.nn norm layers fp32), fp32 master weights, gradients and "
+        held += "optimizer state"
     layout = f"world size {cfg.world_size}"
     if cfg.shard_size and cfg.shard_size < cfg.world_size:
         layout += f" as {cfg.world_size // cfg.shard_size} replicas x {cfg.shard_size} shards (hybrid sharding)"
     print(
         f"{cfg.model}: {spec.about}\nbatch {rows} x seq {seq} per rank, {_count(params)} parameters, AdamW, "
-        f"{cfg.dtype} parameters, gradients and optimizer state, {layout}\ntime priced on: {device.name} ({why})\n"
+        f"{held}, {layout}\ntime priced on: {device.name} ({why})\n"
     )
     if cfg.auto:
         return auto_command(cfg, model, batch, device)
     print(f"plan: profiling one batch on fake tensors and solving for {cfg.budget}", flush=True)
     plan = memfit.plan(
-        model, batch, budget=cfg.budget, world_size=cfg.world_size, shard_size=cfg.shard_size, device_profile=device
+        model,
+        batch,
+        budget=cfg.budget,
+        world_size=cfg.world_size,
+        shard_size=cfg.shard_size,
+        device_profile=device,
+        mixed_precision=mixed,
     )
     print(plan.table())
     if cfg.json:
@@ -121,6 +140,7 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
         global_batch=cfg.global_batch,
         device_profile=device,
         shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
+        mixed_precision=mixed_precision(cfg.mixed_precision),
     )
     print(result.table(limit=20))
     print()
@@ -128,6 +148,12 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
     if cfg.json:
         write_json(cfg.json, {"auto": result.to_dict(), "plan": result.plan.to_dict()})
     _plot(cfg, result.plan)
+    # memfit train --auto searches the same way on the first batch of its data (every layout)
+    flags = {"model": cfg.model, "layers": cfg.layers, "hidden": cfg.hidden, "seq": cfg.seq, "budget": cfg.budget}
+    flags.update(global_batch=cfg.global_batch, mixed_precision=None if cfg.mixed_precision == "no" else "bf16")
+    args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
+    launcher = f"torchrun --nproc-per-node {cfg.world_size} -m memfit" if cfg.world_size > 1 else "memfit"
+    print(f"\nrun it: {launcher} train --auto {args}")
     return result.plan
 
 
@@ -168,6 +194,7 @@ def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[s
     fits = "fits" if uniform.predicted_peak <= plan.budget else "does not fit"
     flags: dict[str, object] = {"model": cfg.model, "layers": cfg.layers, "hidden": cfg.hidden, "seq": seq}
     flags.update(batch=rows, checkpointing=kind, hybrid_shards=cfg.shard_size or 0)
+    flags.update(mixed_precision=cfg.mixed_precision if cfg.mixed_precision != "no" else None)
     flags = {k: v for k, v in flags.items() if v not in (None, 0)}
     launcher = f"torchrun --nproc-per-node {cfg.world_size} -m memfit" if cfg.world_size > 1 else "memfit"
     budget = describe_bytes(plan.budget)

@@ -185,12 +185,6 @@ class TrainConfig:
             raise ValueError("memfit train: --auto chooses --batch, --accumulate and --hybrid-shards: leave them out")
         if self.mixed_precision not in MIXED:
             raise ValueError(f"memfit train: --mixed-precision takes {list(MIXED)}")
-        if self.budget and self.mixed_precision != "no":
-            raise ValueError(
-                f"memfit train: --budget plans in fp32 and does not forecast --mixed-precision "
-                f"{self.mixed_precision} (its bf16 copies of the gathered parameters): drop one of the two, "
-                "or choose --checkpointing yourself"
-            )
 
     @property
     def kind(self) -> str:

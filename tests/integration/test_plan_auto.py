@@ -6,6 +6,7 @@ import dataclasses
 import json
 
 import pytest
+import torch
 
 import memfit
 from memfit.cli import main
@@ -52,4 +53,23 @@ def test_plan_auto_prints_the_table_and_the_chosen_plan(capsys, tmp_path):
     assert "is the sum of:" in text  # the chosen plan's own table
     saved = json.loads(out.read_text())
     assert saved["auto"]["candidates"][0]["lost"] == "" and saved["plan"]["world_size"] == 2
+    last = "run it: torchrun --nproc-per-node 2 -m memfit train --auto --model llama --layers 2 --hidden 32 --seq 16"
+    assert text.splitlines()[-1] == f"{last} --budget 1GB --global-batch 4"
     assert main(["plan", "--model", "llama", "--budget", "1GB", "--global-batch", "4"]) == 2  # --auto only
+
+
+def test_under_mixed_precision_only_sharded_layouts_are_searched():
+    """A replicated layout of W > 1 ranks is not forecast under mixed precision: autoconfigure
+    leaves it out, memfit.plan refuses it by name; each sharded one is the plan of that layout."""
+    model, batch = llama_lm(SHAPE), lm_batch(SHAPE)
+    bf16 = memfit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    result = memfit.autoconfigure(
+        model, batch, budget="1GB", world_size=2, global_batch=4, decisions=("keep", "full"), chunk_head=False,
+        mixed_precision=bf16,
+    )  # fmt: skip
+    assert {c.layout.describe() for c in result.candidates} == {"full shard", "full shard, no reshard"}
+    assert result.plan.profile.master_bytes == sum(p.numel() * 4 for p in model.parameters())
+    with pytest.raises(ValueError, match=r"mixed_precision over 2 replicas of one shard is not forecast"):
+        memfit.plan(model, batch, budget="1GB", world_size=2, shard_size=1, mixed_precision=bf16)
+    with pytest.raises(ValueError, match=r"leaves only replicated layouts"):
+        memfit.autoconfigure(model, batch, budget="1GB", world_size=2, shard_sizes=[1], mixed_precision=bf16)

@@ -193,3 +193,26 @@ def test_the_blocks_of_a_spec_are_its_repeated_layers():
             with torch.device("meta"):
                 model = PRESETS[name].resized(layers=layers, hidden=32).build()
             assert layer_class(model) is PRESETS[name].layer_class(), (name, layers)
+
+
+def test_bf16_mixed_precision_plans_as_memfit_computes_and_runs_with_its_flag(tmp_path, capsys):
+    """--mixed-precision bf16 forecasts memfit train's flag (bf16 compute from fp32 masters):
+    the fp32 shards and optimizer state per rank, gathered copies of half the bytes (the
+    norm layers' stay fp32), and the command that runs the plan carries the flag; bf16 masters
+    beside it are refused by name."""
+    out, terms = {}, {}
+    for mixed in ("no", "bf16"):
+        path = tmp_path / f"{mixed}.json"
+        argv = ["plan", *TINY, "--budget", "1GB", "--world-size", "2", "--json", str(path)]
+        assert main([*argv, "--mixed-precision", mixed]) == 0
+        out[mixed], terms[mixed] = capsys.readouterr().out, json.loads(path.read_text())["terms"]
+    assert "fp32 parameters, gradients and optimizer state" in out["no"]
+    assert "bf16 compute (torch.nn norm layers fp32), fp32 master weights, gradients and optimizer state" in out["bf16"]
+    # the same fp32 shards and optimizer state; buffers in bf16 (the rotary inv_freq: 32 bytes less)
+    assert 0 <= terms["no"]["state"] - terms["bf16"]["state"] <= 64
+    assert terms["bf16"]["gather_buffers"] * 2 == terms["no"]["gather_buffers"]  # HF RMSNorm: not torch's, bf16 too
+    assert "train --model llama --layers 2 --hidden 64 --seq 16 --batch 2 --mixed-precision bf16 --plan" in out["bf16"]
+    assert "--mixed-precision" not in out["no"].splitlines()[-1]
+    assert main(["plan", *TINY, "--budget", "1GB", "--dtype", "bf16", "--mixed-precision", "bf16"]) == 2
+    err = capsys.readouterr().err
+    assert "--mixed-precision bf16 keeps fp32 master weights and computes in bf16: drop --dtype bf16" in err

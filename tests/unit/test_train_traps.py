@@ -291,6 +291,26 @@ def test_a_budget_counts_the_gradients_accumulated_over_micro_batches(group_of_o
         _build(TrainConfig(device="cpu", budget=between, **shape), torch.device("cpu"))
 
 
+def test_a_budget_under_bf16_plans_mixed_precision_and_holds(group_of_one):
+    """--budget with --mixed-precision bf16 plans the step as the units compute it (bf16
+    copies beside fp32 shards): a budget between its all-full and keep-all forecasts trains
+    with that plan's decisions, and a step's measured peak stays within forecast and budget."""
+    mixed = memfit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    run = _build(TrainConfig(device="cpu", **TINY), torch.device("cpu"))
+    opts = {"decisions": KINDS, "chunk_head": False, "mixed_precision": mixed}
+    keep = memfit.plan(run.spec.build(0), _micro_batch(run), budget="1TB", **opts)
+    full = memfit.Plan.fixed(dict.fromkeys(keep.decisions, "full"), keep.profile).predicted_peak
+    budget = (full + keep.predicted_peak) // 2
+    run = _build(TrainConfig(device="cpu", budget=str(budget), mixed_precision="bf16", **TINY), torch.device("cpu"))
+    wanted = memfit.plan(run.spec.build(0), _micro_batch(run), budget=budget, **opts)
+    assert _kinds(run.model, wanted.decisions) == dict(wanted.decisions) and run.forecast == wanted.predicted_peak
+    assert set(wanted.decisions.values()) != {"keep"}, wanted.decisions
+    stop = StopRequests(rank=0)
+    _step(run, 0, False, stop)
+    entry, _ = _step(run, 1, True, stop)
+    assert entry["peak_bytes"] <= run.forecast <= budget, (entry["peak_bytes"], run.forecast, budget)
+
+
 def test_a_saved_plan_is_applied_block_by_block_or_refused_by_name(group_of_one, tmp_path):
     paths = ["bert.encoder.layer.0", "bert.encoder.layer.1"]
     decisions = dict(zip(paths, ["selective", "keep"]))
@@ -343,7 +363,6 @@ def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
         ({"auto": True}, r"--auto searches configurations that fit a --budget"),
         ({"auto": True, "budget": "1GB", "batch": 2}, r"--auto chooses --batch, --accumulate and --hybrid-shards"),
         ({"budget": "lots"}, r"lots"),
-        ({"budget": "1GB", "mixed_precision": "bf16"}, r"--budget plans in fp32 and does not forecast"),
     ],
 )
 def test_conflicting_choices_are_refused(flags, message):
