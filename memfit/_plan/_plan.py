@@ -175,6 +175,9 @@ class Plan:
         floor = min(smallest_budget(p, shard, self._allowed()) for p in _head_variants(self.profile, None).values())
         keep_all = _forecast(self.profile, ["keep"] * len(self.profile.blocks), shard, self.head)["peak"]
         where = f"per rank ({shard.describe()})" if shard and shard.world_size > 1 else "in one process"
+        if self.profile.compute:  # mixed precision: [Note: Forecasts under mixed precision]
+            masters = format_bytes(self.profile.master_bytes)
+            where += f" under mixed precision ({self.profile.compute}; {masters} of master weights)"
         if self.budget is None:
             head = f"fixed strategy (no budget): predicted peak {format_bytes(f['peak'])} {where} at {f['at']}"
         else:

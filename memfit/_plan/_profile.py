@@ -861,7 +861,7 @@ def _mixed_terms(masters, blocks: list[nn.Module], mp: MixedPrecision, master: i
         "master_bytes": master,
         "grad_shard_scale": shard / made if made else 1.0,
         "reduce_scale": reduced / made if made else 1.0,
-        "compute": computed + (", norm layers in float32" if mp.keep_norms_fp32 else ""),
+        "compute": computed + (", torch.nn norm layers in float32" if mp.keep_norms_fp32 else ""),
     }
 
 
