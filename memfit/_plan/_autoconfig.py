@@ -354,6 +354,7 @@ def held_gradients(profile: ModelProfile, layout: Layout, accumulation: int) -> 
     buckets = grads if layout.shard_size == 1 and layout.world_size > 1 else 0
     return dataclasses.replace(
         profile,
+        accumulating=accumulation > 1,
         before_blocks=profile.before_blocks + accumulated + (buckets if accumulation > 1 else 0),
         tail_transient=profile.tail_transient + accumulated + buckets,
         optimizer_peak=profile.optimizer_peak + buckets,

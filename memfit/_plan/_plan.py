@@ -42,7 +42,7 @@ _TERMS = {
     "head_transient": "the head, the loss and their backward (logits and their gradient)",
     "optimizer_peak": "the optimizer step's peak: parameters, gradients, state, temporaries (1/shards)",
     "tail_transient": "the backward before the blocks (embeddings): gradients outside the blocks, temporaries",
-    "gather_buffers": "sharded: the root's full parameters (outside the blocks), from forward to backward",
+    "gather_buffers": "sharded or mixed: the root's full parameters (outside the blocks), from forward to backward",
     "unit_buffers": "sharded, in backward: two blocks' full parameters (the one computing, the one prefetched)",
     "kept_activations": "what the blocks keep for backward (in a block's backward: the blocks before it)",
     "held_inputs": "inputs checkpointed blocks hold that keeping every block would have freed (positions, masks)",
@@ -430,10 +430,16 @@ def plan(
     if (bad := [d for d in decisions if d not in DECISIONS]) or not decisions:
         raise ValueError(f"memfit.plan: unknown decisions {bad}; choose from {DECISIONS}")
     shard = _sharding(world_size, shard_size, sharding)
-    if mixed_precision is not None and world_size > 1 and (shard is None or shard.shards == 1):
+    if profile is not None and mixed_precision is not None and not profile.master_bytes:
         raise ValueError(
-            f"memfit.plan: mixed_precision over {world_size} replicas of one shard is not forecast (See [Note: "
-            "Forecasts under mixed precision]); shard the model (shard_size > 1, or the default: all ranks)"
+            "memfit.plan: mixed_precision= with a profile measured without it; profile again (drop profile=)"
+        )
+    mixed = mixed_precision is not None or bool(profile is not None and profile.master_bytes)
+    if mixed and world_size > 1 and (shard is None or shard.shards == 1):
+        raise ValueError(
+            f"memfit.plan: mixed precision over {world_size} replicas of one shard is not forecast (a replicated "
+            "layout; see [Note: Forecasts under mixed precision]); shard the model: shard_size > 1, or the "
+            "default (all ranks)"
         )
     device = _device_profile(device_profile, _device_type(model))
     check_ranks(device, world_size, "memfit.plan")

@@ -130,6 +130,14 @@ class ModelProfile:
     grad_shard_scale: float = 1.0
     reduce_scale: float = 1.0
     compute: str = ""  # what the step computes in under mixed precision (tables say it); "": the model's dtypes
+    # The root's reduce (sharded): every trainable parameter outside the blocks, used by the step
+    # or not (a parameter without a gradient sends zero rows), in the compute dtype and in the
+    # root's reduce dtype. None: the gradients the step made (grad_rest_bytes).
+    root_grad_bytes: int | None = None
+    root_reduce_bytes: int | None = None
+    # Gradients accumulate over micro-batches (autoconfigure's held_gradients): the root's shard
+    # from the micro-batches before is alive at its reduce too.
+    accumulating: bool = False
 
     @property
     def measured_state(self) -> int:
@@ -723,6 +731,7 @@ def _profile(
                 profiles.append(dataclasses.replace(prof, path=path, grad_bytes=grads))
             in_blocks = {id(p) for b in blocks for p in b.parameters()}
             grad_rest = _used_bytes(skeleton, whole.used - in_blocks)
+            root = [p for p in skeleton.parameters() if p.requires_grad and id(p) not in in_blocks]
             state = _state_bytes(skeleton)
             buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
             head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
@@ -759,6 +768,8 @@ def _profile(
         forward_transient=[made.transient.get(i, 0) for i in range(len(profiles))],
         grad_rest_at=[min(grad_rest, made.rest_at(i)) for i in range(len(profiles))] if made.last_use else [],
         released_inputs=made.released(),
+        root_grad_bytes=sum(p.untyped_storage().nbytes() for p in root),
+        root_reduce_bytes=sum(p.numel() * _reduce_dtype(root, mp).itemsize for p in root),
         **(_mixed_terms(masters, blocks, mp, master) if mp else {}),
     )
     return dataclasses.replace(profile, **_backward_outside(profile, made))
@@ -851,8 +862,7 @@ def _mixed_terms(masters, blocks: list[nn.Module], mp: MixedPrecision, master: i
         units.setdefault(owner.get(id(p), -1), []).append(p)  # -1: the root
     made = reduced = 0
     for params in units.values():
-        dtypes = {p.dtype for p in params}
-        dtype = mp.reduce_dtype or (dtypes.pop() if len(dtypes) == 1 else torch.float32)
+        dtype = _reduce_dtype(params, mp)
         made += sum(p.numel() * p.element_size() for p in params)
         reduced += sum(p.numel() * dtype.itemsize for p in params)
     shard = sum(p.numel() * dt.itemsize for p, dt in masters)
@@ -863,6 +873,15 @@ def _mixed_terms(masters, blocks: list[nn.Module], mp: MixedPrecision, master: i
         "reduce_scale": reduced / made if made else 1.0,
         "compute": computed + (", torch.nn norm layers in float32" if mp.keep_norms_fp32 else ""),
     }
+
+
+def _reduce_dtype(params: list[nn.Parameter], mp: MixedPrecision | None) -> torch.dtype:
+    """The dtype a unit of ``params`` reduces in: mp.reduce_dtype, else its gradients' one
+    dtype, else fp32 (fp32 norm layers among bf16 ones), as memfit's reduce buffer takes it."""
+    dtypes = {p.dtype for p in params}
+    if mp is not None and mp.reduce_dtype is not None:
+        return mp.reduce_dtype
+    return dtypes.pop() if len(dtypes) == 1 else torch.float32
 
 
 def _backward_outside(profile: ModelProfile, made: _BlocksMade) -> dict[str, list[int]]:

@@ -101,7 +101,10 @@ def terms(profile: ModelProfile, sharding: Sharding | None) -> dict[str, float]:
         "state": (profile.state_bytes - profile.buffer_bytes) / s + profile.buffer_bytes,
         "before_blocks": profile.before_blocks,
         "grad_rest": profile.grad_rest_bytes * profile.grad_shard_scale / s,
-        "last_output": profile.last_output,
+        # under mixed precision the loss's backward was measured holding a second copy of the
+        # last block's output where that block is checkpointed (0.9993x to 0.9997x at full
+        # without it, short by about that tensor): counted for every decision, an upper bound
+        "last_output": profile.last_output * (2 if profile.master_bytes else 1),
         "head_transient": profile.head_transient,
         "optimizer_peak": profile.optimizer_peak / s,
         "tail_transient": profile.tail_transient,
@@ -196,18 +199,28 @@ class _Moments:
         # casts: one rank casts into the shard's gradient, staged in the compute dtype
         # (_chunk_cat's own buffer); more ranks stage the cast in a buffer of the reduce dtype
         # beside the send buffer, before the shard exists.
+        # Where the copy-in casts, every trainable parameter of the root is in it (one without a
+        # gradient sends zero rows in the compute dtype: 0.78x the measured peak without them);
+        # with accumulation the root's shard of the micro-batches before is alive beside
         local, cast = s == 1, profile.reduce_scale != 1.0
-        root_grads, root_reduce = grads_after + rest * shard, rest * (1 + send)
+        whole = rest if profile.root_grad_bytes is None else profile.root_grad_bytes
+        reduced = rest * send if profile.root_reduce_bytes is None else profile.root_reduce_bytes
+        # (and the first block's reduce, bounded by its whole gradients in the reduce dtype:
+        # measured 33.8 KB beyond the root's shard where it is 37.1 KB, tiny Llama, W = 2)
+        first_reduce = profile.blocks[0].grad_bytes * send
+        root_shard = reduced / s if cast and not local else rest * shard  # the whole reduce output, views held
+        held = root_shard + first_reduce if profile.accumulating else 0.0
+        root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + send)
         if local:
-            root_reduce = rest * (1 + cast)
+            root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + cast)
         elif cast:
-            root_grads, root_reduce = grads_after, rest * (1 + 2 * send)
+            root_grads, root_reduce = grads_after + held, whole + 2 * reduced
         eob = {"state": t["state"], "gradients": root_grads, "root_reduce": root_reduce}
         eob["workspace"] = t["workspace"]
         # a cast's staging buffer carries the send buffer's padding (16-byte slots per rank) too:
-        # under mixed precision 1 KiB per unit and rank (measured: 3.6 KB beyond the other
-        # terms for BERT's 3 units at W = 4)
-        eob["bookkeeping"] = _BOOKKEEPING * (len(gradients) + 1) * (s if cast and not local else 1)
+        # under mixed precision 2 KiB per unit and rank (measured beyond the other terms: 3.6 KB
+        # for BERT's 3 units at W = 4; 2.5 KB for GPT-2's at W = 2 accumulating)
+        eob["bookkeeping"] = _BOOKKEEPING * (len(gradients) + 1) * (2 * s if cast and not local else 1)
         # The embeddings' backward: the first block's reduce-scatter still in flight (its send
         # buffer and shard; one rank: the shard's gradient alone), the root's full parameters.
         first = profile.blocks[0].grad_bytes * (shard if local else send + shard) if units else 0.0

@@ -23,11 +23,12 @@ def measured_sharded_peak(
     loss_fn=None,
     steps: int = 2,
     mixed_precision: memfit.MixedPrecision | None = None,
+    accumulate: int = 1,
 ) -> int:
     """Train a copy of ``model`` under ``plan``, sharded over the process group (each block of
     class ``layer`` a unit, the root the rest), and return the largest peak over ranks of its
     last step (MemoryMeter; after the first step the optimizer state exists), under
-    ``mixed_precision`` when given."""
+    ``mixed_precision`` when given; ``accumulate`` micro-batches (``inputs`` each) a step."""
     model = plan.apply(copy.deepcopy(model))
     model.train()
     wrap = {"auto_wrap_policy": {layer}, "mixed_precision": mixed_precision}
@@ -40,7 +41,8 @@ def measured_sharded_peak(
         gc.disable()
         try:
             with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
-                step_loss(model, inputs, loss_fn).backward()
+                for _ in range(accumulate):
+                    step_loss(model, inputs, loss_fn).backward()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
         finally:

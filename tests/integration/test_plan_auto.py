@@ -69,7 +69,12 @@ def test_under_mixed_precision_only_sharded_layouts_are_searched():
     )  # fmt: skip
     assert {c.layout.describe() for c in result.candidates} == {"full shard", "full shard, no reshard"}
     assert result.plan.profile.master_bytes == sum(p.numel() * 4 for p in model.parameters())
-    with pytest.raises(ValueError, match=r"mixed_precision over 2 replicas of one shard is not forecast"):
+    with pytest.raises(ValueError, match=r"mixed precision over 2 replicas of one shard is not forecast"):
         memfit.plan(model, batch, budget="1GB", world_size=2, shard_size=1, mixed_precision=bf16)
+    with pytest.raises(ValueError, match=r"mixed precision over 2 replicas"):  # the profile says it
+        memfit.plan(model, batch, budget="1GB", world_size=2, shard_size=1, profile=result.plan.profile)
+    fp32 = memfit.plan(model, batch, budget="1GB", world_size=2).profile
+    with pytest.raises(ValueError, match=r"mixed_precision= with a profile measured without it"):
+        memfit.plan(model, batch, budget="1GB", world_size=2, profile=fp32, mixed_precision=bf16)
     with pytest.raises(ValueError, match=r"leaves only replicated layouts"):
         memfit.autoconfigure(model, batch, budget="1GB", world_size=2, shard_sizes=[1], mixed_precision=bf16)

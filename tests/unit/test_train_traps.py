@@ -363,6 +363,7 @@ def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
         ({"auto": True}, r"--auto searches configurations that fit a --budget"),
         ({"auto": True, "budget": "1GB", "batch": 2}, r"--auto chooses --batch, --accumulate and --hybrid-shards"),
         ({"budget": "lots"}, r"lots"),
+        ({"budget": "1GB", "mixed_precision": "bf16", "hybrid_shards": 1}, r"over --hybrid-shards 1 \(replicas"),
     ],
 )
 def test_conflicting_choices_are_refused(flags, message):
