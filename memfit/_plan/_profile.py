@@ -293,8 +293,8 @@ def _state_bytes(module: nn.Module) -> int:
     return sum(t.untyped_storage().nbytes() for t in [*module.parameters(), *module.buffers()])
 
 
-def _params_bytes(module: nn.Module) -> int:
-    return sum(t.untyped_storage().nbytes() for t in module.parameters())
+def _buffer_bytes(module: nn.Module) -> int:
+    return sum(b.untyped_storage().nbytes() for b in module.buffers())
 
 
 def _fresh(args, kwargs):
@@ -716,7 +716,7 @@ def _profile(
                 b.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
             whole = _measure_step(skeleton, inputs, loss_fn, blocks, None if mp else optimizer)
             if mp:  # the optimizer steps on the shards, in their own dtype
-                whole = _master_step(whole, masters, optimizer, _state_bytes(skeleton) - _params_bytes(skeleton))
+                whole = _master_step(whole, masters, optimizer, _buffer_bytes(skeleton))
             made = whole.made or _BlocksMade()
             profiles, seen = [], {}
             for i, (path, blk) in enumerate(zip(paths, blocks)):
@@ -733,7 +733,7 @@ def _profile(
             grad_rest = _used_bytes(skeleton, whole.used - in_blocks)
             root = [p for p in skeleton.parameters() if p.requires_grad and id(p) not in in_blocks]
             state = _state_bytes(skeleton)
-            buffers = sum(b.untyped_storage().nbytes() for b in skeleton.buffers())
+            buffers = _buffer_bytes(skeleton)
             head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
             head = head if head is None or _head_gives_the_logits(skeleton, inputs, head) else None
             chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
