@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -46,6 +47,26 @@ def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter, pick=min) -> fl
         fn()
         times.append(clock() - t0)
     return pick(times)
+
+
+_WINDOW = 0.02  # seconds: longer than a scheduler's time slice (a few ms), shorter than a step
+
+
+def _windowed(fn, repeats: int, clock) -> float:
+    """Seconds per call of ``fn``, the median of ``repeats`` timings of as many calls as take
+    ``_WINDOW`` at least (after one warm-up call): where ranks outnumber the cores a call of
+    a few us to ms mostly runs while the others wait, and a step's ops do not. See
+    [Note: Calibrating the links]."""
+    t0 = clock()
+    fn()
+    calls = max(1, math.ceil(_WINDOW / max(clock() - t0, 1e-9)))
+    times = []
+    for _ in range(repeats):
+        t0 = clock()
+        for _ in range(calls):
+            fn()
+        times.append((clock() - t0) / calls)
+    return statistics.median(times)
 
 
 # [Note: Calibrating on cold data]
@@ -111,7 +132,9 @@ def calibrate(
             if sync:
                 sync()
 
-        return _best_seconds(run, repeats, clock, statistics.median if typical else min)
+        if typical:  # see [Note: Calibrating the links]: each timing as long as a step's slice of it
+            return _windowed(run, repeats, clock)
+        return _best_seconds(run, repeats, clock)
 
     # See [Note: Calibrating on cold data].
     flops, latency = {}, 0.0
@@ -316,10 +339,15 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 # `calibrate_group` measures what a job's ranks see, in the group they train in:
 # - compute: every rank calibrates at the same time (on a host whose cores the ranks share, each
 #   rank's rates are its share), each op's median repeat, not its fastest (the fastest is one
-#   where the other ranks left the cores alone, which a step does not see); then each figure the
-#   median of every rank's: timings of a few ms that the other ranks' phases shift (a tiny
-#   step's cost per op: 12.6 to 23.9 us from rank to rank at W=2 here; on rank 0's figures alone
-#   one 4-rank calibration priced a BERT step at 908 ms that measured 347 ms, another at 268);
+#   where the other ranks left the cores alone, which a step does not see), each repeat as many
+#   calls as take 20 ms at least (_windowed: with more ranks than cores, a call of a few us to
+#   ms mostly runs in one of its rank's time slices while the others wait; timed call by call,
+#   the tiny step's cost per op was 4.6 us at 4 ranks on this 2-core machine as at 2, and whole
+#   BERT and Llama steps of all 4 ranks at once measured 1.14x to 1.28x their price; in windows,
+#   8 to 11 us); then each figure the median of every rank's: timings that the other ranks'
+#   phases shift (a tiny step's cost per op: 12.6 to 23.9 us from rank to rank at W=2 here; on
+#   rank 0's figures alone one 4-rank calibration priced a BERT step at 908 ms that measured
+#   347 ms, another at 268);
 # - links: the group times memfit's own all-gather and reduce-scatter (memfit/_shard/
 #   _collectives: on gloo a reduce-scatter is an all-to-all on two ranks and an all-reduce on
 #   more, fitted as one) and torch's all-reduce (DDP's) at sizes from 16 KiB to 16 MiB, each the slowest
@@ -331,23 +359,29 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 #   shard and replica groups run: with 4 gloo ranks on this 2-core machine, a 2-rank group's
 #   ring step was not the 4-rank fit's, and hybrid 2 x 2 steps priced on the 4-rank link
 #   measured 1.42-1.54x their price where fully sharded ones measured 1.17-1.29x;
-# - collective_overhead and collective_byte_overhead: forward and backward passes of 4 small
-#   blocks, each a memfit unit, less the same passes unsharded, less the exposed communication
-#   the time model gives those passes (their blocks computing as the unsharded passes measured;
-#   [Note: Pricing communication]); at two widths (the same collectives, 16x the bytes), fitted
-#   as a cost per collective (hooks, buffers' copies, waits, the ranks' skew) and one per byte
-#   sent. The second is what
-#   the link's time alone misses where the collectives share the compute's cores and memory:
-#   2 gloo ranks on this 2-core machine, blocks of width 64/128/256/512 measured 0.55/1.30/1.88/
-#   6.08 ms per collective beyond the ring time (one width's fit, as calibrate_group did before),
-#   growing with the bytes (a block's parameters: 0.13/0.53/2.1/8.4 MB).
+# - collective_overlap and layout_overheads: forward and backward passes of 4 small blocks, each
+#   a memfit unit, in every layout of the group (fully sharded; with the whole world, hybrid for
+#   each shard size dividing it and replicated on memfit's units), at two widths (the same
+#   collectives, 4x the bytes) and two batches (the same collectives beside 4x the compute),
+#   less the same passes unsharded. The overlap: how much of the extra hiding the time model
+#   expects beside the larger batch the passes show (least squares over the pairs, clamped to
+#   0..1). With 2 and 4 gloo ranks on this 2-core machine none: the passes took as long beyond
+#   the unsharded ones with 4x the compute (4 ranks, width 128, fully sharded: 222 and 240 ms),
+#   where the overlap model hid 41 ms more. Then per layout, what the passes took beyond the
+#   communication that overlap exposes, fitted as a cost per collective (hooks, buffers' copies,
+#   waits, the ranks' skew) and one per byte sent: what the link's time alone misses where the
+#   collectives share the compute's cores and memory. Per layout because they differ: with 4
+#   ranks here, per collective beyond the link's figures, 0.3-0.9 ms fully sharded, 1.4-2.0 ms
+#   hybrid 2 x 2 (two collectives per unit's gradients, each in a 2-rank group), 0.7-2.1 ms
+#   replicated (an all-reduce over 4 ranks).
 # `calibrate` in one process has no link figures: its profile prices collectives on the "cpu"
 # profile's. Until the overhead subtracted the modelled exposure instead of all the ring time
 # (hidden or not), and gloo's reduce-scatter over 3+ ranks was priced as the all-reduce it is
 # (scatter_by_all_reduce), fully sharded steps at 4 ranks measured a median 1.37x their price,
-# hybrid ones 1.20x; since, 1.17-1.29x and 1.42-1.54x (two runs): the 4-rank fit leaves almost
-# no cost per collective, which hybrid units (two per unit) miss most. benchmarks/autoconfig.py
-# measures what these are worth against real steps (docs/planning.md).
+# hybrid ones 1.20x; then 1.17-1.29x and 1.42-1.54x (two runs): one fully sharded fit for every
+# layout left hybrid units (two collectives per unit's gradients) under-priced. Since the
+# overlap, the per-layout pairs and the windows, see docs/planning.md for what
+# benchmarks/autoconfig.py measures of them against real steps.
 _LINK_SIZES = [2**k for k in (14, 16, 18, 20, 22, 24)]  # bytes: 16 KiB .. 16 MiB
 
 
@@ -476,27 +510,35 @@ class _Block(torch.nn.Module):
         return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
 
 
-def _collective_overhead(
-    group, device, links: dict[str, Any], widths: tuple[int, ...] = (128, 512), micro: int = 5
-) -> tuple[float, float]:
-    """(seconds per collective, seconds per byte sent) a sharded step pays beyond what the time
-    model exposes of its collectives on the fitted link (``links``, :func:`calibrate_links`):
-    for each width, ``micro`` forward and backward passes of 4 blocks, each a memfit unit, less
-    the same passes unsharded, less the exposed communication [Note: Pricing communication]
-    gives them (each pass's blocks computing as the unsharded passes measured, backward twice
-    forward; each the median of 5 runs, between barriers, the slowest rank's); the two figures
-    fitted over the widths (same collectives, more bytes). See [Note: Calibrating the links]."""
+def _collective_costs(
+    group,
+    device,
+    links: dict[str, Any],
+    widths: tuple[int, ...] = (128, 256),
+    rows: tuple[int, ...] = (64, 256),
+    micro: int = 3,
+) -> tuple[float, tuple[tuple[int, float, float], ...]]:
+    """(collective_overlap, layout_overheads) of the time model on the fitted links (``links``,
+    :func:`calibrate_links`): ``micro`` forward and backward passes of 4 blocks, each a memfit
+    unit, in every layout of the group (fully sharded; hybrid and replicated where the group is
+    every rank), for each width and batch of ``rows``, less the same passes unsharded; the
+    time model's exposed communication for them (their blocks computing as the unsharded passes
+    measured, backward twice forward; [Note: Pricing communication]) with all its link time
+    hidden where it can be, and with none. Each run: the median of 5 after 2, between barriers,
+    the slowest rank's. See [Note: Calibrating the links]."""
     import torch.distributed as dist
 
     from memfit._plan import _comm
     from memfit._shard import FullyShardedDataParallel
     from memfit._shard._collectives import STATS
+    from memfit._shard._layout import hybrid_mesh
 
     w, device = dist.get_world_size(group), torch.device(device)
+    every = group is None or w == dist.get_world_size()
+    layouts = [w, *(s for s in range(w - 1, 0, -1) if w % s == 0 and every)]
     linked = dataclasses.replace(PROFILES["cpu"], **links, collective_overhead=0.0, collective_byte_overhead=0.0)
 
-    def passes(model, width: int) -> float:
-        x = torch.randn(64, width, device=device)
+    def passes(model, x: torch.Tensor) -> float:
         runs = []
         for _ in range(7):
             dist.barrier(group)
@@ -508,28 +550,50 @@ def _collective_overhead(
             runs.append(_slowest(time.perf_counter() - t0, group, device))
         return statistics.median(runs[2:])
 
-    work: list[tuple[float, float]] = []  # (collectives, bytes) of one run's passes
-    extra: list[float] = []  # seconds beyond the unsharded passes and the exposed communication
-    for width in widths:
+    def blocks(width: int) -> torch.nn.Sequential:
         torch.manual_seed(0)
-        plain = torch.nn.Sequential(*[_Block(width) for _ in range(4)]).to(device)
-        alone = passes(plain, width)
-        plain.zero_grad(set_to_none=True)
-        block = float(sum(p.numel() * p.element_size() for p in plain[0].parameters()))
-        sharded = FullyShardedDataParallel(plain, auto_wrap_policy={_Block}, group=group, device=device)
-        before = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes)
-        together = passes(sharded, width)
-        calls = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before[0]) / 7
-        sent = (STATS.bytes - before[1]) / 7
-        work.append((calls, sent))
-        n = len(plain)
-        forward = alone / micro / n / 3  # a block's forward; its backward twice that
-        units = _comm.Units(0.0, 0.0, [block] * n, [block] * n, 0.0, 0.0, [forward] * n, [2 * forward] * n)
-        exposed = _comm.micro_batch_comm(units, w, w, True, True, linked)["exposed_communication"]
-        extra.append(together - alone - micro * exposed)
-    if not work[0][0]:
-        return 0.0, 0.0
-    return _fit_two(work, extra)  # extra = calls x per call + bytes x per byte
+        return torch.nn.Sequential(*[_Block(width) for _ in range(4)]).to(device)
+
+    inputs = {(width, n): torch.randn(n, width, device=device) for width in widths for n in rows}
+    alone = {shape: passes(blocks(shape[0]), x) for shape, x in inputs.items()}
+    # per layout: (collectives, bytes sent, seconds beyond the unsharded passes, exposed with
+    # the overlap, link time), per width and rows
+    points: dict[int, list[tuple[float, float, float, float, float]]] = {}
+    for s in layouts:
+        mesh = hybrid_mesh(s, "memfit calibrate_group", device.type) if s < w else None
+        for width in widths:
+            plain = blocks(width)
+            block = float(sum(p.numel() * p.element_size() for p in plain[0].parameters()))
+            sharded = FullyShardedDataParallel(
+                plain, auto_wrap_policy={_Block}, group=None if mesh else group, mesh=mesh, device=device
+            )
+            for n in rows:
+                before = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes)
+                together = passes(sharded, inputs[width, n])
+                calls = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before[0]) / 7
+                sent = (STATS.bytes - before[1]) / 7
+                k = len(plain)
+                forward = alone[width, n] / micro / k / 3  # a block's forward; its backward twice that
+                units = _comm.Units(0.0, 0.0, [block] * k, [block] * k, 0.0, 0.0, [forward] * k, [2 * forward] * k)
+                t = _comm.micro_batch_comm(units, w, s, True, True, linked)
+                extra = together - alone[width, n]
+                points.setdefault(s, []).append(
+                    (calls, sent, extra, micro * t["exposed_communication"], micro * t["communication"])
+                )
+    if not points[w][0][0]:
+        return 1.0, ()
+    # more rows: the same collectives beside more compute; the overlap is how much of the time
+    # model's added hiding the measured passes show (least squares over the pairs)
+    same = [pts[i : i + len(rows)] for pts in points.values() for i in range(0, len(pts), len(rows))]
+    pairs = [(few[2] - many[2], few[3] - many[3]) for few, *_, many in same]
+    den = sum(e * e for _, e in pairs)
+    overlap = min(1.0, max(0.0, sum(x * e for x, e in pairs) / den)) if den > 0 else 1.0
+    per_layout = []
+    for s, pts in points.items():
+        left = [x - overlap * e - (1 - overlap) * busy for _, _, x, e, busy in pts]
+        per_call, per_byte = _fit_two([(c, b) for c, b, *_ in pts], left)  # calls x per call + bytes x per byte
+        per_layout.append((s, per_call, per_byte))
+    return overlap, tuple(per_layout)
 
 
 def _median_profile(profiles: list[DeviceProfile]) -> DeviceProfile:
@@ -576,7 +640,8 @@ def calibrate_group(group=None, device: str | torch.device | None = None, *, cpu
         mine = _median_profile(every)
         links = calibrate_links(group, device)
         links["group_links"] = _group_links(group, device)
-        per_call, per_byte = _collective_overhead(group, device, links)
+        overlap, per_layout = _collective_costs(group, device, links)
+        per_call, per_byte = per_layout[0][1:] if per_layout else (0.0, 0.0)  # fully sharded's
     finally:
         STATS.__dict__.update(counters.__dict__)
     source = f"{mine.source} by {w} ranks" if (w := dist.get_world_size(group)) > 1 else mine.source
@@ -587,6 +652,8 @@ def calibrate_group(group=None, device: str | torch.device | None = None, *, cpu
             name=f"calibrated-{device.type}",
             collective_overhead=per_call,
             collective_byte_overhead=per_byte,
+            layout_overheads=per_layout,
+            collective_overlap=overlap,
             **links,
         )
     ]

@@ -36,11 +36,15 @@ from memfit._plan._time import PROFILES, DeviceProfile
 # link serves collectives in the order issued. Exposed communication is the phase's end (the
 # later of the last compute and the last collective) less its compute: what did not hide behind
 # the next unit's compute. A block's backward compute is taken as 2x its priced forward (the two
-# matmuls per forward matmul of a Linear layer), its recompute added to it. Each collective also
-# costs the compute thread the profile's collective_overhead (issuing it, waiting, its buffers'
-# copies, the ranks' skew) and collective_byte_overhead per byte it sends (where the copies share
-# the compute's cores: gloo on a CPU), always exposed; both measured by calibrate_group, 0 in the
-# named profiles.
+# matmuls per forward matmul of a Linear layer), its recompute added to it. Where the
+# collectives' threads share the compute's cores (gloo on a CPU) nothing hides: the profile's
+# collective_overlap h (1 in the named profiles, fitted by calibrate_group) exposes
+#     h x (what the overlap above exposes) + (1 - h) x (all the link time).
+# Each collective also costs the compute thread the profile's collective_overhead (issuing it,
+# waiting, its buffers' copies, the ranks' skew) and collective_byte_overhead per byte it sends
+# (where the copies share the compute's cores), always exposed; calibrate_group measures the
+# pair for each layout of its group (layout_overheads: fully sharded, hybrid, replicated), 0 in
+# the named profiles.
 # Nothing here was measured on an accelerator; on gloo, benchmarks/autoconfig.py compares it
 # with measured steps.
 
@@ -151,13 +155,23 @@ def micro_batch_comm(units: Units, world_size: int, shards: int, reshard: bool, 
     # each collective's host work is on the compute thread: exposed (see collective_overhead)
     t["collectives"] = float(sum(1 for x in (*fwd_before, *bwd_before) if x) + _issued(grads, s, r, world_size))
     sent = t["all_gather_bytes"] + t["reduce_scatter_bytes"] + t["all_reduce_bytes"]
+    per_call, per_byte = overheads(device, s)
+    overlapped = (fwd_end - sum(fwd_compute)) + (bwd_end - sum(bwd_compute))
+    h = device.collective_overlap
     t["exposed_communication"] = (
-        (fwd_end - sum(fwd_compute))
-        + (bwd_end - sum(bwd_compute))
-        + t["collectives"] * device.collective_overhead
-        + sent * device.collective_byte_overhead
+        h * overlapped + (1 - h) * t["communication"] + t["collectives"] * per_call + sent * per_byte
     )
     return t
+
+
+def overheads(device: DeviceProfile, shards: int) -> tuple[float, float]:
+    """(seconds per collective, seconds per byte sent) the compute thread pays beyond the link
+    time in a layout of ``shards`` shards: the profile's measure of that layout where it has one
+    (layout_overheads), else its collective_overhead and collective_byte_overhead."""
+    for size, per_call, per_byte in device.layout_overheads:
+        if size == shards:
+            return per_call, per_byte
+    return device.collective_overhead, device.collective_byte_overhead
 
 
 def _issued(grads: list[float], s: int, r: int, world_size: int) -> int:
@@ -178,6 +192,7 @@ __all__ = [
     "all_reduce_time",
     "link",
     "micro_batch_comm",
+    "overheads",
     "phase_end",
     "reduce_scatter_time",
     "ring_bytes",

@@ -107,6 +107,14 @@ class DeviceProfile:
             compute's cores and memory (gloo on a CPU's ranks) a byte costs a step more than the
             link showed alone. Measured by calibrate_group with collective_overhead; 0 in the named
             profiles.
+        layout_overheads: (shard size, collective_overhead, collective_byte_overhead) measured
+            for each layout of the calibrated group (shard size W: fully sharded; 1: replicated on
+            memfit's units; between: hybrid): a layout listed uses its own pair, any other the
+            two fields above. Set by calibrate_group; empty in the named profiles.
+        collective_overlap: the fraction of a collective's link time that can hide behind the
+            compute of the units around it (1: all, an accelerator's communication stream; 0:
+            none, where the collectives' threads share the compute's cores: gloo on a CPU's
+            ranks). Fitted by calibrate_group; 1 in the named profiles.
         workspace_bytes: device memory a step's allocator holds beside the tensors MemoryMeter
             counts (see [Note: The allocator beside the tensors]); 0 on a CPU.
         scatter_by_all_reduce: memfit's reduce-scatter over more than two ranks runs as an
@@ -148,20 +156,30 @@ class DeviceProfile:
     calibrated_ranks: int = 0  # ranks running while it was measured; 0: not measured (see above)
     scatter_by_all_reduce: bool = False  # a reduce-scatter over 3+ ranks is an all-reduce (see above)
     group_links: tuple[tuple[int, float, float], ...] = ()  # (ranks, latency, bandwidth) per smaller group (see above)
+    layout_overheads: tuple[tuple[int, float, float], ...] = ()  # (shard size, per collective, per byte) (see above)
+    collective_overlap: float = 1.0  # the part of a collective's link time compute can hide (see above)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON
         object.__setattr__(self, "group_links", tuple((int(g), lat, bw) for g, lat, bw in self.group_links))
+        object.__setattr__(self, "layout_overheads", tuple((int(s), c, b) for s, c, b in self.layout_overheads))
         rates = [*self.flops.values(), self.memory_bandwidth, self.offload_bandwidth]
         if "float32" not in self.flops or min(rates) <= 0 or min(self.op_overhead, self.matmul_latency) < 0:
             raise ValueError(f"memfit.DeviceProfile {self.name!r}: rates must be positive, float32 included")
         links = (self.intra_node_bandwidth, self.intra_node_latency, self.inter_node_bandwidth, self.inter_node_latency)
         per_collective = (self.collective_overhead, self.collective_byte_overhead)
-        if min(*links, *per_collective) < 0 or self.ranks_per_node < 1:
+        per_layout = tuple(x for _, c, b in self.layout_overheads for x in (c, b))
+        if min(*links, *per_collective, *per_layout) < 0 or self.ranks_per_node < 1:
             raise ValueError(
                 f"memfit.DeviceProfile {self.name!r}: link bandwidths, latencies, collective_overhead and "
-                f"collective_byte_overhead must be >= 0 (0: no figures) and ranks_per_node >= 1, got {links}, "
-                f"{per_collective} and ranks_per_node={self.ranks_per_node}"
+                f"collective_byte_overhead (layout_overheads' too) must be >= 0 (0: no figures) and "
+                f"ranks_per_node >= 1, got {links}, {per_collective}, {self.layout_overheads} and "
+                f"ranks_per_node={self.ranks_per_node}"
+            )
+        if not 0.0 <= self.collective_overlap <= 1.0:
+            raise ValueError(
+                f"memfit.DeviceProfile {self.name!r}: collective_overlap is the part of a collective's link "
+                f"time compute can hide, between 0 and 1; got {self.collective_overlap}"
             )
 
     def rate(self, dtype: torch.dtype) -> float:

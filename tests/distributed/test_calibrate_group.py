@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit._plan import _comm as comm
-from memfit._plan._calibrate import _Block, _collective_overhead, _group_links, calibrate_links
+from memfit._plan._calibrate import _Block, _collective_costs, _group_links, calibrate_links
 from memfit._plan._time import PROFILES
 from memfit._shard._collectives import STATS
 from tests._dist import Subtests, case_id
@@ -49,9 +49,20 @@ def case_a_micro_batchs_collectives_are_counted_as_priced(rank, world):
         units = comm.Units(0.0, 0.0, [block] * 4, [block] * 4, 0.0, 0.0, [1e-3] * 4, [2e-3] * 4)
         priced = comm.micro_batch_comm(units, world, world, reshard, True, PROFILES["cpu"])
         assert priced["collectives"] == issued, (reshard, priced["collectives"], issued)
+
+
+def case_every_layout_gets_its_overheads(rank, world):
+    """Every layout of the group measured (4 ranks: fully sharded, hybrid 2 x 2, replicated on
+    memfit's units), each pair finite and >= 0, the overlap a fraction; every rank with the
+    same figures."""
     links = {"intra_node_bandwidth": 1e9, "intra_node_latency": 1e-4, "ranks_per_node": world}
-    per_call, per_byte = _collective_overhead(None, "cpu", links, widths=(WIDTH, 4 * WIDTH), micro=2)
-    assert min(per_call, per_byte) >= 0 and math.isfinite(per_call + per_byte)
+    overlap, per_layout = _collective_costs(None, "cpu", links, widths=(WIDTH, 4 * WIDTH), rows=(8, 32), micro=1)
+    assert 0.0 <= overlap <= 1.0
+    assert [s for s, _, _ in per_layout] == [4, 2, 1], per_layout
+    assert all(min(a, b) >= 0 and math.isfinite(a + b) for _, a, b in per_layout), per_layout
+    every = [None] * world
+    dist.all_gather_object(every, (overlap, per_layout))
+    assert all(other == (overlap, per_layout) for other in every), every  # fitted on the slowest rank's times
 
 
 def case_smaller_groups_are_fitted_at_each_divisor(rank, world):
@@ -65,7 +76,8 @@ def case_smaller_groups_are_fitted_at_each_divisor(rank, world):
 
 CASES = [case_links_are_fitted_alike_on_every_rank, case_a_micro_batchs_collectives_are_counted_as_priced]
 GROUP = Subtests(CASES)
-GROUP_OF_4 = Subtests([case_smaller_groups_are_fitted_at_each_divisor])
+CASES_OF_4 = [case_smaller_groups_are_fitted_at_each_divisor, case_every_layout_gets_its_overheads]
+GROUP_OF_4 = Subtests(CASES_OF_4)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -73,5 +85,6 @@ def test_calibrate_group(case):
     GROUP.check(case, 2)
 
 
-def test_calibrate_group_of_four():
-    GROUP_OF_4.check(case_smaller_groups_are_fitted_at_each_divisor, 4)
+@pytest.mark.parametrize("case", CASES_OF_4, ids=case_id)
+def test_calibrate_group_of_four(case):
+    GROUP_OF_4.check(case, 4)

@@ -320,6 +320,32 @@ def test_each_collective_adds_the_calibrated_overhead():
             dataclasses.replace(FAKE, **{field: -1.0})
 
 
+def test_a_layout_uses_its_own_overheads_and_the_overlap_scales_the_hiding():
+    """layout_overheads (calibrate_group's per layout) replace the two scalar fields for the
+    shard size they name; collective_overlap blends the overlap model's exposure (1) with all
+    the link time (0)."""
+    units = comm.Units(P_ROOT, P_ROOT, [P_BLOCK] * 4, [P_BLOCK] * 4, 1e-3, 2e-3, [1e-3] * 4, [2e-3] * 4)
+    scalar = dataclasses.replace(FAKE, collective_overhead=1e-3, collective_byte_overhead=1e-9)
+    per_layout = dataclasses.replace(scalar, layout_overheads=((2, 5e-3, 0.0), (1, 0.0, 2e-9)))
+    for w, s in ((4, 4), (4, 2), (4, 1)):
+        base = comm.micro_batch_comm(units, w, s, True, True, FAKE)
+        sent = base["all_gather_bytes"] + base["reduce_scatter_bytes"] + base["all_reduce_bytes"]
+        per_call, per_byte = {4: (1e-3, 1e-9), 2: (5e-3, 0.0), 1: (0.0, 2e-9)}[s]
+        priced = comm.micro_batch_comm(units, w, s, True, True, per_layout)
+        added = base["collectives"] * per_call + sent * per_byte
+        assert priced["exposed_communication"] - base["exposed_communication"] == pytest.approx(added), (w, s)
+        # no overlap: every second on the link is exposed; half: halfway between the two
+        none = comm.micro_batch_comm(units, w, s, True, True, dataclasses.replace(FAKE, collective_overlap=0.0))
+        half = comm.micro_batch_comm(units, w, s, True, True, dataclasses.replace(FAKE, collective_overlap=0.5))
+        assert none["exposed_communication"] == pytest.approx(base["communication"]) and base["communication"] > 0
+        assert base["exposed_communication"] < none["exposed_communication"]  # the fake's compute hides some
+        middle = (base["exposed_communication"] + none["exposed_communication"]) / 2
+        assert half["exposed_communication"] == pytest.approx(middle)
+    for bad in ({"collective_overlap": 1.5}, {"collective_overlap": -0.1}, {"layout_overheads": ((2, -1.0, 0.0),)}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            dataclasses.replace(FAKE, **bad)
+
+
 def test_a_link_fit_recovers_its_latency_and_bandwidth():
     from memfit._plan._calibrate import _fit_link, _fit_two
 
