@@ -95,12 +95,18 @@ def _cold(make, op, timed, pool_bytes: int = _POOL) -> float:
     return timed(sweep, 3) / len(pool)
 
 
-def _fit(work: list[float], seconds: list[float]) -> tuple[float, float]:
-    """Least squares of seconds = work / rate + constant: (rate, constant >= 0)."""
-    n, mx, my = len(work), statistics.fmean(work), statistics.fmean(seconds)
-    slope = sum((x - mx) * (y - my) for x, y in zip(work, seconds)) / sum((x - mx) ** 2 for x in work)
-    slope = max(slope, 1e-30)
-    return 1 / slope, max(0.0, my - slope * mx) if n > 1 else 0.0
+def _fit(work: list[float], seconds: list[float], relative: bool = False) -> tuple[float, float]:
+    """Least squares of seconds = work / rate + constant: (rate, constant >= 0). ``relative``:
+    of the residuals over the seconds, so that each size counts alike (a matmul's latency is
+    tens of us beside a large one's ms: on the plain residuals the large ones' noise set it,
+    and 4 calibrations of 2 ranks here fitted 8 to 101 us)."""
+    weights = [1 / t**2 if relative else 1.0 for t in seconds]
+    total = sum(weights)
+    mx = sum(w * x for w, x in zip(weights, work)) / total
+    my = sum(w * y for w, y in zip(weights, seconds)) / total
+    num = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, work, seconds))
+    slope = max(num / sum(w * (x - mx) ** 2 for w, x in zip(weights, work)), 1e-30)
+    return 1 / slope, max(0.0, my - slope * mx) if len(work) > 1 else 0.0
 
 
 def cache_path(device_type: str) -> Path:
@@ -206,7 +212,7 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, timed) -> tuple[float
             for product in products.values():
                 work.append(2.0 * 2 * n * fan_in * fan_out)
                 seconds.append(_cold(make, product, timed))
-    return _fit(work, seconds)
+    return _fit(work, seconds, relative=True)
 
 
 def _math_rates(device: torch.device, timed) -> dict[str, float]:
@@ -365,15 +371,18 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 #   collectives, 4x the bytes) and two batches (the same collectives beside 4x the compute),
 #   less the same passes unsharded. The overlap: how much of the extra hiding the time model
 #   expects beside the larger batch the passes show (least squares over the pairs, clamped to
-#   0..1). With 2 and 4 gloo ranks on this 2-core machine none: the passes took as long beyond
-#   the unsharded ones with 4x the compute (4 ranks, width 128, fully sharded: 222 and 240 ms),
-#   where the overlap model hid 41 ms more. Then per layout, what the passes took beyond the
-#   communication that overlap exposes, fitted as a cost per collective (hooks, buffers' copies,
-#   waits, the ranks' skew) and one per byte sent: what the link's time alone misses where the
-#   collectives share the compute's cores and memory. Per layout because they differ: with 4
-#   ranks here, per collective beyond the link's figures, 0.3-0.9 ms fully sharded, 1.4-2.0 ms
-#   hybrid 2 x 2 (two collectives per unit's gradients, each in a 2-rank group), 0.7-2.1 ms
-#   replicated (an all-reduce over 4 ranks).
+#   0..1), fitted on an accelerator only (not measured yet); on a CPU 0, as gloo's threads share
+#   the compute's cores. With 4 gloo ranks on this 2-core machine the fit gave 0 to 0.23 (7
+#   runs, 5 of them 0.01 or less): the passes took as long beyond the unsharded ones with 4x the
+#   compute (width 128, fully sharded: 222 and 240 ms) where the overlap model hid 41 ms more;
+#   with 2 ranks, whose links are faster and hide less, 0 in 5 of 8 runs and 0.75, 0.88 and 1 in
+#   the others, and the grid priced with 1 measured 1.08-1.42x its prices. Then per layout, what
+#   the passes took beyond the communication that overlap exposes, fitted as a cost per
+#   collective (hooks, buffers' copies, waits, the ranks' skew) and one per byte sent: what the
+#   link's time alone misses where the collectives share the compute's cores and memory. Per
+#   layout because they differ: with 4 ranks here (7 runs), per collective beyond the link's
+#   figures, 0-0.9 ms fully sharded, 1.4-2.0 ms hybrid 2 x 2 (two collectives per unit's
+#   gradients, each in a 2-rank group), 0.4-2.1 ms replicated (an all-reduce over 4 ranks).
 # `calibrate` in one process has no link figures: its profile prices collectives on the "cpu"
 # profile's. Until the overhead subtracted the modelled exposure instead of all the ring time
 # (hidden or not), and gloo's reduce-scatter over 3+ ranks was priced as the all-reduce it is
@@ -517,6 +526,7 @@ def _collective_costs(
     widths: tuple[int, ...] = (128, 256),
     rows: tuple[int, ...] = (64, 256),
     micro: int = 3,
+    fit_overlap: bool | None = None,
 ) -> tuple[float, tuple[tuple[int, float, float], ...]]:
     """(collective_overlap, layout_overheads) of the time model on the fitted links (``links``,
     :func:`calibrate_links`): ``micro`` forward and backward passes of 4 blocks, each a memfit
@@ -525,7 +535,9 @@ def _collective_costs(
     time model's exposed communication for them (their blocks computing as the unsharded passes
     measured, backward twice forward; [Note: Pricing communication]) with all its link time
     hidden where it can be, and with none. Each run: the median of 5 after 2, between barriers,
-    the slowest rank's. See [Note: Calibrating the links]."""
+    the slowest rank's. ``fit_overlap``: fit the overlap (default: on an accelerator); else it
+    is 0, as on a CPU, whose collectives' threads share the compute's cores. See
+    [Note: Calibrating the links]."""
     import torch.distributed as dist
 
     from memfit._plan import _comm
@@ -588,6 +600,8 @@ def _collective_costs(
     pairs = [(few[2] - many[2], few[3] - many[3]) for few, *_, many in same]
     den = sum(e * e for _, e in pairs)
     overlap = min(1.0, max(0.0, sum(x * e for x, e in pairs) / den)) if den > 0 else 1.0
+    if not (device.type != "cpu" if fit_overlap is None else fit_overlap):
+        overlap = 0.0
     per_layout = []
     for s, pts in points.items():
         left = [x - overlap * e - (1 - overlap) * busy for _, _, x, e, busy in pts]

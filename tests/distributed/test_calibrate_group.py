@@ -56,7 +56,9 @@ def case_every_layout_gets_its_overheads(rank, world):
     memfit's units), each pair finite and >= 0, the overlap a fraction; every rank with the
     same figures."""
     links = {"intra_node_bandwidth": 1e9, "intra_node_latency": 1e-4, "ranks_per_node": world}
-    overlap, per_layout = _collective_costs(None, "cpu", links, widths=(WIDTH, 4 * WIDTH), rows=(8, 32), micro=1)
+    shapes = {"widths": (WIDTH, 4 * WIDTH), "rows": (8, 32), "micro": 1}
+    assert _collective_costs(None, "cpu", links, **shapes)[0] == 0.0  # a CPU's gloo threads share its cores
+    overlap, per_layout = _collective_costs(None, "cpu", links, **shapes, fit_overlap=True)
     assert 0.0 <= overlap <= 1.0
     assert [s for s, _, _ in per_layout] == [4, 2, 1], per_layout
     assert all(min(a, b) >= 0 and math.isfinite(a + b) for _, a, b in per_layout), per_layout
