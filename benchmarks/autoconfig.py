@@ -114,7 +114,7 @@ def _measure(rank, world, preset, configs, warmup, repeats, replicated) -> list[
             took.append(_timed(step))
         peak = torch.tensor([meter.peak_bytes])
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        q1, _, q3 = statistics.quantiles(took[warmup:], n=4)
+        q1, _, q3 = statistics.quantiles(took[warmup:], n=4) if len(took[warmup:]) > 1 else (0.0, 0.0, 0.0)
         out.append((statistics.median(took[warmup:]), int(peak.item()), (q3 - q1) / statistics.median(took[warmup:])))
     return out
 
@@ -208,11 +208,14 @@ def _report(args, world: int, out: dict) -> list[str]:
         f"overhead {prof.op_overhead * 1e6:.1f} us; link {prof.intra_node_bandwidth / 1e9:.2f} GB/s, "
         f"{prof.intra_node_latency * 1e6:.0f} us per ring step"
         + "".join(f"; {g}-rank groups {bw / 1e9:.2f} GB/s, {lat * 1e6:.0f} us" for g, lat, bw in prof.group_links)
-        + f"; {prof.collective_overlap:.0%} of a collective's link time can hide behind compute; on the compute "
-        "thread, per collective and per byte sent (as a multiple of its link time) beyond that: "
-        + ", ".join(
-            f"{_layout_name(s, world)} {a * 1e3:.2f} ms and {b * prof.intra_node_bandwidth:.2f}x"
-            for s, a, b in prof.layout_overheads
+        + f"; collective_overlap {prof.collective_overlap:.2f}; on the compute thread, per collective and per "
+        "byte sent (as a multiple of its link time) beyond that: "
+        + (
+            ", ".join(
+                f"{_layout_name(s, world)} {a * 1e3:.2f} ms and {b * prof.intra_node_bandwidth:.2f}x"
+                for s, a, b in prof.layout_overheads
+            )
+            or "none measured"
         )
         + " (compute figures the median of the ranks').",
         "",

@@ -36,17 +36,17 @@ class _AttentionCalls(TorchDispatchMode):
         return out
 
 
-def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter, pick=min) -> float:
+def _best_seconds(fn, repeats: int = 5, clock=time.perf_counter) -> float:
     """The fastest of ``repeats`` timed calls after one warm-up: another process on the machine
-    (or its cache misses and page faults) only ever adds time to a run. ``pick``: another
-    statistic of them (calibrate_group's median: the ranks' sharing is what it measures)."""
+    (or its cache misses and page faults) only ever adds time to a run (calibrate_group's
+    ranks time in windows instead: see _windowed)."""
     fn()
     times = []
     for _ in range(repeats):
         t0 = clock()
         fn()
         times.append(clock() - t0)
-    return pick(times)
+    return min(times)
 
 
 _WINDOW = 0.02  # seconds: longer than a scheduler's time slice (a few ms), shorter than a step
@@ -100,7 +100,7 @@ def _fit(work: list[float], seconds: list[float], relative: bool = False) -> tup
     of the residuals over the seconds, so that each size counts alike (a matmul's latency is
     tens of us beside a large one's ms: on the plain residuals the large ones' noise set it,
     and 4 calibrations of 2 ranks here fitted 8 to 101 us)."""
-    weights = [1 / t**2 if relative else 1.0 for t in seconds]
+    weights = [1 / max(t, 1e-12) ** 2 if relative else 1.0 for t in seconds]
     total = sum(weights)
     mx = sum(w * x for w, x in zip(weights, work)) / total
     my = sum(w * y for w, y in zip(weights, seconds)) / total
@@ -505,7 +505,7 @@ def _fit_two(work: list[tuple[float, float]], seconds: list[float]) -> tuple[flo
 
 
 class _Block(torch.nn.Module):
-    """A transformer block's MLP, small: the unit of the sharded step _collective_overhead times."""
+    """A transformer block's MLP, small: the unit of the sharded passes _collective_costs times."""
 
     def __init__(self, width: int) -> None:
         super().__init__()
@@ -517,6 +517,9 @@ class _Block(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.norm(x + self.down(torch.nn.functional.gelu(self.up(x))))
+
+
+Point = tuple[float, float, float, float, float]  # collectives, bytes, extra seconds, overlapped, link time
 
 
 def _collective_costs(
@@ -548,7 +551,14 @@ def _collective_costs(
     w, device = dist.get_world_size(group), torch.device(device)
     every = group is None or w == dist.get_world_size()
     layouts = [w, *(s for s in range(w - 1, 0, -1) if w % s == 0 and every)]
-    linked = dataclasses.replace(PROFILES["cpu"], **links, collective_overhead=0.0, collective_byte_overhead=0.0)
+    linked = dataclasses.replace(  # the overlap model's exposure, nothing added (see _fit_costs)
+        PROFILES["cpu"],
+        **links,
+        collective_overhead=0.0,
+        collective_byte_overhead=0.0,
+        collective_overlap=1.0,
+        layout_overheads=(),
+    )
 
     def passes(model, x: torch.Tensor) -> float:
         runs = []
@@ -570,7 +580,7 @@ def _collective_costs(
     alone = {shape: passes(blocks(shape[0]), x) for shape, x in inputs.items()}
     # per layout: (collectives, bytes sent, seconds beyond the unsharded passes, exposed with
     # the overlap, link time), per width and rows
-    points: dict[int, list[tuple[float, float, float, float, float]]] = {}
+    points: dict[int, list[Point]] = {}
     for s in layouts:
         mesh = hybrid_mesh(s, "memfit calibrate_group", device.type) if s < w else None
         for width in widths:
@@ -592,16 +602,28 @@ def _collective_costs(
                 points.setdefault(s, []).append(
                     (calls, sent, extra, micro * t["exposed_communication"], micro * t["communication"])
                 )
-    if not points[w][0][0]:
-        return 1.0, ()
-    # more rows: the same collectives beside more compute; the overlap is how much of the time
-    # model's added hiding the measured passes show (least squares over the pairs)
-    same = [pts[i : i + len(rows)] for pts in points.values() for i in range(0, len(pts), len(rows))]
+    return _fit_costs(points, len(rows), device.type != "cpu" if fit_overlap is None else fit_overlap)
+
+
+def _fit_costs(
+    points: dict[int, list[Point]], per_width: int, fit_overlap: bool
+) -> tuple[float, tuple[tuple[int, float, float], ...]]:
+    """(collective_overlap, layout_overheads) from ``points``: per shard size, per width, one
+    point per batch (``per_width`` of them, fewest rows first): the collectives and bytes of the
+    passes, the seconds they took beyond the unsharded passes, and the time model's exposure of
+    their communication with all hidden it can be (overlapped) and with none (link time). The
+    overlap: over each width's fewest and most rows (the same collectives beside more compute),
+    how much of the added hiding the time model expects the seconds show (least squares, 0..1;
+    0 unless ``fit_overlap``); then per layout, seconds = h x overlapped + (1 - h) x link time
+    + collectives x per call + bytes x per byte, the last two fitted (>= 0)."""
+    if per_width < 2:
+        raise ValueError("memfit calibrate_group: the overlap needs two batch sizes per width")
+    if not any(pts[0][0] for pts in points.values()):  # no collectives (one rank): nothing to fit
+        return (1.0 if fit_overlap else 0.0), ()
+    same = [pts[i : i + per_width] for pts in points.values() for i in range(0, len(pts), per_width)]
     pairs = [(few[2] - many[2], few[3] - many[3]) for few, *_, many in same]
     den = sum(e * e for _, e in pairs)
-    overlap = min(1.0, max(0.0, sum(x * e for x, e in pairs) / den)) if den > 0 else 1.0
-    if not (device.type != "cpu" if fit_overlap is None else fit_overlap):
-        overlap = 0.0
+    overlap = min(1.0, max(0.0, sum(x * e for x, e in pairs) / den)) if den > 0 and fit_overlap else 0.0
     per_layout = []
     for s, pts in points.items():
         left = [x - overlap * e - (1 - overlap) * busy for _, _, x, e, busy in pts]

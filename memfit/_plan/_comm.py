@@ -38,8 +38,10 @@ from memfit._plan._time import PROFILES, DeviceProfile
 # the next unit's compute. A block's backward compute is taken as 2x its priced forward (the two
 # matmuls per forward matmul of a Linear layer), its recompute added to it. Where the
 # collectives' threads share the compute's cores (gloo on a CPU) nothing hides: the profile's
-# collective_overlap h (1 in the named profiles, fitted by calibrate_group) exposes
-#     h x (what the overlap above exposes) + (1 - h) x (all the link time).
+# collective_overlap h scales the hiding above, exposing
+#     h x (what the overlap above exposes) + (1 - h) x (all the link time);
+# 1 in the named profiles (no measure of theirs; the "cpu" profile's links are nominal too),
+# 0 in a calibrate_group profile of a CPU, fitted on an accelerator.
 # Each collective also costs the compute thread the profile's collective_overhead (issuing it,
 # waiting, its buffers' copies, the ranks' skew) and collective_byte_overhead per byte it sends
 # (where the copies share the compute's cores), always exposed; calibrate_group measures the
@@ -155,7 +157,7 @@ def micro_batch_comm(units: Units, world_size: int, shards: int, reshard: bool, 
     # each collective's host work is on the compute thread: exposed (see collective_overhead)
     t["collectives"] = float(sum(1 for x in (*fwd_before, *bwd_before) if x) + _issued(grads, s, r, world_size))
     sent = t["all_gather_bytes"] + t["reduce_scatter_bytes"] + t["all_reduce_bytes"]
-    per_call, per_byte = overheads(device, s)
+    per_call, per_byte = overheads(device, s, world_size)
     overlapped = (fwd_end - sum(fwd_compute)) + (bwd_end - sum(bwd_compute))
     h = device.collective_overlap
     t["exposed_communication"] = (
@@ -164,13 +166,16 @@ def micro_batch_comm(units: Units, world_size: int, shards: int, reshard: bool, 
     return t
 
 
-def overheads(device: DeviceProfile, shards: int) -> tuple[float, float]:
+def overheads(device: DeviceProfile, shards: int, world_size: int) -> tuple[float, float]:
     """(seconds per collective, seconds per byte sent) the compute thread pays beyond the link
-    time in a layout of ``shards`` shards: the profile's measure of that layout where it has one
-    (layout_overheads), else its collective_overhead and collective_byte_overhead."""
-    for size, per_call, per_byte in device.layout_overheads:
-        if size == shards:
-            return per_call, per_byte
+    time in a layout of ``shards`` shards over ``world_size`` ranks: the profile's measure of
+    that layout where it has one (layout_overheads, measured at calibrated_ranks ranks: a
+    layout of another world size is another layout), else its collective_overhead and
+    collective_byte_overhead."""
+    if device.calibrated_ranks == world_size:
+        for size, per_call, per_byte in device.layout_overheads:
+            if size == shards:
+                return per_call, per_byte
     return device.collective_overhead, device.collective_byte_overhead
 
 

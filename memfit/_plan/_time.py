@@ -109,12 +109,14 @@ class DeviceProfile:
             profiles.
         layout_overheads: (shard size, collective_overhead, collective_byte_overhead) measured
             for each layout of the calibrated group (shard size W: fully sharded; 1: replicated on
-            memfit's units; between: hybrid): a layout listed uses its own pair, any other the
-            two fields above. Set by calibrate_group; empty in the named profiles.
-        collective_overlap: the fraction of a collective's link time that can hide behind the
-            compute of the units around it (1: all, an accelerator's communication stream; 0:
-            none, where the collectives' threads share the compute's cores: gloo on a CPU's
-            ranks). Fitted by calibrate_group; 1 in the named profiles.
+            memfit's units; between: hybrid): a layout listed over calibrated_ranks ranks uses
+            its own pair, any other the two fields above. Set by calibrate_group; empty in the
+            named profiles.
+        collective_overlap: how much of the hiding [Note: Pricing communication] gives a
+            collective behind the compute of the units around it a step gets (1: all of it, an
+            accelerator's communication stream; 0: none, all its link time exposed, where the
+            collectives' threads share the compute's cores: gloo on a CPU's ranks). Set by
+            calibrate_group (0 on a CPU, fitted on an accelerator); 1 in the named profiles.
         workspace_bytes: device memory a step's allocator holds beside the tensors MemoryMeter
             counts (see [Note: The allocator beside the tensors]); 0 on a CPU.
         scatter_by_all_reduce: memfit's reduce-scatter over more than two ranks runs as an

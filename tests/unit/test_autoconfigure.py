@@ -326,7 +326,7 @@ def test_a_layout_uses_its_own_overheads_and_the_overlap_scales_the_hiding():
     the link time (0)."""
     units = comm.Units(P_ROOT, P_ROOT, [P_BLOCK] * 4, [P_BLOCK] * 4, 1e-3, 2e-3, [1e-3] * 4, [2e-3] * 4)
     scalar = dataclasses.replace(FAKE, collective_overhead=1e-3, collective_byte_overhead=1e-9)
-    per_layout = dataclasses.replace(scalar, layout_overheads=((2, 5e-3, 0.0), (1, 0.0, 2e-9)))
+    per_layout = dataclasses.replace(scalar, layout_overheads=((2, 5e-3, 0.0), (1, 0.0, 2e-9)), calibrated_ranks=4)
     for w, s in ((4, 4), (4, 2), (4, 1)):
         base = comm.micro_batch_comm(units, w, s, True, True, FAKE)
         sent = base["all_gather_bytes"] + base["reduce_scatter_bytes"] + base["all_reduce_bytes"]
@@ -341,9 +341,64 @@ def test_a_layout_uses_its_own_overheads_and_the_overlap_scales_the_hiding():
         assert base["exposed_communication"] < none["exposed_communication"]  # the fake's compute hides some
         middle = (base["exposed_communication"] + none["exposed_communication"]) / 2
         assert half["exposed_communication"] == pytest.approx(middle)
+    # measured over 4 ranks: 2 shards of 8 ranks is another layout, priced on the scalar pair
+    assert comm.overheads(per_layout, 2, 8) == (1e-3, 1e-9) and comm.overheads(per_layout, 2, 4) == (5e-3, 0.0)
     for bad in ({"collective_overlap": 1.5}, {"collective_overlap": -0.1}, {"layout_overheads": ((2, -1.0, 0.0),)}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             dataclasses.replace(FAKE, **bad)
+
+
+def test_the_layout_costs_are_fitted_back_from_their_passes():
+    """calibrate_group's fit (_fit_costs) on passes made from a known overlap and per-layout
+    pair: it gives them back; without fit_overlap the overlap is 0 and the pairs absorb what
+    the link time adds; with no collectives there is nothing to fit."""
+    from memfit._plan._calibrate import _fit_costs
+
+    truth = {4: (1e-3, 2e-9), 2: (3e-3, 1e-9)}  # per layout: seconds per collective, per byte
+    h = 0.4
+
+    def points(hidden):
+        out = {}
+        for s, (a, b) in truth.items():
+            pts = []
+            for calls, sent, busy in ((60, 2e7, 0.2), (60, 8e7, 0.8)):  # two widths: more bytes, same calls
+                for overlapped in (busy * 0.9, busy * 0.5):  # two batches: more compute hides more
+                    extra = hidden * overlapped + (1 - hidden) * busy + calls * a + sent * b
+                    pts.append((calls, sent, extra, overlapped, busy))
+            out[s] = pts
+        return out
+
+    overlap, pairs = _fit_costs(points(h), 2, True)
+    assert overlap == pytest.approx(h)
+    assert {s: (a, b) for s, a, b in pairs} == {s: pytest.approx(v) for s, v in truth.items()}
+    # fitted as 0 where nothing hides: the passes' seconds are the pairs' and the link time
+    overlap, pairs = _fit_costs(points(0.0), 2, True)
+    assert overlap == pytest.approx(0.0, abs=1e-9)
+    assert {s: (a, b) for s, a, b in pairs} == {s: pytest.approx(v) for s, v in truth.items()}
+    assert _fit_costs(points(h), 2, False)[0] == 0.0
+    none = {4: [(0.0, 0.0, 0.01, 0.0, 0.0)] * 2}
+    assert _fit_costs(none, 2, False) == (0.0, ())
+    with pytest.raises(ValueError, match="two batch sizes"):
+        _fit_costs(points(h), 1, True)
+
+
+def test_windowed_timings_run_as_many_calls_as_fill_the_window():
+    """_windowed: one warm-up call sets how many calls make the 20 ms window; the median per
+    call over the repeats."""
+    from memfit._plan import _calibrate
+
+    now = [0.0]
+    calls = []
+
+    def clock():
+        return now[0]
+
+    def fn():
+        calls.append(1)
+        now[0] += 1e-3  # each call takes 1 ms
+
+    assert _calibrate._windowed(fn, 5, clock) == pytest.approx(1e-3)
+    assert len(calls) == 1 + 5 * 20
 
 
 def test_a_relative_fit_keeps_the_small_sizes_latency():
