@@ -95,18 +95,12 @@ def _cold(make, op, timed, pool_bytes: int = _POOL) -> float:
     return timed(sweep, 3) / len(pool)
 
 
-def _fit(work: list[float], seconds: list[float], relative: bool = False) -> tuple[float, float]:
-    """Least squares of seconds = work / rate + constant: (rate, constant >= 0). ``relative``:
-    of the residuals over the seconds, so that each size counts alike (a matmul's latency is
-    tens of us beside a large one's ms: on the plain residuals the large ones' noise set it,
-    and 4 calibrations of 2 ranks here fitted 8 to 101 us)."""
-    weights = [1 / max(t, 1e-12) ** 2 if relative else 1.0 for t in seconds]
-    total = sum(weights)
-    mx = sum(w * x for w, x in zip(weights, work)) / total
-    my = sum(w * y for w, y in zip(weights, seconds)) / total
-    num = sum(w * (x - mx) * (y - my) for w, x, y in zip(weights, work, seconds))
-    slope = max(num / sum(w * (x - mx) ** 2 for w, x in zip(weights, work)), 1e-30)
-    return 1 / slope, max(0.0, my - slope * mx) if len(work) > 1 else 0.0
+def _fit(work: list[float], seconds: list[float]) -> tuple[float, float]:
+    """Least squares of seconds = work / rate + constant: (rate, constant >= 0)."""
+    n, mx, my = len(work), statistics.fmean(work), statistics.fmean(seconds)
+    slope = sum((x - mx) * (y - my) for x, y in zip(work, seconds)) / sum((x - mx) ** 2 for x in work)
+    slope = max(slope, 1e-30)
+    return 1 / slope, max(0.0, my - slope * mx) if n > 1 else 0.0
 
 
 def cache_path(device_type: str) -> Path:
@@ -212,7 +206,7 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, timed) -> tuple[float
             for product in products.values():
                 work.append(2.0 * 2 * n * fan_in * fan_out)
                 seconds.append(_cold(make, product, timed))
-    return _fit(work, seconds, relative=True)
+    return _fit(work, seconds)
 
 
 def _math_rates(device: torch.device, timed) -> dict[str, float]:

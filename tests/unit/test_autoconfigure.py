@@ -401,21 +401,6 @@ def test_windowed_timings_run_as_many_calls_as_fill_the_window():
     assert len(calls) == 1 + 5 * 20
 
 
-def test_a_relative_fit_keeps_the_small_sizes_latency():
-    """calibrate's matmul fit weighs each size alike: 5% noise on the largest of sizes spanning
-    three decades moves the plain fit's constant by far more than the latency, the relative
-    fit's by a few percent; exact data gives both the truth."""
-    from memfit._plan._calibrate import _fit
-
-    work = [4e6 * 4**k for k in range(6)]  # flops: 4 MFLOP .. 4 GFLOP
-    exact = [x / 1.5e11 + 3e-5 for x in work]
-    assert _fit(work, exact) == pytest.approx((1.5e11, 3e-5), rel=1e-6)
-    assert _fit(work, exact, relative=True) == pytest.approx((1.5e11, 3e-5), rel=1e-6)
-    noisy = [*exact[:-1], exact[-1] * 1.05]
-    assert _fit(work, noisy, relative=True)[1] == pytest.approx(3e-5, rel=0.1)
-    assert abs(_fit(work, noisy)[1] - 3e-5) > 10 * abs(_fit(work, noisy, relative=True)[1] - 3e-5)
-
-
 def test_a_link_fit_recovers_its_latency_and_bandwidth():
     from memfit._plan._calibrate import _fit_link, _fit_two
 
