@@ -344,7 +344,7 @@ def _disk_bandwidth(t: torch.Tensor) -> float:
 #   ms mostly runs in one of its rank's time slices while the others wait; timed call by call,
 #   the tiny step's cost per op was 4.6 us at 4 ranks on this 2-core machine as at 2, and whole
 #   BERT and Llama steps of all 4 ranks at once measured 1.14x to 1.28x their price; in windows,
-#   8 to 11 us); then each figure the median of every rank's: timings that the other ranks'
+#   8 to 14 us); then each figure the median of every rank's: timings that the other ranks'
 #   phases shift (a tiny step's cost per op: 12.6 to 23.9 us from rank to rank at W=2 here; on
 #   rank 0's figures alone one 4-rank calibration priced a BERT step at 908 ms that measured
 #   347 ms, another at 268);
@@ -566,6 +566,9 @@ def _collective_costs(
             runs.append(_slowest(time.perf_counter() - t0, group, device))
         return statistics.median(runs[2:])
 
+    def counted() -> tuple[int, float]:  # memfit's collectives so far, and their bytes
+        return STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes
+
     def blocks(width: int) -> torch.nn.Sequential:
         torch.manual_seed(0)
         return torch.nn.Sequential(*[_Block(width) for _ in range(4)]).to(device)
@@ -583,12 +586,11 @@ def _collective_costs(
             sharded = FullyShardedDataParallel(
                 plain, auto_wrap_policy={_Block}, group=None if mesh else group, mesh=mesh, device=device
             )
+            k = len(plain)
             for n in rows:
-                before = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces, STATS.bytes)
+                before = counted()
                 together = passes(sharded, inputs[width, n])
-                calls = (STATS.all_gathers + STATS.reduce_scatters + STATS.all_reduces - before[0]) / 7
-                sent = (STATS.bytes - before[1]) / 7
-                k = len(plain)
+                calls, sent = ((after - was) / 7 for after, was in zip(counted(), before))
                 forward = alone[width, n] / micro / k / 3  # a block's forward; its backward twice that
                 units = _comm.Units(0.0, 0.0, [block] * k, [block] * k, 0.0, 0.0, [forward] * k, [2 * forward] * k)
                 t = _comm.micro_batch_comm(units, w, s, True, True, linked)
