@@ -51,8 +51,9 @@ from memfit._shard._mixed import MixedPrecision
 # backward, where the gradients of the blocks after it are counted already, and to the backward
 # before the blocks (tail_transient), where the last micro-batch's gradients are whole beside
 # them (one process, a tiny GPT-2 at micro-batch 1 x 8: measured 43.83 MiB, 6.1 MiB of gradients
-# above the forecast without this term, at that moment). A replicated layout
-# runs as torch DDP, whose reducer holds a copy of every gradient (gradient_as_bucket_view=False,
+# above the forecast without this term, at that moment). A replicated layout is priced as
+# torch DDP runs it (memfit train runs it on memfit's units over a W x 1 mesh: an upper bound
+# there), whose reducer holds a copy of every gradient (gradient_as_bucket_view=False,
 # its default) after the backward that reduces: added to the backward before the blocks and the
 # optimizer step and, with accumulation, to the forward's start (one rank of a tiny GPT-2 at
 # micro-batch 1 x 4 measured "other" bytes of one gradient copy above the same step at 1 x 1, and
@@ -84,7 +85,7 @@ class Layout:
         if self.world_size == 1:
             return "one process"
         if self.shard_size == 1:
-            return f"replicated x{self.world_size} (DDP)"
+            return f"replicated x{self.world_size}"
         replicas = self.world_size // self.shard_size
         kind = "full shard" if replicas == 1 else f"hybrid {replicas}x{self.shard_size}"
         return kind + ("" if self.reshard_after_forward else ", no reshard")

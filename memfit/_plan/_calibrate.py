@@ -598,6 +598,11 @@ def _collective_costs(
                 points.setdefault(s, []).append(
                     (calls, sent, extra, micro * t["exposed_communication"], micro * t["communication"])
                 )
+        if mesh is not None:  # its groups are this calibration's: ended, not left to the process
+            del sharded
+            dist.barrier(group)
+            for g in {mesh.get_group(d) for d in range(mesh.ndim)} - {dist.group.WORLD}:
+                dist.destroy_process_group(g)
     return _fit_costs(points, len(rows), device.type != "cpu" if fit_overlap is None else fit_overlap)
 
 

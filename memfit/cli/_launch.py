@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import datetime
+import functools
 import gc
 import os
 import socket
@@ -264,7 +265,12 @@ def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queu
 # groups only weakly, and a sharded model is freed like any other. Where a group survives all
 # the same (torch FSDP2's fully_shard keeps the default group alive, by a reference Python's
 # collector does not see), a spawned rank leaves with `leave_now`: exit handlers run, output is
-# flushed, and only the interpreter's teardown, where the abort happens, is skipped.
+# flushed, and only the interpreter's teardown, where the abort happens, is skipped. A script
+# that leaves its group to the teardown (an HF Trainer script ends after `save_model`, while
+# the last collective's worker may still be freeing its tensors) gets `end_process_group_at_exit`
+# from MemfitTrainer: `end_process_group` as an exit handler, as Lightning's launcher registers
+# destroy_process_group; it ends the group while the interpreter lives, or at least after
+# collecting garbage, which outlasts a lagging worker.
 
 
 def end_process_group() -> list[str]:
@@ -285,6 +291,14 @@ def end_process_group() -> list[str]:
     dist.destroy_process_group()
     gc.collect()
     return [what for ref, what in refs if ref() is not None]
+
+
+@functools.cache  # registered once per process
+def end_process_group_at_exit() -> None:
+    """Run :func:`end_process_group` when the interpreter exits, before the exit handlers
+    registered earlier: for scripts that leave their process group to the interpreter's
+    teardown. See [Note: Ending a process group]."""
+    atexit.register(end_process_group)
 
 
 def leave_now(status: int = 0) -> NoReturn:

@@ -26,6 +26,7 @@ from transformers import Trainer
 import memfit
 from memfit._shard._options import split_kwargs
 from memfit._shard._unit import ShardedModule
+from memfit.cli._launch import end_process_group_at_exit
 
 __all__ = ["MemfitTrainer", "shard_pretrained_model"]
 
@@ -119,6 +120,8 @@ class MemfitTrainer(Trainer):
                 options = dataclasses.replace(options, device=device)
             model = shard_pretrained_model(model, checkpointing=checkpointing, options=options)
         super().__init__(model, args, *rest, **kwargs)
+        if dist.is_initialized():
+            end_process_group_at_exit()  # the Trainer leaves the group to the interpreter's teardown
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

@@ -54,9 +54,13 @@ def case_a_micro_batchs_collectives_are_counted_as_priced(rank, world):
 def case_every_layout_gets_its_overheads(rank, world):
     """Every layout of the group measured (4 ranks: fully sharded, hybrid 2 x 2, replicated on
     memfit's units), each pair finite and >= 0, no overlap on a CPU; every rank with the same
-    figures."""
+    figures; the groups made for the hybrid layouts ended."""
     links = {"intra_node_bandwidth": 1e9, "intra_node_latency": 1e-4, "ranks_per_node": world}
+    groups = set(dist.distributed_c10d._world.pg_map)  # torch's registry of this process's groups
     overlap, per_layout = _collective_costs(None, "cpu", links, widths=(WIDTH, 4 * WIDTH), rows=(8, 32), micro=1)
+    left = set(dist.distributed_c10d._world.pg_map) - groups
+    left_ranks = [dist.get_process_group_ranks(g) for g in left]
+    assert not left, f"the hybrid layouts' groups outlived the calibration: {left_ranks}"
     assert overlap == 0.0  # a CPU's gloo threads share its cores (the fit itself: test_autoconfigure)
     assert [s for s, _, _ in per_layout] == [4, 2, 1], per_layout
     assert all(min(a, b) >= 0 and math.isfinite(a + b) for _, a, b in per_layout), per_layout

@@ -22,7 +22,7 @@ def test_the_pick_is_the_planners_plan_of_its_micro_batch():
     )
     assert {(c.micro_batch, c.accumulation) for c in result.candidates} == {(1, 2), (2, 1)}
     assert {c.layout.describe() for c in result.candidates} == {
-        "replicated x2 (DDP)",
+        "replicated x2",
         "full shard",
         "full shard, no reshard",
     }

@@ -278,3 +278,29 @@ def test_param_init_fn_is_a_field():
     assert ShardOptions.from_kwargs(param_init_fn=init) == ShardOptions(param_init_fn=init)
     with pytest.raises(TypeError, match=r"^memfit.ShardOptions: param_init_fn must be a callable\(module\)"):
         ShardOptions(param_init_fn="reset")
+
+
+def test_the_hf_trainer_ends_the_process_group_at_exit(monkeypatch, tmp_path):
+    """A Trainer script ends with the group alive: MemfitTrainer has it ended by an exit handler
+    while the interpreter lives (see [Note: Ending a process group]), registered once."""
+    pytest.importorskip("transformers")
+    import torch.distributed as dist
+    from transformers import TrainingArguments
+
+    from memfit.cli import _launch
+    from memfit.integrations.transformers import MemfitTrainer
+
+    handlers = []
+    monkeypatch.setattr(_launch.atexit, "register", handlers.append)
+    _launch.end_process_group_at_exit.cache_clear()
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to=[])
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for _ in range(2):
+            MemfitTrainer(nn.Linear(2, 2), args=args)
+        assert handlers == [_launch.end_process_group]
+        handlers[0]()
+        assert not dist.is_initialized()
+    finally:
+        _launch.end_process_group()
+        _launch.end_process_group_at_exit.cache_clear()
