@@ -118,3 +118,20 @@ def test_checkpoint_time_per_block_and_added_op():
     for name in ("h100", "h200", "a100", "cpu"):  # published rates only: see PROFILES
         named = PROFILES[name]
         assert named.checkpoint_time(50) == 0.0 and not named.score_rates and not named.math_rates
+
+
+def test_the_matmul_latency_comes_from_the_small_products():
+    """Noise of a few percent on the largest products moves a least-squares intercept by far
+    more than the latency itself; the small products' excess over their flops hardly moves."""
+    from memfit._plan._calibrate import _fit, _matmul_fit
+
+    rate, latency = 80e9, 50e-6
+    work = [4e6, 8e6, 16e6, 34e6] * 2 + [1e9, 2e9, 1e9, 2e9]  # 8 small (the smaller width), then large
+    seconds = [x / rate + latency for x in work]
+    assert _matmul_fit(work, seconds, small=8) == pytest.approx((rate, latency))
+    for e in (0.03, -0.03):  # the 1 GFLOP products 3% slow and the 2 GFLOP ones 3% fast, or the reverse
+        noisy = seconds[:8] + [t * (1 + e if x < 1.5e9 else 1 - e) for x, t in zip(work[8:], seconds[8:])]
+        fitted_rate, fitted = _matmul_fit(work, noisy, small=8)
+        assert fitted_rate == pytest.approx(rate, rel=0.1)
+        assert fitted == pytest.approx(latency, rel=0.25)
+        assert abs(_fit(work, noisy)[1] - latency) > 10 * abs(fitted - latency)  # the intercept's error
