@@ -188,7 +188,9 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, timed) -> tuple[float
     are 8-64x the width), on 2n tokens, for two widths (64 and 256 on a CPU, 16x on an
     accelerator). Square matmuls run faster than these: the products with a small inner or
     outer dimension and the transposed operands of backward ran 82-94 GFLOP/s here where
-    squares of 512 ran 98."""
+    squares of 512 ran 98. The latency: on a CPU the smaller width's products' excess
+    (:func:`_matmul_fit`); on an accelerator, where those take hundreds of us, a 64 x 64
+    product's time (not yet measured on one)."""
     widths = (64, 256) if device.type == "cpu" else (1024, 4096)
     products = {
         "forward": lambda x, w, g, y, gx, gw: torch.mm(x, w.t(), out=y),
@@ -206,7 +208,11 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, timed) -> tuple[float
             for product in products.values():
                 work.append(2.0 * 2 * n * fan_in * fan_out)
                 seconds.append(_cold(make, product, timed))
-    return _matmul_fit(work, seconds, len(work) // len(widths))
+    rate, latency = _matmul_fit(work, seconds, len(work) // len(widths))
+    if device.type != "cpu":  # widths of 1024 and more say nothing of a launch: time a tiny one
+        tiny = torch.full((64, 64), 0.5, device=device, dtype=dtype)
+        latency = max(0.0, timed(lambda: torch.mm(tiny, tiny, out=torch.empty_like(tiny))) - 2 * 64**3 / rate)
+    return rate, latency
 
 
 def _matmul_fit(work: list[float], seconds: list[float], small: int) -> tuple[float, float]:
@@ -615,8 +621,9 @@ def _collective_costs(
         if mesh is not None:  # its groups are this calibration's: ended, not left to the process
             del sharded
             dist.barrier(group)
-            for g in {mesh.get_group(d) for d in range(mesh.ndim)} - {dist.group.WORLD}:
-                dist.destroy_process_group(g)
+            for g in dict.fromkeys(mesh.get_group(d) for d in range(mesh.ndim)):  # the same order on every rank
+                if g is not dist.group.WORLD:  # (NCCL's communicator aborts may be collective)
+                    dist.destroy_process_group(g)
     return _fit_costs(points, len(rows), device.type != "cpu" if fit_overlap is None else fit_overlap)
 
 

@@ -268,9 +268,9 @@ def _rank(rank: int, fn: Callable, world_size: int, port: int, args: tuple, queu
 # flushed, and only the interpreter's teardown, where the abort happens, is skipped. A script
 # that leaves its group to the teardown (an HF Trainer script ends after `save_model`, while
 # the last collective's worker may still be freeing its tensors) gets `end_process_group_at_exit`
-# from MemfitTrainer: `end_process_group` as an exit handler, as Lightning's launcher registers
-# destroy_process_group; it ends the group while the interpreter lives, or at least after
-# collecting garbage, which outlasts a lagging worker.
+# from MemfitTrainer: `end_process_group` as an exit handler on a gloo group, as Lightning's
+# launcher registers destroy_process_group; it ends the group while the interpreter lives, or
+# at least after collecting garbage, which outlasts a lagging worker.
 
 
 def end_process_group() -> list[str]:
@@ -295,10 +295,17 @@ def end_process_group() -> list[str]:
 
 @functools.cache  # registered once per process
 def end_process_group_at_exit() -> None:
-    """Run :func:`end_process_group` when the interpreter exits, before the exit handlers
-    registered earlier: for scripts that leave their process group to the interpreter's
-    teardown. See [Note: Ending a process group]."""
-    atexit.register(end_process_group)
+    """Run :func:`end_process_group` when the interpreter exits, if the default group is
+    gloo's (the teardown race is gloo's; an NCCL rank that died must not wait on its peers to
+    shut its communicators down), before the exit handlers registered earlier (one of those
+    that destroys the group finds it gone): for scripts that leave their process group to the
+    interpreter's teardown. See [Note: Ending a process group]."""
+    atexit.register(_end_gloo_group)
+
+
+def _end_gloo_group() -> None:
+    if dist.is_available() and dist.is_initialized() and dist.get_backend() == "gloo":
+        end_process_group()
 
 
 def leave_now(status: int = 0) -> NoReturn:

@@ -120,7 +120,7 @@ class MemfitTrainer(Trainer):
                 options = dataclasses.replace(options, device=device)
             model = shard_pretrained_model(model, checkpointing=checkpointing, options=options)
         super().__init__(model, args, *rest, **kwargs)
-        if dist.is_initialized():
+        if dist.is_available() and dist.is_initialized():
             end_process_group_at_exit()  # the Trainer leaves the group to the interpreter's teardown
 
     def create_accelerator_and_postprocess(self) -> None:

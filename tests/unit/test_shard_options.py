@@ -298,8 +298,8 @@ def test_the_hf_trainer_ends_the_process_group_at_exit(monkeypatch, tmp_path):
     try:
         for _ in range(2):
             MemfitTrainer(nn.Linear(2, 2), args=args)
-        assert handlers == [_launch.end_process_group]
-        handlers[0]()
+        assert handlers.count(_launch._end_gloo_group) == 1  # (transformers may register its own)
+        _launch._end_gloo_group()
         assert not dist.is_initialized()
     finally:
         _launch.end_process_group()
