@@ -210,9 +210,14 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, timed) -> tuple[float
                 seconds.append(_cold(make, product, timed))
     rate, latency = _matmul_fit(work, seconds, len(work) // len(widths))
     if device.type != "cpu":  # widths of 1024 and more say nothing of a launch: time a tiny one
-        tiny = torch.full((64, 64), 0.5, device=device, dtype=dtype)
-        latency = max(0.0, timed(lambda: torch.mm(tiny, tiny, out=torch.empty_like(tiny))) - 2 * 64**3 / rate)
+        latency = _tiny_matmul_latency(device, dtype, rate, timed)
     return rate, latency
+
+
+def _tiny_matmul_latency(device: torch.device, dtype: torch.dtype, rate: float, timed) -> float:
+    """What a 64 x 64 product takes beyond its flops at ``rate``: an accelerator's matmul latency."""
+    tiny, out = torch.full((64, 64), 0.5, device=device, dtype=dtype), torch.empty(64, 64, device=device, dtype=dtype)
+    return max(0.0, timed(lambda: torch.mm(tiny, tiny, out=out)) - 2 * 64**3 / rate)
 
 
 def _matmul_fit(work: list[float], seconds: list[float], small: int) -> tuple[float, float]:

@@ -135,3 +135,21 @@ def test_the_matmul_latency_comes_from_the_small_products():
         assert fitted_rate == pytest.approx(rate, rel=0.1)
         assert fitted == pytest.approx(latency, rel=0.25)
         assert abs(_fit(work, noisy)[1] - latency) > 10 * abs(fitted - latency)  # the intercept's error
+
+
+def test_an_accelerators_matmul_latency_is_a_tiny_products_time():
+    """On an accelerator the calibration's widths (1024 and 4096) take hundreds of us; the
+    latency is a 64 x 64 product's time beyond its flops (run here on the CPU: the arithmetic)."""
+    from memfit._plan._calibrate import _tiny_matmul_latency
+
+    ran = []
+
+    def timed(fn, repeats=5):
+        fn()
+        ran.append(fn)
+        return 30e-6
+
+    cpu = torch.device("cpu")
+    assert _tiny_matmul_latency(cpu, torch.float32, 2 * 64**3 / 10e-6, timed) == pytest.approx(20e-6)
+    assert _tiny_matmul_latency(cpu, torch.float32, 2 * 64**3 / 40e-6, timed) == 0.0  # never below 0
+    assert len(ran) == 2
