@@ -208,10 +208,10 @@ def _matmul_rate(device: torch.device, dtype: torch.dtype, timed) -> tuple[float
             for product in products.values():
                 work.append(2.0 * 2 * n * fan_in * fan_out)
                 seconds.append(_cold(make, product, timed))
-    rate, latency = _matmul_fit(work, seconds, len(work) // len(widths))
-    if device.type != "cpu":  # widths of 1024 and more say nothing of a launch: time a tiny one
-        latency = _tiny_matmul_latency(device, dtype, rate, timed)
-    return rate, latency
+    if device.type == "cpu":
+        return _matmul_fit(work, seconds, len(work) // len(widths))
+    rate, _ = _fit(work, seconds)  # widths of 1024 and more say nothing of a launch: time a tiny one
+    return rate, _tiny_matmul_latency(device, dtype, rate, timed)
 
 
 def _tiny_matmul_latency(device: torch.device, dtype: torch.dtype, rate: float, timed) -> float:
@@ -624,7 +624,7 @@ def _collective_costs(
                     (calls, sent, extra, micro * t["exposed_communication"], micro * t["communication"])
                 )
         if mesh is not None:  # its groups are this calibration's: ended, not left to the process
-            del sharded
+            del sharded, plain  # the units hold the groups: freed with them
             dist.barrier(group)
             for g in dict.fromkeys(mesh.get_group(d) for d in range(mesh.ndim)):  # the same order on every rank
                 if g is not dist.group.WORLD:  # (NCCL's communicator aborts may be collective)

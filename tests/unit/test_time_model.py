@@ -132,8 +132,8 @@ def test_the_matmul_latency_comes_from_the_small_products():
     for e in (0.03, -0.03):  # the 1 GFLOP products 3% slow and the 2 GFLOP ones 3% fast, or the reverse
         noisy = seconds[:8] + [t * (1 + e if x < 1.5e9 else 1 - e) for x, t in zip(work[8:], seconds[8:])]
         fitted_rate, fitted = _matmul_fit(work, noisy, small=8)
-        assert fitted_rate == pytest.approx(rate, rel=0.1)
-        assert fitted == pytest.approx(latency, rel=0.25)
+        assert fitted_rate == pytest.approx(rate, rel=0.03)  # off by 2.2%: the large products set it
+        assert fitted == pytest.approx(latency, rel=0.1)  # off by 6.5%: the rate's error on 4-34 MFLOP
         assert abs(_fit(work, noisy)[1] - latency) > 10 * abs(fitted - latency)  # the intercept's error
 
 
