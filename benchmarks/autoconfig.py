@@ -14,7 +14,9 @@ median of the repeats after warm-up, each step between barriers (the slowest ran
 configurations of a model run in rounds (two steps of each per round, the second timed: drift
 falls on all alike, and each timed step follows its own).
 Peak: the largest over ranks of MemoryMeter over the last step (AdamW's state exists). The
-table compares predicted and measured step time and the pick's measured time with the best.
+table compares predicted and measured step time and the pick's measured time with the best;
+with --trials K (default 4) memfit's AutoConfig.measure then tries the top K for real (its
+own warm-up and median), and its pick's time in the grid is compared with the best too.
 
     .venv/bin/python benchmarks/autoconfig.py [--models bert,gpt2,llama --worlds 2,4
         --global-batch 16 --budget 40MB --replicated ddp|memfit] [--out benchmarks/results/autoconfig_cpu.md]
@@ -119,6 +121,15 @@ def _measure(rank, world, preset, configs, warmup, repeats, replicated) -> list[
     return out
 
 
+def _step_of(rank: int, world: int, preset: Preset, replicated: str, c):
+    """One training step of the configuration ``c`` (AutoConfig.measure's step_of), built as the grid's."""
+    model = _build(preset, world, c.layout.shard_size, c.layout.reshard_after_forward, _decisions(c.plan), replicated)
+    opt = torch.optim.AdamW(model.parameters())
+    a = c.accumulation
+    batches = [batch_at(preset.arch, c.micro_batch, preset.shape.seq, step=rank * a + k) for k in range(a)]
+    return functools.partial(_step, model, opt, batches, c.layout.shard_size == 1)
+
+
 def _worker(rank: int, world: int, presets: dict[str, Preset], args) -> dict:
     t0 = time.perf_counter()
     profile = calibrate_group()
@@ -135,7 +146,12 @@ def _worker(rank: int, world: int, presets: dict[str, Preset], args) -> dict:
             for c in fits
         ]
         measured = _measure(rank, world, preset, configs, args.warmup, args.repeats, args.replicated)
-        out["models"][name] = (result, searched, measured)
+        tried = None
+        if args.trials:  # memfit's own trial of the top configurations (AutoConfig.measure), after the grid
+            t0 = time.perf_counter()
+            step_of = functools.partial(_step_of, rank, world, preset, args.replicated)
+            tried = (result.measure(step_of, top=args.trials), time.perf_counter() - t0)
+        out["models"][name] = (result, searched, measured, tried)
     return out
 
 
@@ -169,6 +185,7 @@ def main() -> None:
     p.add_argument("--budget", default="40MB")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--trials", type=int, default=4, help="AutoConfig.measure's top: configurations tried (0: none)")
     p.add_argument("--replicated", choices=["ddp", "memfit"], default="ddp", help="what runs replicated layouts")
     p.add_argument("--out")
     args = p.parse_args()
@@ -224,7 +241,7 @@ def _report(args, world: int, out: dict) -> list[str]:
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summary = []
-    for name, (result, searched, measured) in out["models"].items():
+    for name, (result, searched, measured, tried) in out["models"].items():
         fits = [c for c in result.candidates if c.fits]
         by_measured = sorted(range(len(fits)), key=lambda i: measured[i][0])
         rank_measured = {i: r + 1 for r, i in enumerate(by_measured)}
@@ -247,7 +264,21 @@ def _report(args, world: int, out: dict) -> list[str]:
             f"(median {statistics.median(ratios):.2f}, {sum(abs(r - 1) <= 0.15 for r in ratios)} within 15%); "
             f"over the budget when run: {len(over)}; search {searched:.1f} s"
         )
+        if tried is not None:
+            after, seconds = tried
+            same = [i for i, c in enumerate(fits) if _key(c) == _key(after.best)]
+            grid = measured[same[0]][0]
+            summary.append(
+                f"  - after trying the top {args.trials} (AutoConfig.measure, {seconds:.1f} s): pick "
+                f"{after.best.micro_batch} x {after.best.accumulation}, {after.best.layout.describe()} "
+                f"(trial {after.best.measured * 1e3:.1f} ms); in the grid {grid * 1e3:.1f} ms, pick / best "
+                f"{grid / measured[best][0]:.3f}"
+            )
     return [*lines, "", *summary, ""]
+
+
+def _key(c) -> tuple:
+    return c.micro_batch, c.accumulation, c.layout
 
 
 def _layout_name(shards: int, world: int) -> str:

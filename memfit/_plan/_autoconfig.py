@@ -14,6 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from memfit._checkpoint import Offload
+from memfit._plan import _trial
 from memfit._plan._budget import format_bytes, parse_bytes
 from memfit._plan._calibrate import check_ranks
 from memfit._plan._calibrate import device_profile as _device_profile
@@ -105,6 +106,7 @@ class Candidate:
     time: dict[str, float] = field(default_factory=dict)
     tokens_per_second: float = 0.0
     lost: str = ""
+    measured: float | None = None  # seconds of a real step (AutoConfig.measure), None: not run
 
     @property
     def fits(self) -> bool:
@@ -127,6 +129,7 @@ class Candidate:
             "time_s": dict(self.time),
             "tokens_per_second": self.tokens_per_second,
             "lost": self.lost,
+            "measured_s": self.measured,
         }
 
 
@@ -168,25 +171,40 @@ class AutoConfig:
     def step_time(self) -> float:
         return self.best.step_time
 
+    def measure(
+        self, step_of: Callable[[Candidate], Callable[[], object]], *, top: int = 3, steps: int = 5, warmup: int = 2,
+        group=None,
+    ) -> AutoConfig:  # fmt: skip
+        """This search with its ``top`` fastest-predicted configurations that fit run for real,
+        the one with the most tokens per second measured picked: ``step_of(candidate)`` builds
+        the configuration (the model sharded as ``candidate.layout`` says, ``candidate.plan``'s
+        decisions applied, its optimizer) and returns one training step of it (``accumulation``
+        micro-batches of ``micro_batch`` rows, then the optimizer step); ``warmup`` steps run,
+        then the median of ``steps`` more, each timed on the slowest rank of ``group``. A
+        collective: every rank calls it with the same search. See [Note: Trying configurations]."""
+        return _trial.measure(self, step_of, top=top, steps=steps, warmup=warmup, group=group)
+
     def table(self, limit: int | None = None) -> str:
         """The pick, its runner-ups and why each lost, then the pick's time terms."""
         rows = self.candidates if limit is None else self.candidates[:limit]
         w = self.best.layout.world_size
+        ran = any(c.measured is not None for c in self.candidates)
         batch = "free (accumulation 1)" if self.global_batch is None else str(self.global_batch)
         lines = [
             f"configurations for world size {w}, global batch {batch}, budget {format_bytes(self.budget)} per rank, "
             f"time priced on {self.device} ({self.tokens_per_sample} tokens a sample)",
             f"  {'micro':>5} {'accum':>5}  {'layout':<28}{'head':<8}{'peak/rank':>11}{'step ms':>10}{'tokens/s':>11}"
-            "  lost on",
+            f"{'measured ms' if ran else '':>{13 if ran else 0}}  lost on",
         ]
         for c in rows:
             head = c.plan.head if c.plan else "-"
             step = f"{c.step_time * 1e3:.1f}" if c.fits else "-"
             tps = f"{c.tokens_per_second:.0f}" if c.fits else "-"
             mark = "*" if c is self.best else " "
+            measured = (f"{c.measured * 1e3:.1f}" if c.measured is not None else "-") if ran else ""
             lines.append(
                 f"{mark} {c.micro_batch:>5} {c.accumulation:>5}  {c.layout.describe():<28}{head:<8}"
-                f"{format_bytes(c.peak):>11}{step:>10}{tps:>11}  {c.lost or 'chosen'}"
+                f"{format_bytes(c.peak):>11}{step:>10}{tps:>11}{measured:>{13 if ran else 0}}  {c.lost or 'chosen'}"
             )
         if limit is not None and len(self.candidates) > limit:
             lines.append(f"  ... {len(self.candidates) - limit} more (AutoConfig.table())")
@@ -208,6 +226,7 @@ class AutoConfig:
             f"  per rank and step: all-gather {format_bytes(t['all_gather_bytes'])}, reduce-scatter "
             f"{format_bytes(t['reduce_scatter_bytes'])}, all-reduce {format_bytes(t['all_reduce_bytes'])}",
             f"  predicted peak {format_bytes(c.peak)} per rank at {p.forecast['at']}",
+            *([_trial.describe(c)] if c.measured is not None else []),
         ]
 
     def __str__(self) -> str:

@@ -5,6 +5,7 @@ configuration (--auto: memfit.autoconfigure). See [Note: Choosing a run's config
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -12,7 +13,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit._plan._autoconfig import Layout, held_gradients
+from memfit._plan._autoconfig import Candidate, Layout, held_gradients
 from memfit._plan._budget import format_bytes
 from memfit._plan._time import default_profile
 from memfit.cli._data import window_batch
@@ -67,13 +68,15 @@ def choose(
     device: str,
     accumulate: int = 1,
     global_batch: int | None = None,
+    step_of: Callable[[Choice], Callable[[], object]] | None = None,
 ) -> Choice:
     """The run's configuration from the flags; ``model`` (in host memory, not yet sharded) is
     planned on its first micro-batch when --budget asks, never changed here. ``data``: the
     tokens, the model's arch, the sequence length and --batch; ``device``: the device type the
     run computes on; ``accumulate``: micro-batches per step (a --budget plan holds their
     gradients); ``global_batch``: the one --auto keeps (--global-batch, or a resumed
-    checkpoint's; None: free)."""
+    checkpoint's; None: free); ``step_of``: one training step of a configuration, built afresh
+    (--trials runs it: AutoConfig.measure)."""
     tokens, arch, seq, batch = data
     paths = [p for p, m in model.named_modules() if isinstance(m, block)]
     layout = (cfg.hybrid_shards, True)
@@ -85,7 +88,7 @@ def choose(
     example = window_batch(tokens.train, arch, batch, seq, 0, cfg.seed, tokens.mask_id)
     profile = default_profile("cuda" if device == "cuda" else "cpu")
     if cfg.auto:
-        return _auto(cfg, model, example, world, profile, paths, global_batch)
+        return _auto(cfg, model, example, world, profile, paths, global_batch, step_of)
     opts: dict[str, Any] = {"world_size": world, "shard_size": cfg.hybrid_shards or None}
     opts.update(decisions=PLANNED_KINDS, candidates=paths, chunk_head=False, device_profile=profile)
     opts.update(mixed_precision=mixed_precision(cfg.mixed_precision))
@@ -101,7 +104,14 @@ def choose(
 
 
 def _auto(
-    cfg: TrainConfig, model: nn.Module, example: dict, world: int, device, paths: list[str], global_batch: int | None
+    cfg: TrainConfig,
+    model: nn.Module,
+    example: dict,
+    world: int,
+    device,
+    paths: list[str],
+    global_batch: int | None,
+    step_of: Callable[[Choice], Callable[[], object]] | None,
 ) -> Choice:
     # Every layout, replicated too: train runs a replicated one on memfit's units over a (W, 1)
     # mesh, which compute on their parameters and all-reduce once per unit, as the planner
@@ -111,14 +121,21 @@ def _auto(
         device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
         mixed_precision=mixed_precision(cfg.mixed_precision),
     )  # fmt: skip
-    best = result.best
-    assert best.plan is not None  # autoconfigure raises when nothing fits
+    if cfg.trials and step_of is not None:  # See [Note: Trying configurations]
+        result = result.measure(lambda c: step_of(_choice(c, paths, world, cfg, device)), top=cfg.trials)
+    return _choice(result.best, paths, world, cfg, device)
+
+
+def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, device) -> Choice:
+    """The Choice that trains ``best``, one of autoconfigure's configurations."""
+    assert best.plan is not None  # autoconfigure raises when nothing fits, and measures only those that fit
     decisions = {p: best.plan.decisions.get(p, "keep") for p in paths}
     shards = best.layout.shard_size if best.layout.shard_size < world else 0
+    measured = "" if best.measured is None else f", {best.measured * 1e3:.3g} ms a step measured (--trials)"
     about = (
         f"--auto for {cfg.budget} per rank: micro-batch {best.micro_batch} x accumulation {best.accumulation}, "
         f"{best.layout.describe()}, {_counts(decisions)}, forecast peak {_gib(best.peak)}, "
-        f"{best.tokens_per_second:,.0f} tokens/s predicted on {device.name}"
+        f"{best.tokens_per_second:,.0f} tokens/s predicted on {device.name}{measured}"
     )
     reshard = best.layout.reshard_after_forward
     return Choice(decisions, best.micro_batch, best.accumulation, shards, reshard, about, best.peak)

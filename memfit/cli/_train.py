@@ -30,7 +30,7 @@ import torch.distributed as dist
 import memfit
 from memfit._shard._utils import clip_grads
 from memfit.cli import _checkpoints
-from memfit.cli._choose import MIXED, choose, mixed_precision
+from memfit.cli._choose import MIXED, Choice, choose, mixed_precision
 from memfit.cli._data import Tokens, load_tokens, window_batch
 from memfit.cli._flags import DEVICE_HELP, DEVICES, decision_kind, flag
 from memfit.cli._launch import choose_device, init_process_group, pg_timeout
@@ -90,6 +90,14 @@ class TrainConfig:
             "with --budget: choose --batch, the accumulation, the sharding layout and per-block checkpointing "
             "for the most predicted tokens/s (memfit.autoconfigure; --global-batch, or a resumed checkpoint's, "
             "fixes the global batch)"
+        ),
+    )
+    trials: int = field(
+        default=0,
+        metadata=flag(
+            "with --auto: run the K fastest-predicted configurations for a few steps each and train the fastest "
+            "measured (AutoConfig.measure; 0: the fastest predicted)",
+            metavar="K",
         ),
     )
     mixed_precision: str = field(
@@ -183,6 +191,10 @@ class TrainConfig:
             raise ValueError("memfit train: --auto searches configurations that fit a --budget: pass one")
         if self.auto and (self.batch or self.accumulate != 1 or self.hybrid_shards):
             raise ValueError("memfit train: --auto chooses --batch, --accumulate and --hybrid-shards: leave them out")
+        if self.trials and not self.auto:
+            raise ValueError("memfit train: --trials K tries --auto's top configurations: pass --auto (and --budget)")
+        if self.trials < 0:
+            raise ValueError(f"memfit train: --trials takes 0 (none) or more configurations to try, not {self.trials}")
         if self.mixed_precision not in MIXED:
             raise ValueError(f"memfit train: --mixed-precision takes {list(MIXED)}")
         if self.budget and self.mixed_precision != "no" and self.hybrid_shards == 1:
@@ -261,25 +273,50 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     resumed = None if cfg.global_batch else _checkpoints.saved_global_batch(cfg)
     planned = accumulation(resumed, batch, world) if resumed and not cfg.auto else wanted // (batch * world)
     data = (tokens, spec.arch, seq, batch)
-    choice = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
+    log = RunLog(rank, cfg.metrics, cfg.tensorboard)
+    meshes: dict[int, object] = {}  # per shard group size: the trials' and the run's the same groups
+
+    def shard(model: torch.nn.Module, c: Choice):
+        if c.hybrid_shards not in meshes:
+            meshes[c.hybrid_shards] = _hybrid_mesh(c.hybrid_shards, world)
+        return _sharded(cfg, model, block, c, meshes[c.hybrid_shards], device)
+
+    def step_of(c: Choice) -> Callable[[], object]:  # --trials: a step of the configuration, built afresh
+        fresh = spec.build(cfg.seed)
+        settle_loss_type(fresh)
+        shards, opt = shard(fresh, c)
+        trial = _Run(
+            cfg, spec, tokens, shards, opt, log, rank, world, seq, c.batch, n_params, device, c.accumulate or 1
+        )
+        trial.sharded = (c.hybrid_shards or world) > 1
+        return lambda: _descend(trial, _micro_batches(trial, 0))
+
+    chosen = choose(
+        cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed, step_of=step_of
+    )
+    model, opt = shard(model, chosen)
+    batch = chosen.batch
+    accumulate = chosen.accumulate or accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
+    run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device, accumulate)
+    run.forecast = chosen.forecast
+    run.chosen = (block, len(chosen.decisions), chosen.about, chosen.hybrid_shards)  # for the start line
+    run.sharded = (chosen.hybrid_shards or world) > 1
+    return run
+
+
+def _sharded(cfg: TrainConfig, model: torch.nn.Module, block: type, choice: Choice, mesh, device: torch.device):
+    """``model`` (in host memory) with ``choice``'s checkpointing, sharded as it says (over
+    ``mesh``, hybrid; None: over every rank), and its AdamW.
+    Sharding copies each rank's rows to ``device``: the whole model is never there (the point of
+    sharding), only the chunks and one unit's gathered parameters."""
     choice.apply(model)
-    # Built in host memory; sharding copies each rank's rows to ``device``: the whole model is
-    # never there (the point of sharding), only the chunks and one unit's gathered parameters.
     options = memfit.ShardOptions(
-        auto_wrap_policy={block}, mesh=_hybrid_mesh(choice.hybrid_shards, world), device=device,
+        auto_wrap_policy={block}, mesh=mesh, device=device,
         reshard_after_forward=choice.reshard_after_forward, mixed_precision=mixed_precision(cfg.mixed_precision),
     )  # fmt: skip
     model = cast(torch.nn.Module, memfit.FullyShardedDataParallel(model, options=options))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
-    log = RunLog(rank, cfg.metrics, cfg.tensorboard)
-    batch = choice.batch
-    accumulate = choice.accumulate or accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
-    run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device, accumulate)
-    run.forecast = choice.forecast
-    run.chosen = (block, len(choice.decisions), choice.about, choice.hybrid_shards)  # for the start line
-    run.sharded = (choice.hybrid_shards or world) > 1
-    return run
+    return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
 
 
 def _configuration(run: _Run, block: type, blocks: int, checkpointing: str, n: int) -> str:
@@ -340,17 +377,8 @@ def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict
     micro = _micro_batches(run, step)
     torch.manual_seed(cfg.seed * 1_000_003 + step * run.world + run.rank)
     meter = memfit.MemoryMeter(model=model, optimizer=opt) if measure else None
-    total = torch.zeros((), dtype=torch.float64, device=run.device)  # this rank's loss, summed on the device
     with meter if meter else contextlib.nullcontext():
-        for i, mb in enumerate(micro):
-            reduce = run.sharded or i == len(micro) - 1  # See [Note: Reducing accumulated gradients]
-            with contextlib.nullcontext() if reduce else model.no_sync():  # type: ignore[operator]
-                loss = loss_of(model, mb) / run.accumulate
-                loss.backward()
-            total += loss.detach()
-        norm, _ = clip_grads(model, cfg.clip)  # read with the loss, in _agree
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        total, norm = _descend(run, micro)
     peak = meter.peak_bytes if meter else 0
     loss_sum, norm_f, votes, seconds, peaks = _agree(run, total, norm, stop.votes(), time.perf_counter() - t0, peak)
     slowest = max(range(run.world), key=lambda r: seconds[r])
@@ -367,6 +395,23 @@ def _step(run: _Run, step: int, measure: bool, stop: StopRequests) -> tuple[dict
         entry["peak_bytes"] = peak  # a step with AdamW state: the steady-state peak (this rank's)
         entry["peak_bytes_per_rank"] = [int(p) for p in peaks]
     return entry, agreed_signal(votes)
+
+
+def _descend(run: _Run, micro: list[dict[str, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The micro-batches' forward and backward, the clipping and the optimizer step: this rank's
+    summed loss (on the device) and the gradients' norm, neither read."""
+    model, opt = run.model, run.opt
+    total = torch.zeros((), dtype=torch.float64, device=run.device)  # this rank's loss, summed on the device
+    for i, mb in enumerate(micro):
+        reduce = run.sharded or i == len(micro) - 1  # See [Note: Reducing accumulated gradients]
+        with contextlib.nullcontext() if reduce else model.no_sync():  # type: ignore[operator]
+            loss = loss_of(model, mb) / run.accumulate
+            loss.backward()
+        total += loss.detach()
+    norm, _ = clip_grads(model, run.cfg.clip)  # read with the loss, in _agree
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return total, norm
 
 
 # [Note: One read per step]

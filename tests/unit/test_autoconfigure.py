@@ -437,3 +437,44 @@ def test_a_groups_profile_takes_the_median_of_its_ranks():
     assert (group.op_overhead, group.matmul_latency) == (2e-5, 1e-6)  # one rank's outlier does not move it
     assert group.bandwidth_curve == ((1e6, 8e9), (1e8, 4e9)) and group.math_rates == {"aten.exp": 3e8}
     assert (group.source, group.name, group.ranks_per_node) == ("rank 0", FAKE.name, FAKE.ranks_per_node)
+
+
+def test_measure_picks_the_most_tokens_per_second_measured(monkeypatch):
+    from memfit._plan import _trial
+
+    result = search(budget=80_000)
+    fits = [c for c in result.candidates if c.fits]
+    assert len(fits) > 4
+    clock = [0.0]
+    monkeypatch.setattr(_trial, "_clock", lambda: clock[0])
+    seconds = {id(fits[0]): 3.0, id(fits[1]): 2.0, id(fits[2]): 1.0}  # a step each: the third predicted is fastest
+    built, calls = [], []
+
+    def step_of(c):
+        built.append(c)
+
+        def step():
+            calls.append(c)
+            clock[0] += seconds[id(c)]
+
+        return step
+
+    measured = result.measure(step_of, top=3, steps=5, warmup=2)
+    assert built == fits[:3] and calls == [c for c in fits[:3] for _ in range(2 + 5)]
+    tried, rest = measured.candidates[:3], measured.candidates[3:]
+    key = lambda c: (c.micro_batch, c.accumulation, c.layout)  # noqa: E731
+    assert [key(c) for c in tried] == [key(c) for c in fits[2::-1]] and measured.best is tried[0]
+    assert [c.measured for c in tried] == [1.0, 2.0, 3.0]  # every global batch 64 samples: tokens/s follow
+    assert [c.lost for c in tried] == [
+        "",
+        "measured: 50.0% fewer tokens/s than the pick",
+        "measured: 66.7% fewer tokens/s than the pick",
+    ]
+    assert all(c.measured is None for c in rest)
+    assert [c.lost for c in rest if c.fits] == ["not measured: priced below the top 3"] * (len(fits) - 3)
+    assert [c.lost for c in rest if not c.fits] == [c.lost for c in result.candidates if not c.fits]
+    table = measured.table()
+    assert "measured" in table.splitlines()[1] and "measured step 1e+03 ms" in table
+    assert measured.to_dict()["candidates"][0]["measured_s"] == 1.0
+    with pytest.raises(ValueError, match=r"top=0 and steps=5 take 1 or more"):
+        result.measure(step_of, top=0)

@@ -74,7 +74,9 @@ def test_a_config_round_trips_through_its_flags():
     # --overwrite and --resume exclude each other, and so do --global-batch and --accumulate
     fresh = dataclasses.replace(cfg, resume="no", overwrite=True, accumulate=1, global_batch=8)
     # --auto chooses --batch, --accumulate and --hybrid-shards; --budget and --plan exclude --checkpointing
-    auto = dataclasses.replace(fresh, checkpointing=None, budget="1GB", auto=True, batch=None, hybrid_shards=0)
+    auto = dataclasses.replace(
+        fresh, checkpointing=None, budget="1GB", auto=True, batch=None, hybrid_shards=0, trials=3
+    )
     planned = dataclasses.replace(fresh, checkpointing=None, plan="plan.json", mixed_precision="bf16")
     defaults = TrainConfig()
     exercised = set()

@@ -345,6 +345,43 @@ def test_auto_trains_with_autoconfigures_pick(group_of_one):
     assert best.plan is not None and _kinds(run.model, best.plan.decisions) == dict(best.plan.decisions)
 
 
+def test_trials_train_the_fastest_measured_and_leave_the_run_as_it_was(group_of_one, monkeypatch):
+    from memfit._plan import _trial
+    from memfit.cli import _train
+
+    shape = {k: v for k, v in TINY.items() if k != "batch"}
+    clock, steps, real = [0.0], [], _train._descend
+
+    def descend(run, micro):  # a step takes 1 / its micro-batches seconds: the most accumulation is fastest
+        steps.append((run.batch, run.accumulate))
+        clock[0] += 1 / run.accumulate
+        return real(run, micro)
+
+    monkeypatch.setattr(_trial, "_clock", lambda: clock[0])
+    monkeypatch.setattr(_train, "_descend", descend)
+    flags = {"device": "cpu", "budget": "1GB", "auto": True, "global_batch": 8, **shape}
+    run = _build(TrainConfig(trials=3, **flags), torch.device("cpu"))
+    example = window_batch(run.tokens.train, run.spec.arch, run.spec.batch, run.seq, 0, 0, run.tokens.mask_id)
+    result = memfit.autoconfigure(
+        run.spec.build(0), example, budget="1GB", world_size=1, global_batch=8, device_profile="cpu",
+        decisions=KINDS, chunk_head=False,
+    )  # fmt: skip
+    top = [(c.micro_batch, c.accumulation) for c in result.candidates[:3]]
+    assert steps == [m for m in top for _ in range(2 + 5)]  # warm-up 2, then 5 timed, one configuration at a time
+    fastest = max(top, key=lambda m: m[1])
+    assert fastest != top[0]  # the measured pick is not the predicted one
+    assert (run.batch, run.accumulate) == fastest and "ms a step measured (--trials)" in run.chosen[2]
+    pick = next(c for c in result.candidates if (c.micro_batch, c.accumulation) == fastest)
+    assert pick.plan is not None and _kinds(run.model, pick.plan.decisions) == dict(pick.plan.decisions)
+    # --trials 1 measures the predicted pick alone: the run trains as without --trials, bit for bit
+    once, never = (_build(TrainConfig(**flags, trials=t), torch.device("cpu")) for t in (1, 0))
+    assert (once.batch, once.accumulate) == (never.batch, never.accumulate) == top[0]
+    for r in (once, never):
+        _step(r, 0, False, StopRequests(rank=0))
+    for a, b in zip(once.model.parameters(), never.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
 def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
     run = _build(TrainConfig(device="cpu", mixed_precision="bf16", **TINY), torch.device("cpu"))
     units = sharded_units(run.model)
@@ -363,6 +400,8 @@ def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
         ({"auto": True}, r"--auto searches configurations that fit a --budget"),
         ({"auto": True, "budget": "1GB", "batch": 2}, r"--auto chooses --batch, --accumulate and --hybrid-shards"),
         ({"budget": "lots"}, r"lots"),
+        ({"budget": "1GB", "trials": 2}, r"--trials K tries --auto's top configurations: pass --auto"),
+        ({"budget": "1GB", "auto": True, "trials": -1}, r"--trials takes 0 \(none\) or more"),
         ({"budget": "1GB", "mixed_precision": "bf16", "hybrid_shards": 1}, r"over --hybrid-shards 1 \(replicas"),
     ],
 )

@@ -1,0 +1,112 @@
+"""A few real steps of the top configurations memfit.autoconfigure priced, the fastest measured
+kept. See [Note: Trying configurations]."""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from memfit._plan._autoconfig import AutoConfig, Candidate
+
+# [Note: Trying configurations]
+# The time model prices a step without running it; where it is off by more than the gap between
+# the top configurations, the ranking it gives is wrong (on gloo CPU ranks priced steps measured
+# 0.94 to 1.48x their price, benchmarks/results/autoconfig_memfit_replicated_cpu*.md; on a GPU it
+# has not been checked). AutoConfig.measure(step_of, top=k) settles it with real steps, as
+# DeepSpeed's autotuner does for every configuration, here for the k fastest predicted that fit:
+# each in turn, step_of(candidate) builds it (the caller's model, its sharding and optimizer; one
+# configuration alive at a time, each within the budget as forecast) and returns one training
+# step; `warmup` steps run, then `steps` more, each between barriers and timed on the slowest
+# rank; a candidate's time is their median. The pick is the most tokens per second measured
+# (the times are all-reduced: the same pick on every rank); the others measured follow it by
+# measured tokens per second, those not measured after them in the order priced. Every rank
+# calls it with the same result, as it calls any collective; one with no process group (or of
+# one rank) times its own steps.
+
+_clock = time.perf_counter  # the tests' fake clock replaces it
+
+
+def measure(
+    result: AutoConfig,
+    step_of: Callable[[Candidate], Callable[[], object]],
+    *,
+    top: int = 3,
+    steps: int = 5,
+    warmup: int = 2,
+    group=None,
+) -> AutoConfig:
+    """``result`` with its ``top`` fitting configurations measured and the fastest of them
+    picked (see [Note: Trying configurations] and :meth:`AutoConfig.measure`)."""
+    from memfit._plan._autoconfig import _samples
+
+    if top < 1 or steps < 1 or warmup < 0:
+        raise ValueError(f"AutoConfig.measure: top={top} and steps={steps} take 1 or more, warmup={warmup} 0 or more")
+    device = _device(group)
+    tried = [c for c in result.candidates if c.fits][:top]
+    timed = []
+    for c in tried:
+        step = step_of(c)
+        for _ in range(warmup):
+            step()
+        took = [_timed(step, group, device) for _ in range(steps)]
+        del step
+        gc.collect()  # the configuration's model and optimizer go before the next is built
+        seconds = statistics.median(took)
+        timed.append(dataclasses.replace(c, measured=seconds))
+    per_second = {id(c): _samples(c) * result.tokens_per_sample / c.measured for c in timed if c.measured}
+    ranked = sorted(timed, key=lambda c: -per_second[id(c)])  # stable: ties keep the priced order
+    best = ranked[0]
+    out = [dataclasses.replace(best, lost="")]
+    for c in ranked[1:]:
+        slower = 1 - per_second[id(c)] / per_second[id(best)]
+        out.append(dataclasses.replace(c, lost=f"measured: {slower:.1%} fewer tokens/s than the pick"))
+    for c in result.candidates:
+        if not any(c is t for t in tried):
+            out.append(dataclasses.replace(c, lost=f"not measured: priced below the top {top}") if c.fits else c)
+    return dataclasses.replace(result, best=out[0], candidates=tuple(out))
+
+
+def describe(c: Candidate) -> str:
+    """The line AutoConfig's table adds for a measured pick."""
+    assert c.measured is not None
+    return (
+        f"  measured step {c.measured * 1e3:.3g} ms (the slowest rank's median) against {c.step_time * 1e3:.3g} ms "
+        f"predicted: {c.measured / c.step_time:.2f}x"
+    )
+
+
+def _device(group) -> torch.device:
+    """Where the group's collectives run: the current GPU on NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())  # pragma: no cover (needs a GPU)
+    return torch.device("cpu")
+
+
+def _timed(step: Callable[[], object], group, device: torch.device) -> float:
+    """Seconds of one ``step`` between barriers, the slowest rank's (this process's alone
+    without a process group)."""
+    import torch.distributed as dist
+
+    from memfit._plan._calibrate import _slowest, _sync
+
+    together = dist.is_available() and dist.is_initialized()
+    if together:
+        dist.barrier(group)
+    _sync(device)
+    t0 = _clock()
+    step()
+    _sync(device)
+    seconds = _clock() - t0
+    return _slowest(seconds, group, device) if together else seconds
+
+
+__all__ = ["describe", "measure"]
