@@ -107,6 +107,7 @@ class Candidate:
     tokens_per_second: float = 0.0
     lost: str = ""
     measured: float | None = None  # seconds of a real step (AutoConfig.measure), None: not run
+    measured_peak: int | None = None  # bytes per rank, the accelerator allocator's peak over those steps
 
     @property
     def fits(self) -> bool:
@@ -130,6 +131,7 @@ class Candidate:
             "tokens_per_second": self.tokens_per_second,
             "lost": self.lost,
             "measured_s": self.measured,
+            "measured_peak": self.measured_peak,
         }
 
 

@@ -4,6 +4,7 @@ configuration (--auto: memfit.autoconfigure). See [Note: Choosing a run's config
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -121,9 +122,16 @@ def _auto(
         device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
         mixed_precision=mixed_precision(cfg.mixed_precision),
     )  # fmt: skip
+    tried = ""
     if cfg.trials and step_of is not None:  # See [Note: Trying configurations]
         result = result.measure(lambda c: step_of(_choice(c, paths, world, cfg, device)), top=cfg.trials)
-    return _choice(result.best, paths, world, cfg, device)
+        tried = "; tried " + ", ".join(
+            f"{c.micro_batch} x {c.accumulation} {c.layout.describe()}: {c.measured * 1e3:.3g} ms"
+            for c in result.candidates
+            if c.measured is not None
+        )
+    choice = _choice(result.best, paths, world, cfg, device)
+    return dataclasses.replace(choice, about=choice.about + tried)
 
 
 def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, device) -> Choice:

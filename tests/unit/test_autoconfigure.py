@@ -478,3 +478,16 @@ def test_measure_picks_the_most_tokens_per_second_measured(monkeypatch):
     assert measured.to_dict()["candidates"][0]["measured_s"] == 1.0
     with pytest.raises(ValueError, match=r"top=0 and steps=5 take 1 or more"):
         result.measure(step_of, top=0)
+
+    # on an accelerator the allocator's peak is read: one over the budget is not picked
+    peaks = {id(fits[0]): 70_000, id(fits[1]): 79_000, id(fits[2]): 90_000}
+    monkeypatch.setattr(_trial, "_peak_bytes", lambda device, reset=False: None if reset else peaks[id(calls[-1])])
+    measured = result.measure(step_of, top=3)
+    assert [c.measured_peak for c in measured.candidates[:3]] == [79_000, 70_000, 90_000]
+    assert (
+        measured.best.measured == 2.0 and measured.candidates[2].lost == "memory: measured 87.89 KiB, over the budget"
+    )
+    assert "peak 77.15 KiB per rank (the allocator's)" in measured.table()
+    peaks.update(dict.fromkeys(peaks, 100_000))
+    with pytest.raises(memfit.PlanError, match=r"every configuration tried went over the budget of 78.12 KiB"):
+        result.measure(step_of, top=3)
