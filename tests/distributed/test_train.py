@@ -212,3 +212,16 @@ def test_a_sharded_run_with_accumulation_stays_within_its_budget_forecast():
     forecast = float(re.search(r"forecast peak ([\d.]+) MiB", run.stdout).group(1))
     peak = float(re.search(r"peak [\d.]+-([\d.]+) MiB per rank", run.stdout).group(1))  # the highest rank's
     assert peak <= forecast + 0.05, run.stdout[-2000:]  # the log rounds to 0.1 MiB
+
+
+def test_trials_on_two_ranks_train_the_fastest_they_measured(tmp_path):
+    # --trials 3: both ranks build and time the 3 fastest-predicted configurations together (each
+    # step's time the slower rank's), agree on the fastest, and train it (See [Note: Trying configurations]).
+    flags = ["--model", "llama", "--auto", "--budget", "1GB", "--global-batch", "8", "--steps", "2", "--trials", "3"]
+    run = memfit_train(*flags, "--json", str(tmp_path / "run.json"), torchrun=2)
+    start = next(line for line in run.stdout.splitlines() if "--auto for 1GB" in line)
+    tried = re.findall(r"(\d+) x (\d+) ([^:,]+(?:, no reshard)?): ([\d.]+) ms", start.split("; tried ")[1])
+    assert len(tried) == 3, start
+    m, a, layout, _ = min(tried, key=lambda t: float(t[3]))  # one global batch: the least time, the most tokens/s
+    assert f"micro-batch {m} x accumulation {a}, {layout}," in start, start
+    assert [e["step"] for e in read(tmp_path / "run.json")["log"]] == [1, 2]
