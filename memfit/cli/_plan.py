@@ -160,7 +160,8 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
     flags.update(global_batch=cfg.global_batch, mixed_precision=None if cfg.mixed_precision == "no" else "bf16")
     args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items() if v is not None)
     launcher = f"torchrun --nproc-per-node {cfg.world_size} -m memfit" if cfg.world_size > 1 else "memfit"
-    print(f"\nrun it: {launcher} train --auto {args}")
+    print("\nthe times above are priced, not measured: with --trials K, memfit train times the top K first")
+    print(f"run it: {launcher} train --auto {args}")
     return result.plan
 
 

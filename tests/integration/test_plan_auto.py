@@ -55,6 +55,7 @@ def test_plan_auto_prints_the_table_and_the_chosen_plan(capsys, tmp_path):
     assert saved["auto"]["candidates"][0]["lost"] == "" and saved["plan"]["world_size"] == 2
     last = "run it: torchrun --nproc-per-node 2 -m memfit train --auto --model llama --layers 2 --hidden 32 --seq 16"
     assert text.splitlines()[-1] == f"{last} --budget 1GB --global-batch 4"
+    assert text.splitlines()[-2].endswith("with --trials K, memfit train times the top K first")
     assert main(["plan", "--model", "llama", "--budget", "1GB", "--global-batch", "4"]) == 2  # --auto only
 
 
