@@ -174,17 +174,27 @@ class AutoConfig:
         return self.best.step_time
 
     def measure(
-        self, step_of: Callable[[Candidate], Callable[[], object]], *, top: int = 3, steps: int = 5, warmup: int = 2,
+        self,
+        step_of: Callable[[Candidate], Callable[[], object]],
+        *,
+        top: int = 3,
+        steps: int = 5,
+        warmup: int = 2,
         group=None,
-    ) -> AutoConfig:  # fmt: skip
+        device: torch.device | str | None = None,
+    ) -> AutoConfig:
         """This search with its ``top`` fastest-predicted configurations that fit run for real,
         the one with the most tokens per second measured picked: ``step_of(candidate)`` builds
         the configuration (the model sharded as ``candidate.layout`` says, ``candidate.plan``'s
         decisions applied, its optimizer) and returns one training step of it (``accumulation``
         micro-batches of ``micro_batch`` rows, then the optimizer step); ``warmup`` steps run,
-        then the median of ``steps`` more, each timed on the slowest rank of ``group``. A
-        collective: every rank calls it with the same search. See [Note: Trying configurations]."""
-        return _trial.measure(self, step_of, top=top, steps=steps, warmup=warmup, group=group)
+        then the median of ``steps`` more, each timed on the slowest rank of ``group`` with
+        ``device`` synchronised (default: the current accelerator, else the CPU). Where the
+        device's allocator keeps statistics, a configuration whose peak goes over the budget
+        there, or that runs out of memory, is refused (PlanError when every one is). A
+        collective: every rank of the world size searched calls it with the same search. See
+        [Note: Trying configurations]."""
+        return _trial.measure(self, step_of, top=top, steps=steps, warmup=warmup, group=group, device=device)
 
     def table(self, limit: int | None = None) -> str:
         """The pick, its runner-ups and why each lost, then the pick's time terms."""

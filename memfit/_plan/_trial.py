@@ -14,6 +14,7 @@ import torch
 
 from memfit._plan._budget import format_bytes
 from memfit._plan._plan import PlanError
+from memfit.memory import allocator_of
 
 if TYPE_CHECKING:
     from memfit._plan._autoconfig import AutoConfig, Candidate
@@ -21,21 +22,24 @@ if TYPE_CHECKING:
 # [Note: Trying configurations]
 # The time model prices a step without running it; where it is off by more than the gap between
 # the top configurations, the ranking it gives is wrong (on gloo CPU ranks priced steps measured
-# 0.94 to 1.48x their price, benchmarks/results/autoconfig_memfit_replicated_cpu*.md; on a GPU it
-# has not been checked). AutoConfig.measure(step_of, top=k) settles it with real steps, as
-# DeepSpeed's autotuner does for every configuration, here for the k fastest predicted that fit:
-# each in turn, step_of(candidate) builds it (the caller's model, its sharding and optimizer; one
-# configuration alive at a time, each within the budget as forecast) and returns one training
-# step; `warmup` steps run, then `steps` more, each between barriers and timed on the slowest
-# rank; a candidate's time is their median. On an accelerator the allocator's peak over those
-# steps (the largest rank's) is read too: a configuration over the budget there is not picked
-# ("memory: measured ..."; every one over raises PlanError), the check a forecast of tensor
-# bytes cannot make of allocator rounding and workspace (not run here: a CPU has no allocator
-# statistics). The pick is the most tokens per second measured
-# (the times are all-reduced: the same pick on every rank); the others measured follow it by
-# measured tokens per second, those not measured after them in the order priced. Every rank
-# calls it with the same result, as it calls any collective; one with no process group (or of
-# one rank) times its own steps.
+# 0.94 to 1.65x their price, benchmarks/results/autoconfig_*cpu*.md; on a GPU it has not been
+# checked). AutoConfig.measure(step_of, top=k) settles it with real steps, as DeepSpeed's
+# autotuner does for every configuration, here for the k fastest predicted that fit: each in
+# turn, step_of(candidate) builds it (the caller's model, its sharding and optimizer; one
+# configuration alive at a time) and returns one training step; `warmup` steps run, then
+# `steps` more, each between barriers and timed on the slowest rank, the device synchronised
+# (the current accelerator, else the CPU; `device=` says otherwise); a candidate's time is their
+# median. Where the device's allocator keeps statistics its peak over those steps (the largest
+# rank's) is read too, and a configuration over the budget there is refused ("memory: measured
+# ..."): the check a forecast of tensor bytes cannot make of allocator rounding and workspace.
+# An out-of-memory error while building or running one is refused too, on every rank (they
+# agree after each candidate), its memory freed and the allocator's cache emptied; every one
+# refused raises PlanError. An error raised on some ranks only, inside a collective, leaves the
+# others waiting: the process group's timeout ends them. The pick is the most tokens per second
+# measured (times and peaks all-reduced: the same pick on every rank); the others measured
+# follow it, then the refused, then those not measured in the order priced. Every rank of the
+# searched world size calls it with the same result, as it calls any collective; one process
+# without a process group measures a search for world size 1.
 
 _clock = time.perf_counter  # the tests' fake clock replaces it
 
@@ -48,6 +52,7 @@ def measure(
     steps: int = 5,
     warmup: int = 2,
     group=None,
+    device: torch.device | str | None = None,
 ) -> AutoConfig:
     """``result`` with its ``top`` fitting configurations measured and the fastest of them
     picked (see [Note: Trying configurations] and :meth:`AutoConfig.measure`)."""
@@ -55,27 +60,50 @@ def measure(
 
     if top < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"AutoConfig.measure: top={top} and steps={steps} take 1 or more, warmup={warmup} 0 or more")
-    device = _device(group)
+    ranks = _ranks(group)
+    if ranks != result.best.layout.world_size:
+        raise ValueError(
+            f"AutoConfig.measure: the search is for world size {result.best.layout.world_size}, but this runs on "
+            f"{ranks} (the process group's ranks, 1 without one): call it on every rank of the world size searched"
+        )
+    work = torch.device(device) if device is not None else _work_device()
+    comm = _comm_device(group, work)
     tried = [c for c in result.candidates if c.fits][:top]
     timed: list[Candidate] = []
-    over: list[Candidate] = []  # measured over the budget (an accelerator)
+    refused: list[Candidate] = []  # out of memory, or over the budget on the device's allocator
     for c in tried:
-        step = step_of(c)
-        for _ in range(warmup):
-            step()
-        _peak_bytes(device, reset=True)
-        took = [_timed(step, group, device) for _ in range(steps)]
-        peak = _peak_bytes(device)
-        del step
+        took, peak, failed = [], None, ""
+        try:
+            step = step_of(c)
+            for _ in range(warmup):
+                step()
+            allocator = allocator_of(work)
+            if allocator is not None:
+                allocator.reset_peak_memory_stats(work)
+            took = [_timed(step, group, work, comm) for _ in range(steps)]
+            peak = None if allocator is None else int(allocator.max_memory_allocated(work))
+        except torch.OutOfMemoryError as e:  # on every rank alike (one rank alone: see the Note)
+            failed = f"memory: out of memory when run ({str(e).splitlines()[0][:80]})"
+        step = None  # type: ignore[assignment]
         gc.collect()  # the configuration's model and optimizer go before the next is built
-        peak = None if peak is None else int(_largest(float(peak), group, device))
+        if work.type != "cpu" and allocator_of(work) is not None:
+            torch.get_device_module(work.type).empty_cache()  # its cached blocks too
+        if _largest(float(bool(failed)), group, comm):  # every rank refuses what any rank could not run
+            refused.append(dataclasses.replace(c, lost=failed or "memory: out of memory on another rank"))
+            continue
+        peak = None if peak is None else int(_largest(float(peak), group, comm))
         measured = dataclasses.replace(c, measured=statistics.median(took), measured_peak=peak)
-        (over if peak is not None and peak > result.budget else timed).append(measured)
+        if peak is not None and peak > result.budget:
+            refused.append(
+                dataclasses.replace(measured, lost=f"memory: measured {format_bytes(peak)}, over the budget")
+            )
+        else:
+            timed.append(measured)
     if not timed:
-        peaks = ", ".join(f"{c.layout.describe()} {format_bytes(c.measured_peak or 0)}" for c in over)
+        why = "; ".join(f"{c.layout.describe()}, micro-batch {c.micro_batch}: {c.lost}" for c in refused)
         raise PlanError(
-            f"AutoConfig.measure: every configuration tried went over the budget of {format_bytes(result.budget)} "
-            f"per rank on the device ({peaks}): its allocator needs more than the forecast; pass a smaller budget"
+            f"AutoConfig.measure: every configuration tried needed more than the budget of "
+            f"{format_bytes(result.budget)} per rank on the device ({why}): pass a smaller budget"
         )
     per_second = {id(c): _samples(c) * result.tokens_per_sample / max(c.measured or 0.0, 1e-12) for c in timed}
     ranked = sorted(timed, key=lambda c: -per_second[id(c)])  # stable: ties keep the priced order
@@ -84,10 +112,7 @@ def measure(
     for c in ranked[1:]:
         slower = 1 - per_second[id(c)] / per_second[id(best)]
         out.append(dataclasses.replace(c, lost=f"measured: {slower:.1%} fewer tokens/s than the pick"))
-    for c in over:
-        out.append(
-            dataclasses.replace(c, lost=f"memory: measured {format_bytes(c.measured_peak or 0)}, over the budget")
-        )
+    out += refused
     for c in result.candidates:
         if not any(c is t for t in tried):
             out.append(dataclasses.replace(c, lost=f"not measured: priced below the top {top}") if c.fits else c)
@@ -104,28 +129,32 @@ def describe(c: Candidate) -> str:
     )
 
 
-def _peak_bytes(device: torch.device, reset: bool = False) -> int | None:
-    """The device allocator's peak since the last reset (``reset``: start again; None where the
-    device has no allocator statistics: a CPU)."""
-    if device.type == "cpu":
-        return None
-    accelerator = torch.get_device_module(device.type)  # pragma: no cover (needs a GPU)
-    if reset:  # pragma: no cover
-        accelerator.reset_peak_memory_stats(device)
-        return None
-    return int(accelerator.max_memory_allocated(device))  # pragma: no cover
-
-
-def _device(group) -> torch.device:
-    """Where the group's collectives run: the current GPU on NCCL, else the CPU."""
+def _ranks(group) -> int:
     import torch.distributed as dist
 
-    if dist.is_available() and dist.is_initialized() and dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())  # pragma: no cover (needs a GPU)
-    return torch.device("cpu")
+    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
 
 
-def _timed(step: Callable[[], object], group, device: torch.device) -> float:
+def _work_device() -> torch.device:
+    """Where the steps compute: this process's current accelerator, else the CPU."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None:
+        return torch.device("cpu")
+    return torch.device(accelerator.type, torch.accelerator.current_device_index())  # pragma: no cover (a GPU)
+
+
+def _comm_device(group, work: torch.device) -> torch.device:
+    """Where the group's collectives take tensors (memfit/_shard/_device.compute_device)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return work
+    from memfit._shard._device import compute_device
+
+    return compute_device(group if group is not None else dist.group.WORLD)  # type: ignore[arg-type]
+
+
+def _timed(step: Callable[[], object], group, work: torch.device, comm: torch.device) -> float:
     """Seconds of one ``step`` between barriers, the slowest rank's (this process's alone
     without a process group)."""
     import torch.distributed as dist
@@ -134,20 +163,23 @@ def _timed(step: Callable[[], object], group, device: torch.device) -> float:
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier(group)
-    _sync(device)
+    _sync(work)
     t0 = _clock()
     step()
-    _sync(device)
-    return _largest(_clock() - t0, group, device)
+    _sync(work)
+    return _largest(_clock() - t0, group, comm)
 
 
 def _largest(value: float, group, device: torch.device) -> float:
-    """The largest of every rank's ``value`` (this process's alone without a process group)."""
+    """The largest of every rank's ``value`` (float64: a peak of 70 GB to the byte), this
+    process's alone without a process group."""
     import torch.distributed as dist
 
-    from memfit._plan._calibrate import _slowest
-
-    return _slowest(value, group, device) if dist.is_available() and dist.is_initialized() else value
+    if not (dist.is_available() and dist.is_initialized()):
+        return value
+    box = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    return box.item()
 
 
 __all__ = ["describe", "measure"]

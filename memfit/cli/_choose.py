@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit._plan._autoconfig import Candidate, Layout, held_gradients
+from memfit._plan._autoconfig import AutoConfig, Candidate, Layout, held_gradients
 from memfit._plan._budget import format_bytes
 from memfit._plan._time import default_profile
 from memfit.cli._data import window_batch
@@ -54,6 +54,7 @@ class Choice:
     reshard_after_forward: bool
     about: str  # what the start line says of it
     forecast: float | None = None  # the planner's peak per rank, bytes (with --budget or --auto)
+    search: AutoConfig | None = None  # --auto's (memfit train --trials measures its top)
 
     def apply(self, model: nn.Module, rule: str = "linear") -> None:
         for path, kind in self.decisions.items():
@@ -69,15 +70,13 @@ def choose(
     device: str,
     accumulate: int = 1,
     global_batch: int | None = None,
-    step_of: Callable[[Choice], Callable[[], object]] | None = None,
 ) -> Choice:
     """The run's configuration from the flags; ``model`` (in host memory, not yet sharded) is
     planned on its first micro-batch when --budget asks, never changed here. ``data``: the
     tokens, the model's arch, the sequence length and --batch; ``device``: the device type the
     run computes on; ``accumulate``: micro-batches per step (a --budget plan holds their
     gradients); ``global_batch``: the one --auto keeps (--global-batch, or a resumed
-    checkpoint's; None: free); ``step_of``: one training step of a configuration, built afresh
-    (--trials runs it: AutoConfig.measure)."""
+    checkpoint's; None: free)."""
     tokens, arch, seq, batch = data
     paths = [p for p, m in model.named_modules() if isinstance(m, block)]
     layout = (cfg.hybrid_shards, True)
@@ -89,7 +88,7 @@ def choose(
     example = window_batch(tokens.train, arch, batch, seq, 0, cfg.seed, tokens.mask_id)
     profile = default_profile("cuda" if device == "cuda" else "cpu")
     if cfg.auto:
-        return _auto(cfg, model, example, world, profile, paths, global_batch, step_of)
+        return _auto(cfg, model, example, world, profile, paths, global_batch)
     opts: dict[str, Any] = {"world_size": world, "shard_size": cfg.hybrid_shards or None}
     opts.update(decisions=PLANNED_KINDS, candidates=paths, chunk_head=False, device_profile=profile)
     opts.update(mixed_precision=mixed_precision(cfg.mixed_precision))
@@ -112,7 +111,6 @@ def _auto(
     device,
     paths: list[str],
     global_batch: int | None,
-    step_of: Callable[[Choice], Callable[[], object]] | None,
 ) -> Choice:
     # Every layout, replicated too: train runs a replicated one on memfit's units over a (W, 1)
     # mesh, which compute on their parameters and all-reduce once per unit, as the planner
@@ -122,19 +120,25 @@ def _auto(
         device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
         mixed_precision=mixed_precision(cfg.mixed_precision),
     )  # fmt: skip
-    tried = ""
-    if cfg.trials and step_of is not None:  # See [Note: Trying configurations]
-        result = result.measure(lambda c: step_of(_choice(c, paths, world, cfg, device)), top=cfg.trials)
-        tried = "; tried " + ", ".join(
-            f"{c.micro_batch} x {c.accumulation} {c.layout.describe()}: {c.measured * 1e3:.3g} ms"
-            for c in result.candidates
-            if c.measured is not None
-        )
-    choice = _choice(result.best, paths, world, cfg, device)
-    return dataclasses.replace(choice, about=choice.about + tried)
+    return dataclasses.replace(_choice(result.best, paths, world, cfg, result.device), search=result)
 
 
-def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, device) -> Choice:
+def tried(cfg: TrainConfig, search: AutoConfig, paths: list[str], world: int, step_of: Callable) -> Choice:
+    """--trials K: the Choice of the fastest measured of ``search``'s top K (AutoConfig.measure;
+    ``step_of(choice)`` builds one afresh and returns a training step of it), the tried listed."""
+    result = search.measure(lambda c: step_of(_choice(c, paths, world, cfg, search.device)), top=cfg.trials)
+    choice = _choice(result.best, paths, world, cfg, search.device)
+    said = []
+    for c in result.candidates:
+        if c.measured is not None or c.lost.startswith(("memory: measured", "memory: out of memory")):
+            took = f"{c.measured * 1e3:.3g} ms" if c.measured is not None else ""
+            refused = c.lost if c.lost.startswith("memory") else ""
+            said.append(f"{c.micro_batch} x {c.accumulation} {c.layout.describe()}: {took or refused}")
+            said[-1] += f" ({refused})" if took and refused else ""
+    return dataclasses.replace(choice, about=f"{choice.about}; tried {', '.join(said)}")
+
+
+def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, priced_on: str) -> Choice:
     """The Choice that trains ``best``, one of autoconfigure's configurations."""
     assert best.plan is not None  # autoconfigure raises when nothing fits, and measures only those that fit
     decisions = {p: best.plan.decisions.get(p, "keep") for p in paths}
@@ -143,7 +147,7 @@ def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, dev
     about = (
         f"--auto for {cfg.budget} per rank: micro-batch {best.micro_batch} x accumulation {best.accumulation}, "
         f"{best.layout.describe()}, {_counts(decisions)}, forecast peak {_gib(best.peak)}, "
-        f"{best.tokens_per_second:,.0f} tokens/s predicted on {device.name}{measured}"
+        f"{best.tokens_per_second:,.0f} tokens/s predicted on {priced_on}{measured}"
     )
     reshard = best.layout.reshard_after_forward
     return Choice(decisions, best.micro_batch, best.accumulation, shards, reshard, about, best.peak)

@@ -13,6 +13,7 @@ rank). So a run resumed from a checkpoint computes exactly what the uninterrupte
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import math
 import os
@@ -30,7 +31,7 @@ import torch.distributed as dist
 import memfit
 from memfit._shard._utils import clip_grads
 from memfit.cli import _checkpoints
-from memfit.cli._choose import MIXED, Choice, choose, mixed_precision
+from memfit.cli._choose import MIXED, Choice, choose, mixed_precision, tried
 from memfit.cli._data import Tokens, load_tokens, window_batch
 from memfit.cli._flags import DEVICE_HELP, DEVICES, decision_kind, flag
 from memfit.cli._launch import choose_device, init_process_group, pg_timeout
@@ -95,8 +96,9 @@ class TrainConfig:
     trials: int = field(
         default=0,
         metadata=flag(
-            "with --auto: run the K fastest-predicted configurations for a few steps each and train the fastest "
-            "measured (AutoConfig.measure; 0: the fastest predicted)",
+            "with --auto: build each of the K fastest-predicted configurations afresh, time 5 steps after 2 "
+            "warm-up, and train the fastest measured (AutoConfig.measure; on a GPU, one over --budget there is "
+            "refused); 0: the fastest predicted",
             metavar="K",
         ),
     )
@@ -284,16 +286,19 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     def step_of(c: Choice) -> Callable[[], object]:  # --trials: a step of the configuration, built afresh
         fresh = spec.build(cfg.seed)
         settle_loss_type(fresh)
-        shards, opt = shard(fresh, c)
-        trial = _Run(
-            cfg, spec, tokens, shards, opt, log, rank, world, seq, c.batch, n_params, device, c.accumulate or 1
-        )
+        built, opt = shard(fresh, c)
+        trial = _Run(cfg, spec, tokens, built, opt, log, rank, world, seq, c.batch, n_params, device, c.accumulate or 1)
         trial.sharded = (c.hybrid_shards or world) > 1
         return lambda: _descend(trial, _micro_batches(trial, 0))
 
-    chosen = choose(
-        cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed, step_of=step_of
-    )
+    chosen = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
+    if cfg.trials and chosen.search is not None:  # See [Note: Trying configurations]
+        del model  # each trial builds its own: one whole model in host memory at a time
+        gc.collect()
+        chosen = tried(cfg, chosen.search, list(chosen.decisions), world, step_of)
+        model = spec.build(cfg.seed)
+        settle_loss_type(model)
+    _end_meshes(meshes, keep=chosen.hybrid_shards)
     model, opt = shard(model, chosen)
     batch = chosen.batch
     accumulate = chosen.accumulate or accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
@@ -337,6 +342,18 @@ def _configuration(run: _Run, block: type, blocks: int, checkpointing: str, n: i
         f"{'; mixed precision ' + cfg.mixed_precision if cfg.mixed_precision != 'no' else ''}; {saving}; "
         f"data: {run.tokens.source}"
     )
+
+
+def _end_meshes(meshes: dict, keep: int) -> None:
+    """End the process groups of the --trials' meshes the run does not use (in the same order on
+    every rank: NCCL's communicator aborts may be collective), after their models are freed."""
+    ended = [m for n, m in meshes.items() if n != keep and m is not None]
+    if ended:
+        dist.barrier()
+    for mesh in ended:
+        for g in dict.fromkeys(mesh.get_group(d) for d in range(mesh.ndim)):
+            if g is not dist.group.WORLD:
+                dist.destroy_process_group(g)
 
 
 def _hybrid_mesh(shards: int, world: int):

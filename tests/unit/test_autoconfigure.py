@@ -4,6 +4,8 @@ are exact up to float rounding (pytest.approx, rel 1e-6)."""
 
 import dataclasses
 import json
+import weakref
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget
 from memfit._plan._time import PROFILES as NAMED
 from memfit._plan._time import OpCost
+from memfit.testing import fake_allocator
 
 # A device whose links are slow enough for communication to matter: 4 ranks a node.
 FAKE = memfit.DeviceProfile(
@@ -447,6 +450,7 @@ def test_measure_picks_the_most_tokens_per_second_measured(monkeypatch):
     assert len(fits) > 4
     clock = [0.0]
     monkeypatch.setattr(_trial, "_clock", lambda: clock[0])
+    monkeypatch.setattr(_trial, "_ranks", lambda group: W)  # as if on the W ranks searched (no collectives here)
     seconds = {id(fits[0]): 3.0, id(fits[1]): 2.0, id(fits[2]): 1.0}  # a step each: the third predicted is fastest
     built, calls = [], []
 
@@ -479,15 +483,58 @@ def test_measure_picks_the_most_tokens_per_second_measured(monkeypatch):
     with pytest.raises(ValueError, match=r"top=0 and steps=5 take 1 or more"):
         result.measure(step_of, top=0)
 
-    # on an accelerator the allocator's peak is read: one over the budget is not picked
+    # where the allocator keeps statistics its peak is read: one over the budget is refused
     peaks = {id(fits[0]): 70_000, id(fits[1]): 79_000, id(fits[2]): 90_000}
-    monkeypatch.setattr(_trial, "_peak_bytes", lambda device, reset=False: None if reset else peaks[id(calls[-1])])
-    measured = result.measure(step_of, top=3)
-    assert [c.measured_peak for c in measured.candidates[:3]] == [79_000, 70_000, 90_000]
-    assert (
-        measured.best.measured == 2.0 and measured.candidates[2].lost == "memory: measured 87.89 KiB, over the budget"
-    )
-    assert "peak 77.15 KiB per rank (the allocator's)" in measured.table()
-    peaks.update(dict.fromkeys(peaks, 100_000))
-    with pytest.raises(memfit.PlanError, match=r"every configuration tried went over the budget of 78.12 KiB"):
+    allocator = SimpleNamespace(reset_peak_memory_stats=lambda device: None)
+    allocator.max_memory_allocated = lambda device: peaks[id(calls[-1])]
+    with fake_allocator(allocator):
+        measured = result.measure(step_of, top=3)
+        assert [c.measured_peak for c in measured.candidates[:3]] == [79_000, 70_000, 90_000]
+        assert measured.best.measured == 2.0
+        assert measured.candidates[2].lost == "memory: measured 87.89 KiB, over the budget"
+        assert "peak 77.15 KiB per rank (the allocator's)" in measured.table()
+        # out of memory while running one: refused, its memory freed, the others measured
+        peaks[id(fits[2])] = 60_000
+        alive = []
+
+        def failing(c):
+            model = torch.nn.Linear(2, 2)
+            alive.append(weakref.ref(model))
+            if c is fits[2]:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            inner = step_of(c)
+            return lambda: (model, inner())  # the step holds its model, as a trainer's does
+
+        measured = result.measure(failing, top=3)
+        assert measured.best.measured == 2.0 and [c.measured for c in measured.candidates[:3]] == [2.0, 3.0, None]
+        assert measured.candidates[2].lost.startswith("memory: out of memory when run (CUDA out of memory.")
+        assert all(ref() is None for ref in alive)
+        peaks.update(dict.fromkeys(peaks, 100_000))
+        with pytest.raises(
+            memfit.PlanError, match=r"every configuration tried needed more than the budget of 78.12 KiB"
+        ):
+            result.measure(step_of, top=3)
+    monkeypatch.undo()  # this process alone: 1 rank, not the W searched
+    with pytest.raises(ValueError, match=r"the search is for world size 8, but this runs on 1"):
         result.measure(step_of, top=3)
+
+
+def test_measure_compares_tokens_per_second_across_global_batches(monkeypatch):
+    from memfit._plan import _trial
+
+    free = Search(10**6, 1, None, FAKE, OPT, tokens=128).run(profile_of, SIZES, [Layout(1)])
+    fits = [c for c in free.candidates if c.fits]
+    assert len({c.micro_batch for c in fits}) >= 3 and {c.accumulation for c in fits} == {1}
+    clock = [0.0]
+    monkeypatch.setattr(_trial, "_clock", lambda: clock[0])
+
+    def step_of(c):  # 1 s plus 0.1 s a sample: the largest micro-batch has the most samples a second
+        def step():
+            clock[0] += 1.0 + 0.1 * c.micro_batch
+
+        return step
+
+    measured = free.measure(step_of, top=3)
+    tried = measured.candidates[:3]
+    rates = [c.micro_batch / c.measured for c in tried]
+    assert rates == sorted(rates, reverse=True) and tried[0].micro_batch == max(c.micro_batch for c in fits[:3])

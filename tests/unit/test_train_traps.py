@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import stat
+import weakref
 
 import pytest
 import torch
@@ -350,10 +351,11 @@ def test_trials_train_the_fastest_measured_and_leave_the_run_as_it_was(group_of_
     from memfit.cli import _train
 
     shape = {k: v for k, v in TINY.items() if k != "batch"}
-    clock, steps, real = [0.0], [], _train._descend
+    clock, steps, real, models = [0.0], [], _train._descend, {}
 
     def descend(run, micro):  # a step takes 1 / its micro-batches seconds: the most accumulation is fastest
         steps.append((run.batch, run.accumulate))
+        models[id(run.model)] = weakref.ref(run.model)
         clock[0] += 1 / run.accumulate
         return real(run, micro)
 
@@ -371,6 +373,7 @@ def test_trials_train_the_fastest_measured_and_leave_the_run_as_it_was(group_of_
     fastest = max(top, key=lambda m: m[1])
     assert fastest != top[0]  # the measured pick is not the predicted one
     assert (run.batch, run.accumulate) == fastest and "ms a step measured (--trials); tried " in run.chosen[2]
+    assert [ref() for ref in models.values() if ref() is not None] == []  # the trials' models are freed
     pick = next(c for c in result.candidates if (c.micro_batch, c.accumulation) == fastest)
     assert pick.plan is not None and _kinds(run.model, pick.plan.decisions) == dict(pick.plan.decisions)
     # --trials 1 measures the predicted pick alone: the run trains as without --trials, bit for bit
