@@ -194,7 +194,7 @@ class AutoConfig:
         there, or that runs out of memory, is refused (PlanError when every one is). A
         collective: every rank of the world size searched calls it with the same search. See
         [Note: Trying configurations]."""
-        return _trial.measure(self, step_of, top=top, steps=steps, warmup=warmup, group=group, device=device)
+        return _trial.measure(self, step_of, top, steps, warmup, group, device)
 
     def table(self, limit: int | None = None) -> str:
         """The pick, its runner-ups and why each lost, then the pick's time terms."""

@@ -44,18 +44,8 @@ if TYPE_CHECKING:
 _clock = time.perf_counter  # the tests' fake clock replaces it
 
 
-def measure(
-    result: AutoConfig,
-    step_of: Callable[[Candidate], Callable[[], object]],
-    *,
-    top: int = 3,
-    steps: int = 5,
-    warmup: int = 2,
-    group=None,
-    device: torch.device | str | None = None,
-) -> AutoConfig:
-    """``result`` with its ``top`` fitting configurations measured and the fastest of them
-    picked (see [Note: Trying configurations] and :meth:`AutoConfig.measure`)."""
+def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup: int, group, device) -> AutoConfig:
+    """AutoConfig.measure's work (see its docstring and [Note: Trying configurations])."""
     from memfit._plan._autoconfig import _samples
 
     if top < 1 or steps < 1 or warmup < 0:
@@ -84,7 +74,7 @@ def measure(
             peak = None if allocator is None else int(allocator.max_memory_allocated(work))
         except torch.OutOfMemoryError as e:  # on every rank alike (one rank alone: see the Note)
             failed = f"memory: out of memory when run ({str(e).splitlines()[0][:80]})"
-        step = None  # type: ignore[assignment]
+        step = None
         gc.collect()  # the configuration's model and optimizer go before the next is built
         if work.type != "cpu" and allocator_of(work) is not None:
             torch.get_device_module(work.type).empty_cache()  # its cached blocks too
