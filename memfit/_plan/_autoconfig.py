@@ -191,9 +191,10 @@ class AutoConfig:
         then the median of ``steps`` more, each timed on the slowest rank of ``group`` with
         ``device`` synchronised (default: the current accelerator, else the CPU). Where the
         device's allocator keeps statistics, a configuration whose peak goes over the budget
-        there, or that runs out of memory, is refused (PlanError when every one is). A
-        collective: every rank of the world size searched calls it with the same search. See
-        [Note: Trying configurations]."""
+        there is refused, as is one that runs out of memory on every rank alike (PlanError when
+        every one is; one that fails on some ranks only, inside a collective, leaves the others
+        waiting until the process group's timeout). A collective: every rank of the world size
+        searched calls it with the same search. See [Note: Trying configurations]."""
         return _trial.measure(self, step_of, top, steps, warmup, group, device)
 
     def table(self, limit: int | None = None) -> str:

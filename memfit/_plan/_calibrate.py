@@ -489,8 +489,13 @@ def _group_links(group, device: torch.device) -> tuple[tuple[int, float, float],
 
 def _sync(device: torch.device) -> None:
     """Wait for ``device``'s queued work (an accelerator's collectives return before they end)."""
-    if device.type != "cpu":
-        torch.get_device_module(device.type).synchronize(device)
+    if device.type == "cpu":
+        return
+    current = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if current is not None and current.type == device.type:
+        torch.accelerator.synchronize(device)
+    else:  # pragma: no cover (an accelerator that is not the current one's type)
+        torch.get_device_module(device.type).synchronize()
 
 
 def _slowest(seconds: float, group, device: torch.device) -> float:

@@ -46,8 +46,6 @@ _clock = time.perf_counter  # the tests' fake clock replaces it
 
 def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup: int, group, device) -> AutoConfig:
     """AutoConfig.measure's work (see its docstring and [Note: Trying configurations])."""
-    from memfit._plan._autoconfig import _samples
-
     if top < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"AutoConfig.measure: top={top} and steps={steps} take 1 or more, warmup={warmup} 0 or more")
     ranks = _ranks(group)
@@ -61,8 +59,11 @@ def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup:
     tried = [c for c in result.candidates if c.fits][:top]
     timed: list[Candidate] = []
     refused: list[Candidate] = []  # out of memory, or over the budget on the device's allocator
+    from memfit._shard import _runtime
+
     for c in tried:
         took, peak, failed = [], None, ""
+        finished = set(_runtime._IN_FLIGHT)  # root states between a forward and its backward's end
         try:
             step = step_of(c)
             for _ in range(warmup):
@@ -75,6 +76,7 @@ def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup:
         except torch.OutOfMemoryError as e:  # on every rank alike (one rank alone: see the Note)
             failed = f"memory: out of memory when run ({str(e).splitlines()[0][:80]})"
         step = None
+        _runtime._IN_FLIGHT.intersection_update(finished)  # a step cut short holds its model there
         gc.collect()  # the configuration's model and optimizer go before the next is built
         if work.type != "cpu" and allocator_of(work) is not None:
             torch.get_device_module(work.type).empty_cache()  # its cached blocks too
@@ -92,10 +94,12 @@ def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup:
     if not timed:
         why = "; ".join(f"{c.layout.describe()}, micro-batch {c.micro_batch}: {c.lost}" for c in refused)
         raise PlanError(
-            f"AutoConfig.measure: every configuration tried needed more than the budget of "
-            f"{format_bytes(result.budget)} per rank on the device ({why}): pass a smaller budget"
+            f"AutoConfig.measure: every configuration tried ran out of memory or measured over the budget of "
+            f"{format_bytes(result.budget)} per rank on the device ({why}): pass a smaller budget, or try more "
+            "configurations (top=; memfit train --trials)"
         )
-    per_second = {id(c): _samples(c) * result.tokens_per_sample / max(c.measured or 0.0, 1e-12) for c in timed}
+    samples = {id(c): c.micro_batch * c.accumulation * c.layout.world_size for c in timed}  # a step's
+    per_second = {id(c): samples[id(c)] * result.tokens_per_sample / max(c.measured or 0.0, 1e-12) for c in timed}
     ranked = sorted(timed, key=lambda c: -per_second[id(c)])  # stable: ties keep the priced order
     best = ranked[0]
     out = [dataclasses.replace(best, lost="")]

@@ -123,10 +123,14 @@ def _auto(
     return dataclasses.replace(_choice(result.best, paths, world, cfg, result.device), search=result)
 
 
-def tried(cfg: TrainConfig, search: AutoConfig, paths: list[str], world: int, step_of: Callable) -> Choice:
+def tried(
+    cfg: TrainConfig, search: AutoConfig, paths: list[str], world: int, step_of: Callable, device: torch.device
+) -> Choice:
     """--trials K: the Choice of the fastest measured of ``search``'s top K (AutoConfig.measure;
-    ``step_of(choice)`` builds one afresh and returns a training step of it), the tried listed."""
-    result = search.measure(lambda c: step_of(_choice(c, paths, world, cfg, search.device)), top=cfg.trials)
+    ``step_of(choice)`` builds one afresh and returns a training step of it, on ``device``), the
+    tried listed."""
+    build = lambda c: step_of(_choice(c, paths, world, cfg, search.device))  # noqa: E731
+    result = search.measure(build, top=cfg.trials, device=device)
     choice = _choice(result.best, paths, world, cfg, search.device)
     said = []
     for c in result.candidates:

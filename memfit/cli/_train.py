@@ -193,10 +193,10 @@ class TrainConfig:
             raise ValueError("memfit train: --auto searches configurations that fit a --budget: pass one")
         if self.auto and (self.batch or self.accumulate != 1 or self.hybrid_shards):
             raise ValueError("memfit train: --auto chooses --batch, --accumulate and --hybrid-shards: leave them out")
-        if self.trials and not self.auto:
-            raise ValueError("memfit train: --trials K tries --auto's top configurations: pass --auto (and --budget)")
         if self.trials < 0:
             raise ValueError(f"memfit train: --trials takes 0 (none) or more configurations to try, not {self.trials}")
+        if self.trials and not self.auto:
+            raise ValueError("memfit train: --trials K tries --auto's top configurations: pass --auto (and --budget)")
         if self.mixed_precision not in MIXED:
             raise ValueError(f"memfit train: --mixed-precision takes {list(MIXED)}")
         if self.budget and self.mixed_precision != "no" and self.hybrid_shards == 1:
@@ -275,7 +275,6 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     resumed = None if cfg.global_batch else _checkpoints.saved_global_batch(cfg)
     planned = accumulation(resumed, batch, world) if resumed and not cfg.auto else wanted // (batch * world)
     data = (tokens, spec.arch, seq, batch)
-    log = RunLog(rank, cfg.metrics, cfg.tensorboard)
     meshes: dict[int, object] = {}  # per shard group size: the trials' and the run's the same groups
 
     def shard(model: torch.nn.Module, c: Choice):
@@ -287,7 +286,10 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
         fresh = spec.build(cfg.seed)
         settle_loss_type(fresh)
         built, opt = shard(fresh, c)
-        trial = _Run(cfg, spec, tokens, built, opt, log, rank, world, seq, c.batch, n_params, device, c.accumulate or 1)
+        quiet = RunLog(rank, None, None)  # the trials record nothing
+        trial = _Run(
+            cfg, spec, tokens, built, opt, quiet, rank, world, seq, c.batch, n_params, device, c.accumulate or 1
+        )
         trial.sharded = (c.hybrid_shards or world) > 1
         return lambda: _descend(trial, _micro_batches(trial, 0))
 
@@ -295,11 +297,12 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     if cfg.trials and chosen.search is not None:  # See [Note: Trying configurations]
         del model  # each trial builds its own: one whole model in host memory at a time
         gc.collect()
-        chosen = tried(cfg, chosen.search, list(chosen.decisions), world, step_of)
+        chosen = tried(cfg, chosen.search, list(chosen.decisions), world, step_of, device)
         model = spec.build(cfg.seed)
         settle_loss_type(model)
     _end_meshes(meshes, keep=chosen.hybrid_shards)
     model, opt = shard(model, chosen)
+    log = RunLog(rank, cfg.metrics, cfg.tensorboard)
     batch = chosen.batch
     accumulate = chosen.accumulate or accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
     run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device, accumulate)

@@ -20,7 +20,7 @@ import memfit
 from memfit._shard._utils import clip_grads
 from memfit.cli import TrainConfig, main
 from memfit.cli._checkpoints import identity, schedule_change
-from memfit.cli._data import window_batch
+from memfit.cli._data import batch_at, window_batch
 from memfit.cli._log import RunLog
 from memfit.cli._preempt import ECHO_S, StopRequests, agreed_signal, resume_command
 from memfit.cli._train import _build, _save_due, _step, accumulation
@@ -383,6 +383,36 @@ def test_trials_train_the_fastest_measured_and_leave_the_run_as_it_was(group_of_
         _step(r, 0, False, StopRequests(rank=0))
     for a, b in zip(once.model.parameters(), never.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_a_trial_cut_short_by_out_of_memory_frees_its_model(group_of_one):
+    # a step that fails between its forward and the end of its backward leaves its root state in
+    # memfit's in-flight set: measure releases it, so the failed configuration's model is freed
+    spec = TrainConfig(device="cpu", **TINY).spec()
+    batch = batch_at(spec.arch, 2, 16, step=0)
+    result = memfit.autoconfigure(
+        spec.build(0), batch, budget="1GB", world_size=1, global_batch=4, device_profile="cpu"
+    )
+    refs = []
+
+    def step_of(c):
+        plain = spec.build(0)
+        model = memfit.FullyShardedDataParallel(plain, auto_wrap_policy={layer_class(plain)})
+        refs.append(weakref.ref(model))
+        failing = c is result.candidates[0]
+
+        def step():
+            loss = loss_of(model, batch)
+            if failing:
+                raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+            loss.backward()
+
+        return step
+
+    measured = result.measure(step_of, top=2, steps=1, warmup=0)
+    assert measured.best.measured is not None  # the second configuration, measured
+    assert measured.candidates[1].lost.startswith("memory: out of memory when run (CUDA out of memory")
+    assert [r() for r in refs] == [None, None]
 
 
 def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
