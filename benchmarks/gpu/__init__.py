@@ -1,7 +1,7 @@
 """The GPU validation of memfit in one entry point: correctness, the seed's BERT-large table,
 sharding, the planner against the allocator, offload and the CLI, on one H100/H200.
 
-    PYTHONPATH=. python3 -m benchmarks.gpu --out DIR [--parts a,b,c,d,e,f] [--smoke]
+    PYTHONPATH=. python3 -m benchmarks.gpu --out DIR [--parts a,b,c,d,e,f,g] [--smoke]
 
 Parts (each a function ``run(env) -> dict`` of figures and checks; docs/gpu-validation.md
 says what each measures and its goal):
@@ -12,6 +12,7 @@ says what each measures and its goal):
     d  planner       benchmarks/gpu/planner.py
     e  offload       benchmarks/gpu/offload.py
     f  train         benchmarks/gpu/train.py
+    g  autoconfig    benchmarks/gpu/autoconfig.py
 
 It writes ``gpu_<device>.json`` (every figure) and ``gpu_<device>.md`` into ``--out`` after
 each part, merging with what an earlier call of the same device wrote there, so a run cut at

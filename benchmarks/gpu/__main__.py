@@ -25,6 +25,7 @@ PARTS = {
     "d": ("planner", "Planner and meter against the allocator", 200),
     "e": ("offload", "Offload: pinned copies, offload='cpu' vs save_on_cpu", 120),
     "f": ("train", "memfit train --device cuda, resumed once", 150),
+    "g": ("autoconfig", "autoconfigure's top configurations tried on the device", 150),
 }
 REPO = Path(__file__).resolve().parents[2]
 
