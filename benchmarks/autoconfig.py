@@ -95,14 +95,7 @@ def _measure(rank, world, preset, configs, warmup, repeats, replicated) -> list[
     job's step follows its own last step, not another model's (which leaves the caches and the
     allocator to that model: timed straight after one, BERT replicated over 4 ranks measured
     105.5 to 120.5 ms, 99.9 ms after its own)."""
-    runs = []
-    for micro, accumulation, shards, reshard, decisions in configs:
-        model = _build(preset, world, shards, reshard, decisions, replicated)
-        opt = torch.optim.AdamW(model.parameters())
-        batches = [
-            batch_at(preset.arch, micro, preset.shape.seq, step=rank * accumulation + k) for k in range(accumulation)
-        ]
-        runs.append(functools.partial(_step, model, opt, batches, shards == 1))
+    runs = [_step_of(rank, world, preset, replicated, c) for c in configs]
     times: list[list[float]] = [[] for _ in runs]
     for _ in range(warmup + repeats - 1):
         for took, step in zip(times, runs):
@@ -141,11 +134,7 @@ def _worker(rank: int, world: int, presets: dict[str, Preset], args) -> dict:
         dist.broadcast_object_list(box)
         result, searched = box[0]
         fits = [c for c in result.candidates if c.fits]
-        configs = [
-            (c.micro_batch, c.accumulation, c.layout.shard_size, c.layout.reshard_after_forward, _decisions(c.plan))
-            for c in fits
-        ]
-        measured = _measure(rank, world, preset, configs, args.warmup, args.repeats, args.replicated)
+        measured = _measure(rank, world, preset, fits, args.warmup, args.repeats, args.replicated)
         tried = None
         if args.trials:  # memfit's own trial of the top configurations (AutoConfig.measure), after the grid
             t0 = time.perf_counter()

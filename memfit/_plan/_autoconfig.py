@@ -117,6 +117,11 @@ class Candidate:
     def step_time(self) -> float:
         return self.time.get("step", float("inf"))
 
+    @property
+    def samples(self) -> int:
+        """Samples a step trains on, over every rank."""
+        return self.micro_batch * self.accumulation * self.layout.world_size
+
     def to_dict(self) -> dict:
         return {
             "micro_batch": self.micro_batch,
@@ -499,9 +504,9 @@ def _lost_on_time(c: Candidate, best: Candidate) -> Candidate:
     """Why ``c`` is slower than ``best``: by how much, and the term that grew most."""
     slower = 1 - c.tokens_per_second / best.tokens_per_second
     # per sample, so that configurations of different global batches compare
-    per = {k: c.time[k] / _samples(c) - best.time[k] / _samples(best) for k in _TERMS}
+    per = {k: c.time[k] / c.samples - best.time[k] / best.samples for k in _TERMS}
     term = max(per, key=per.__getitem__)
-    delta = per[term] * _samples(c)
+    delta = per[term] * c.samples
     if slower <= 1e-9:
         return dataclasses.replace(c, lost=f"time: as fast, at a larger peak than {format_bytes(best.peak)}")
     why = f"{term.replace('_', ' ')} +{_ms(delta)}" if per[term] > 0 else "fewer samples a step"
@@ -511,10 +516,6 @@ def _lost_on_time(c: Candidate, best: Candidate) -> Candidate:
 def _ms(seconds: float) -> str:
     """Seconds as milliseconds to 3 significant digits (microseconds of communication show)."""
     return f"{seconds * 1e3:.3g} ms"
-
-
-def _samples(c: Candidate) -> int:
-    return c.micro_batch * c.accumulation * c.layout.world_size
 
 
 def micro_batch_sizes(world_size: int, global_batch: int | None, given: list[int] | None, largest: int) -> list[int]:

@@ -502,7 +502,7 @@ def _slowest(seconds: float, group, device: torch.device) -> float:
     """The largest of every rank's ``seconds`` (on ``device``: NCCL reduces device tensors only)."""
     import torch.distributed as dist
 
-    took = torch.tensor([seconds], device=device)
+    took = torch.tensor([seconds], dtype=torch.float64, device=device)  # float64: a byte count to the byte too
     dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
     return took.item()
 

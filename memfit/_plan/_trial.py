@@ -59,16 +59,16 @@ def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup:
     tried = [c for c in result.candidates if c.fits][:top]
     timed: list[Candidate] = []
     refused: list[Candidate] = []  # out of memory, or over the budget on the device's allocator
+    allocator = allocator_of(work)  # None: no peaks to read (a CPU)
     from memfit._shard import _runtime
 
     for c in tried:
         took, peak, failed = [], None, ""
-        finished = set(_runtime._IN_FLIGHT)  # root states between a forward and its backward's end
+        before = set(_runtime._IN_FLIGHT)  # root states between a forward and its backward's end
         try:
             step = step_of(c)
             for _ in range(warmup):
                 step()
-            allocator = allocator_of(work)
             if allocator is not None:
                 allocator.reset_peak_memory_stats(work)
             took = [_timed(step, group, work, comm) for _ in range(steps)]
@@ -76,9 +76,9 @@ def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup:
         except torch.OutOfMemoryError as e:  # on every rank alike (one rank alone: see the Note)
             failed = f"memory: out of memory when run ({str(e).splitlines()[0][:80]})"
         step = None
-        _runtime._IN_FLIGHT.intersection_update(finished)  # a step cut short holds its model there
+        _runtime._IN_FLIGHT.intersection_update(before)  # a step cut short holds its model there
         gc.collect()  # the configuration's model and optimizer go before the next is built
-        if work.type != "cpu" and allocator_of(work) is not None:
+        if work.type != "cpu" and allocator is not None:
             torch.get_device_module(work.type).empty_cache()  # its cached blocks too
         if _largest(float(bool(failed)), group, comm):  # every rank refuses what any rank could not run
             refused.append(dataclasses.replace(c, lost=failed or "memory: out of memory on another rank"))
@@ -98,8 +98,7 @@ def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup:
             f"{format_bytes(result.budget)} per rank on the device ({why}): pass a smaller budget, or try more "
             "configurations (top=; memfit train --trials)"
         )
-    samples = {id(c): c.micro_batch * c.accumulation * c.layout.world_size for c in timed}  # a step's
-    per_second = {id(c): samples[id(c)] * result.tokens_per_sample / max(c.measured or 0.0, 1e-12) for c in timed}
+    per_second = {id(c): c.samples * result.tokens_per_sample / max(c.measured or 0.0, 1e-12) for c in timed}
     ranked = sorted(timed, key=lambda c: -per_second[id(c)])  # stable: ties keep the priced order
     best = ranked[0]
     out = [dataclasses.replace(best, lost="")]
@@ -123,10 +122,17 @@ def describe(c: Candidate) -> str:
     )
 
 
+def _together() -> bool:
+    """Whether this process is in a process group (else it measures alone)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
 def _ranks(group) -> int:
     import torch.distributed as dist
 
-    return dist.get_world_size(group) if dist.is_available() and dist.is_initialized() else 1
+    return dist.get_world_size(group) if _together() else 1
 
 
 def _work_device() -> torch.device:
@@ -141,7 +147,7 @@ def _comm_device(group, work: torch.device) -> torch.device:
     """Where the group's collectives take tensors (memfit/_shard/_device.compute_device)."""
     import torch.distributed as dist
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not _together():
         return work
     from memfit._shard._device import compute_device
 
@@ -155,7 +161,7 @@ def _timed(step: Callable[[], object], group, work: torch.device, comm: torch.de
 
     from memfit._plan._calibrate import _sync
 
-    if dist.is_available() and dist.is_initialized():
+    if _together():
         dist.barrier(group)
     _sync(work)
     t0 = _clock()
@@ -165,15 +171,10 @@ def _timed(step: Callable[[], object], group, work: torch.device, comm: torch.de
 
 
 def _largest(value: float, group, device: torch.device) -> float:
-    """The largest of every rank's ``value`` (float64: a peak of 70 GB to the byte), this
-    process's alone without a process group."""
-    import torch.distributed as dist
+    """The largest of every rank's ``value``, this process's alone without a process group."""
+    from memfit._plan._calibrate import _slowest
 
-    if not (dist.is_available() and dist.is_initialized()):
-        return value
-    box = torch.tensor([value], dtype=torch.float64, device=device)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
-    return box.item()
+    return _slowest(value, group, device) if _together() else value
 
 
 __all__ = ["describe", "measure"]

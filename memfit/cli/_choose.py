@@ -134,11 +134,11 @@ def tried(
     choice = _choice(result.best, paths, world, cfg, search.device)
     said = []
     for c in result.candidates:
-        if c.measured is not None or c.lost.startswith(("memory: measured", "memory: out of memory")):
-            took = f"{c.measured * 1e3:.3g} ms" if c.measured is not None else ""
-            refused = c.lost if c.lost.startswith("memory") else ""
-            said.append(f"{c.micro_batch} x {c.accumulation} {c.layout.describe()}: {took or refused}")
-            said[-1] += f" ({refused})" if took and refused else ""
+        refused = c.lost if c.lost.startswith(("memory: measured", "memory: out of memory")) else ""
+        took = f"{c.measured * 1e3:.3g} ms" if c.measured is not None else ""
+        what = f"{took} ({refused})" if took and refused else took or refused
+        if what:
+            said.append(f"{c.micro_batch} x {c.accumulation} {c.layout.describe()}: {what}")
     return dataclasses.replace(choice, about=f"{choice.about}; tried {', '.join(said)}")
 
 
