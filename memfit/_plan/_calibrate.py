@@ -570,7 +570,7 @@ def _collective_costs(
     from memfit._plan import _comm
     from memfit._shard import FullyShardedDataParallel
     from memfit._shard._collectives import STATS
-    from memfit._shard._layout import hybrid_mesh
+    from memfit._shard._layout import end_mesh, hybrid_mesh
 
     w, device = dist.get_world_size(group), torch.device(device)
     every = group is None or w == dist.get_world_size()
@@ -631,9 +631,7 @@ def _collective_costs(
         if mesh is not None:  # its groups are this calibration's: ended, not left to the process
             del sharded, plain  # the units hold the groups: freed with them
             dist.barrier(group)
-            for g in dict.fromkeys(mesh.get_group(d) for d in range(mesh.ndim)):  # the same order on every rank
-                if g is not dist.group.WORLD:  # (NCCL's communicator aborts may be collective)
-                    dist.destroy_process_group(g)
+            end_mesh(mesh)
     return _fit_costs(points, len(rows), device.type != "cpu" if fit_overlap is None else fit_overlap)
 
 

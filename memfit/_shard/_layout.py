@@ -181,3 +181,12 @@ def hybrid_mesh(shard_size: int, where: str, device_type: str | None = None) -> 
         )
     device_type = device_type or compute_device(cast(dist.ProcessGroup, dist.group.WORLD)).type
     return init_device_mesh(device_type, (world // shard_size, shard_size), mesh_dim_names=("replicate", "shard"))
+
+
+def end_mesh(mesh: DeviceMesh) -> None:
+    """Destroy the process groups of ``mesh`` (made by :func:`hybrid_mesh`) but the default one,
+    in the mesh's dimension order on every rank (NCCL's communicator aborts may be collective);
+    the models sharded over it freed first, every rank past a barrier."""
+    for g in dict.fromkeys(mesh.get_group(d) for d in range(mesh.ndim)):
+        if g is not dist.group.WORLD:
+            dist.destroy_process_group(g)

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import memfit
+from memfit._shard._layout import end_mesh
 from memfit._shard._utils import clip_grads
 from memfit.cli import _checkpoints
 from memfit.cli._choose import MIXED, Choice, choose, mixed_precision, tried
@@ -348,15 +349,13 @@ def _configuration(run: _Run, block: type, blocks: int, checkpointing: str, n: i
 
 
 def _end_meshes(meshes: dict, keep: int) -> None:
-    """End the process groups of the --trials' meshes the run does not use (in the same order on
-    every rank: NCCL's communicator aborts may be collective), after their models are freed."""
+    """End the process groups of the --trials' meshes the run does not use, after their models
+    are freed (the same on every rank)."""
     ended = [m for n, m in meshes.items() if n != keep and m is not None]
     if ended:
         dist.barrier()
     for mesh in ended:
-        for g in dict.fromkeys(mesh.get_group(d) for d in range(mesh.ndim)):
-            if g is not dist.group.WORLD:
-                dist.destroy_process_group(g)
+        end_mesh(mesh)
 
 
 def _hybrid_mesh(shards: int, world: int):
