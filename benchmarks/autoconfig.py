@@ -6,9 +6,10 @@ together (memfit's calibrate_group: each rank's compute measured while every ran
 the group's collectives; see [Note: Calibrating the links]); autoconfigure then prices every
 configuration of each model on that profile (micro-batch x accumulation for the global batch;
 replicated, hybrid and fully sharded, with and without reshard_after_forward) and each
-configuration that fits the budget runs for real: replicated as torch DDP (no_sync for all but
-the last micro-batch; --replicated memfit: memfit's units over a W x 1 mesh, as
-`memfit train --hybrid-shards 1` runs it), sharded as memfit.FullyShardedDataParallel over a
+configuration that fits the budget runs for real: replicated on memfit's units over a W x 1
+mesh, as `memfit train --hybrid-shards 1` runs it and autoconfigure forecasts it (--replicated
+ddp: torch DDP, which holds a copy of the gradients more; no_sync for all but the last
+micro-batch either way), sharded as memfit.FullyShardedDataParallel over a
 mesh of replicas x shards (each block a unit), the plan's checkpoint decisions applied, AdamW. Step time: the
 median of the repeats after warm-up, each step between barriers (the slowest rank's), the
 configurations of a model run in rounds (two steps of each per round, the second timed: drift
@@ -19,7 +20,7 @@ with --trials K (default 4) memfit's AutoConfig.measure then tries the top K for
 own warm-up and median), and its pick's time in the grid is compared with the best too.
 
     .venv/bin/python benchmarks/autoconfig.py [--models bert,gpt2,llama --worlds 2,4
-        --global-batch 16 --budget 40MB --replicated ddp|memfit] [--out benchmarks/results/autoconfig_cpu.md]
+        --global-batch 16 --budget 40MB --replicated memfit|ddp] [--out benchmarks/results/autoconfig_cpu.md]
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--trials", type=int, default=4, help="AutoConfig.measure's top: configurations tried (0: none)")
-    p.add_argument("--replicated", choices=["ddp", "memfit"], default="ddp", help="what runs replicated layouts")
+    p.add_argument("--replicated", choices=["ddp", "memfit"], default="memfit", help="what runs replicated layouts")
     p.add_argument("--out")
     args = p.parse_args()
     shape = Shape(layers=args.layers, hidden=args.hidden, heads=4, seq=args.seq, batch=1, vocab=args.vocab, dropout=0.0)

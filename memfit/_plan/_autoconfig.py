@@ -48,18 +48,20 @@ from memfit._shard._mixed import MixedPrecision
 # A larger micro-batch never needs less memory, so sizes above one that no layout fits are not
 # profiled. With accumulation a > 1 the gradients accumulated so far (1/s of them sharded, all
 # of them replicated) are alive through every later micro-batch's forward and backward: they
-# are added to the term the forward starts from (before_blocks), an upper bound in a block's
-# backward, where the gradients of the blocks after it are counted already, and to the backward
-# before the blocks (tail_transient), where the last micro-batch's gradients are whole beside
-# them (one process, a tiny GPT-2 at micro-batch 1 x 8: measured 43.83 MiB, 6.1 MiB of gradients
-# above the forecast without this term, at that moment). A replicated layout is priced as
-# torch DDP runs it (memfit train runs it on memfit's units over a W x 1 mesh: an upper bound
-# there), whose reducer holds a copy of every gradient (gradient_as_bucket_view=False,
-# its default) after the backward that reduces: added to the backward before the blocks and the
-# optimizer step and, with accumulation, to the forward's start (one rank of a tiny GPT-2 at
-# micro-batch 1 x 4 measured "other" bytes of one gradient copy above the same step at 1 x 1, and
-# 0.44 MiB above the forecast without it on 2 gloo ranks; at 1 x 1 MemoryMeter saw no copy at the
-# forward's start, where counting one put the forecast 14% above the measured peak).
+# are added to the term the forward starts from (before_blocks), an upper bound in a sharded
+# block's backward, where the gradient shards of the blocks after it are counted already, and to
+# the backward before the blocks (tail_transient), where the last micro-batch's gradients are
+# whole beside them (one process, a tiny GPT-2 at micro-batch 1 x 8: measured 43.83 MiB, 6.1 MiB
+# of gradients above the forecast without this term, at that moment). On one shard without
+# gathered copies (replicated, or one process in fp32) the backward adds into them in place:
+# nothing is counted beside them (_Moments.of in _solve.py). A
+# replicated layout is forecast as memfit's units over a W x 1 mesh run it (memfit train,
+# memfit.shard), which hold no copy of the gradients: 2 gloo ranks of a tiny BERT at 4 x 2,
+# 2 x 4 and 1 x 8 measured 37.07, 27.74 and 24.42 MiB against 37.07, 27.74 and 24.74 forecast
+# (a DDP-style copy and the gradients counted twice had forecast 37.90, 32.34 and 31.61). torch
+# DDP's reducer holds a copy of every gradient (gradient_as_bucket_view=False, its default):
+# 29.02 MiB at 2 x 4 and 1 x 8 there (1.28 and 4.28 MiB above the forecast): a run under torch
+# DDP needs up to one gradient copy more than the forecast.
 
 _TERMS = ("compute", "recompute", "optimizer", "exposed_communication")
 
@@ -385,17 +387,15 @@ class Search:
 
 def held_gradients(profile: ModelProfile, layout: Layout, accumulation: int) -> ModelProfile:
     """``profile`` with the gradients a layout holds beyond one micro-batch's step: those
-    accumulated (1/s each) and torch DDP's buckets. See [Note: Searching configurations]."""
+    accumulated (1/s each). See [Note: Searching configurations]."""
     grads = profile.grad_rest_bytes + sum(blk.grad_bytes for blk in profile.blocks)
     shards = -(-int(grads * profile.grad_shard_scale) // layout.shard_size)  # in the shards' dtype
     accumulated = shards if accumulation > 1 else 0
-    buckets = grads if layout.shard_size == 1 and layout.world_size > 1 else 0
     return dataclasses.replace(
         profile,
         accumulating=accumulation > 1,
-        before_blocks=profile.before_blocks + accumulated + (buckets if accumulation > 1 else 0),
-        tail_transient=profile.tail_transient + accumulated + buckets,
-        optimizer_peak=profile.optimizer_peak + buckets,
+        before_blocks=profile.before_blocks + accumulated,
+        tail_transient=profile.tail_transient + accumulated,
     )
 
 

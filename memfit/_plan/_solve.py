@@ -186,9 +186,14 @@ class _Moments:
         rest = profile.grad_rest_bytes
         kept_whole = units and sharding is not None and not sharding.reshard_after_forward
         rest_at = profile.grad_rest_at or [rest] * len(profile.blocks)
+        # Accumulating on one shard without gathered copies, a micro-batch's backward adds into
+        # the gradients the micro-batches before made, which before_blocks and tail_transient
+        # count already (autoconfigure's held_gradients): none beside them.
+        in_place = 0.0 if profile.accumulating and not units else 1.0
         for i in reversed(range(len(profile.blocks))):
             own = profile.blocks[i].grad_bytes if units else 0  # unsharded until reduce-scattered
-            gradients[i] = rest_at[i] + grads_after + own  # whole (sharded: until the root's reduce-scatter)
+            # whole (sharded: until the root's reduce-scatter)
+            gradients[i] = (rest_at[i] + grads_after) * in_place + own
             # units in flight: two blocks, or (kept gathered from forward) blocks 0..i
             in_flight[i] = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
             # in its forward: the same blocks whole (kept gathered: 0..i; else it and the next)
@@ -224,7 +229,8 @@ class _Moments:
         # The embeddings' backward: the first block's reduce-scatter still in flight (its send
         # buffer and shard; one rank: the shard's gradient alone), the root's full parameters.
         first = profile.blocks[0].grad_bytes * (shard if local else send + shard) if units else 0.0
-        tail = {"state": t["state"], "gather_buffers": t["gather_buffers"], "gradients": grads_after + first}
+        tail = {"state": t["state"], "gather_buffers": t["gather_buffers"]}
+        tail["gradients"] = (grads_after + first) * in_place
         tail["workspace"] = t["workspace"]
         tail["tail_transient"] = t["tail_transient"]
         between = [float(d) for d in profile.between] or [0.0] * len(profile.blocks)
@@ -233,7 +239,7 @@ class _Moments:
         # reduced), its input perhaps still held (a checkpoint's saved input), E_i beside
         # ([Note: What the backward holds outside the blocks])
         after = [
-            g + u + d + b.grad_bytes + b.input_bytes + e if e else 0.0
+            g + u + d + b.grad_bytes * in_place + b.input_bytes + e if e else 0.0
             for g, u, d, b, e in zip(gradients, in_flight, between, profile.blocks, profile.after_outside)
         ] or [0.0] * len(profile.blocks)
         transient = [float(f) for f in profile.forward_transient] or [0.0] * len(profile.blocks)

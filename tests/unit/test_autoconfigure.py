@@ -14,7 +14,7 @@ import memfit
 from memfit._plan import _comm as comm
 from memfit._plan._autoconfig import Layout, Search, micro_batch_sizes
 from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
-from memfit._plan._solve import Sharding, forecast, smallest_budget
+from memfit._plan._solve import Sharding, _Moments, forecast, smallest_budget
 from memfit._plan._time import PROFILES as NAMED
 from memfit._plan._time import OpCost
 from memfit.testing import fake_allocator
@@ -86,16 +86,15 @@ def test_the_pick_has_the_most_tokens_per_second_among_those_that_fit():
 
 
 def accumulating(profile, c):
-    """``profile`` with the gradients held beyond one micro-batch: accumulated ones where the
-    forward starts, and for torch DDP its buckets (a copy of every gradient) after the reducing backward."""
+    """``profile`` with the gradients held beyond one micro-batch: the accumulated ones (1/s
+    each) where the forward starts and in the backward before the blocks."""
     grads = profile.grad_rest_bytes + sum(b.grad_bytes for b in profile.blocks)
     accumulated = -(-grads // c.layout.shard_size) if c.accumulation > 1 else 0
-    buckets = grads if c.layout.shard_size == 1 else 0
     return dataclasses.replace(
         profile,
-        before_blocks=profile.before_blocks + accumulated + (buckets if c.accumulation > 1 else 0),
-        tail_transient=profile.tail_transient + buckets,
-        optimizer_peak=profile.optimizer_peak + buckets,
+        accumulating=c.accumulation > 1,
+        before_blocks=profile.before_blocks + accumulated,
+        tail_transient=profile.tail_transient + accumulated,
     )
 
 
@@ -278,18 +277,26 @@ def _only(profile, at):
     return dataclasses.replace(profile, blocks=blocks)
 
 
-def test_accumulated_gradients_and_ddp_buckets_are_held():
+def test_accumulated_gradients_are_held():
     """With accumulation > 1 the gradients so far (1/s of them sharded) are alive in the next
-    micro-batch's forward and backward: the forecast adds them where the forward starts."""
+    micro-batch's forward and backward: the forecast adds them where the forward starts. On
+    one shard the backward adds into them: none counted beside them (no DDP bucket copy either:
+    memfit's replicated units hold none)."""
     result = search(budget=10**7)
     grads = P_ROOT + N_BLOCKS * P_BLOCK
     for c in result.candidates:
         p = accumulating(profile_of(c.micro_batch), c)
         extra = -(-grads // c.layout.shard_size) if c.accumulation > 1 else 0
-        ddp = grads if c.layout.shard_size == 1 else 0  # DDP's buckets
-        assert p.before_blocks == profile_of(c.micro_batch).before_blocks + extra + (ddp if c.accumulation > 1 else 0)
-        assert p.optimizer_peak == profile_of(c.micro_batch).optimizer_peak + ddp
+        assert p.before_blocks == profile_of(c.micro_batch).before_blocks + extra
+        assert p.optimizer_peak == profile_of(c.micro_batch).optimizer_peak
         assert c.peak == forecast(p, list(c.plan.decisions.values()), c.layout.sharding)["peak"]
+        moments = _Moments.of(p, c.layout.sharding)
+        in_place = c.layout.shard_size == 1 and c.accumulation > 1  # the backward adds into them
+        assert (moments.parts["backward before the blocks"]["gradients"] == 0) == in_place
+        assert (set(moments.gradients) == {0}) == in_place
+        if in_place:  # the backward before the blocks: the state, every gradient, the embeddings' backward
+            plain = profile_of(c.micro_batch)
+            assert moments.tail == p.state_bytes + grads + plain.tail_transient + p.workspace_bytes
 
 
 def test_each_collective_adds_the_calibrated_overhead():
