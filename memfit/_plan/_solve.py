@@ -186,14 +186,18 @@ class _Moments:
         rest = profile.grad_rest_bytes
         kept_whole = units and sharding is not None and not sharding.reshard_after_forward
         rest_at = profile.grad_rest_at or [rest] * len(profile.blocks)
-        # Accumulating on one shard without gathered copies, a micro-batch's backward adds into
-        # the gradients the micro-batches before made, which before_blocks and tail_transient
-        # count already (autoconfigure's held_gradients): none beside them.
+        # Accumulating, a micro-batch's backward adds into the gradients (shards) the
+        # micro-batches before made, which before_blocks and tail_transient count already
+        # (autoconfigure's held_gradients): the blocks' reduced shards are added and their
+        # reduce outputs freed ([Note: Releasing the reduce output]), and without gathered
+        # copies every gradient is added in place, the root's too.
+        replicas = sharding is not None and sharding.shards < sharding.world_size and s > 1  # hybrid: outputs kept
+        after_at = 0.0 if profile.accumulating and not replicas else 1.0
         in_place = 0.0 if profile.accumulating and not units else 1.0
         for i in reversed(range(len(profile.blocks))):
             own = profile.blocks[i].grad_bytes if units else 0  # unsharded until reduce-scattered
             # whole (sharded: until the root's reduce-scatter)
-            gradients[i] = (rest_at[i] + grads_after) * in_place + own
+            gradients[i] = rest_at[i] * in_place + grads_after * after_at + own
             # units in flight: two blocks, or (kept gathered from forward) blocks 0..i
             in_flight[i] = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
             # in its forward: the same blocks whole (kept gathered: 0..i; else it and the next)
@@ -210,11 +214,10 @@ class _Moments:
         local, cast = s == 1, profile.reduce_scale != 1.0
         whole = rest if profile.root_grad_bytes is None else profile.root_grad_bytes
         reduced = rest * send if profile.root_reduce_bytes is None else profile.root_reduce_bytes
-        # (and the first block's reduce, bounded by its whole gradients in the reduce dtype:
-        # measured 33.8 KB beyond the root's shard where it is 37.1 KB, tiny Llama, W = 2)
-        first_reduce = profile.blocks[0].grad_bytes * send
+        # (the blocks' reduce outputs are freed once added, [Note: Releasing the reduce output];
+        # with replicas they are held to the next forward, as large as the blocks' shards)
         root_shard = reduced / s if cast and not local else rest * shard  # the whole reduce output, views held
-        held = root_shard + first_reduce if profile.accumulating else 0.0
+        held = root_shard + grads_after * after_at if profile.accumulating else 0.0
         root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + send)
         if local:
             root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + cast)
@@ -230,7 +233,7 @@ class _Moments:
         # buffer and shard; one rank: the shard's gradient alone), the root's full parameters.
         first = profile.blocks[0].grad_bytes * (shard if local else send + shard) if units else 0.0
         tail = {"state": t["state"], "gather_buffers": t["gather_buffers"]}
-        tail["gradients"] = (grads_after + first) * in_place
+        tail["gradients"] = grads_after * after_at + first
         tail["workspace"] = t["workspace"]
         tail["tail_transient"] = t["tail_transient"]
         between = [float(d) for d in profile.between] or [0.0] * len(profile.blocks)
@@ -246,6 +249,8 @@ class _Moments:
         # forward before block i (its input from block i-1 and the code making it), beside D_i
         forward = [d + b.input_bytes + f for d, b, f in zip(between, profile.blocks, transient)]
         base = {k: t[k] for k in ("state", "gather_buffers", "before_blocks", "workspace")}
+        if profile.accumulating and units:  # each unit's reduce tail of the micro-batch before, read at its forward
+            base["bookkeeping"] = tail["bookkeeping"] = _BOOKKEEPING * (len(gradients) + 1)
         # blocks kept gathered from forward (reshard_after_forward=False) are whole at its end too
         kept_gathered = t["unit_buffers"] if kept_whole else 0.0
         end = {"between_blocks": float(profile.between_end), "last_output": t["last_output"]}

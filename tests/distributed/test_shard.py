@@ -367,6 +367,21 @@ def case_memory_bound(rank, world):
     assert meter.peak_bytes <= bound, (meter.peak_bytes, bound, meter.breakdown())
 
 
+def case_accumulating_backward_frees_its_reduce_outputs(rank, world):
+    """A second backward without zero_grad adds the reduced gradients into the shards' and frees
+    the reduce outputs (each unit's flags and check sums copied for the step's checks): as many
+    bytes alive after it as after the first, where the shards' gradients view them. Until then
+    every unit's output stayed until the next forward, one more copy of the gradient shards."""
+    model = per_block({AttnBlock})(make_model("lm"))
+    x, y = batch("lm", rank, 0)
+    with memfit.MemoryMeter(model=model) as meter:
+        loss_of("lm", model, x, y).backward()
+        once = meter.current_bytes
+        loss_of("lm", model, x, y).backward()
+        twice = meter.current_bytes
+    assert once <= twice <= once + 64 * len(units_of(model)), (once, twice)
+
+
 def case_eval_under_no_grad_frees(rank, world):
     model = per_block({AttnBlock})(make_model("lm"))
     with torch.no_grad():
@@ -588,6 +603,7 @@ CASES = [
     case_checkpointing_inside_units_gathers_once,
     case_communication_volume,
     case_memory_bound,
+    case_accumulating_backward_frees_its_reduce_outputs,
     case_eval_under_no_grad_frees,
     case_optimizer_built_before_sharding_is_refused,
     case_sharding_twice_is_refused,

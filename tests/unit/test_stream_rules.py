@@ -42,6 +42,9 @@ def test_gradients_accumulated_into_existing_shards_wait_for_the_reduce():
     assert trace.violations() == []
     adds = [e for e in trace.log if e[0] == "use" and e[1].endswith(":grad-shards") and e[2] == "reduce"]
     assert len(adds) == 2 * 3  # two accumulating backwards, three units: on the reduce stream, as FSDP2
+    # the reduce outputs added are freed there, on the stream that wrote them (the first views them)
+    frees = [e for e in trace.log if e[0] == "free" and e[1].endswith(":reduce-out")]
+    assert frees == [("free", e[1].replace(":grad-shards", ":reduce-out"), "reduce") for e in adds], frees
 
 
 def test_debug_checks_read_the_reduce_output_after_the_reduce():
@@ -195,3 +198,15 @@ def test_buffers_are_freed_as_early_as_fsdp2_frees_them():
     for i in copy_outs:  # the next buffer event frees it, after the gather stream waited
         after = [e for e in log[i + 1 :] if e[0] not in ("record", "wait")]
         assert after[0] == ("free", log[i][1], "gather"), after[:2]
+
+
+def test_offloaded_shards_free_the_reduce_output_once_copied_to_the_host():
+    """Shards in host memory take a copy of the reduce output: it is freed on the reduce stream
+    after the copy is queued, each backward (See [Note: Releasing the reduce output])."""
+    with meta_accelerator(2), trace_streams() as trace:
+        model = sharded_net(offload="cpu")
+        backward(model)
+        backward(model)
+    assert trace.violations() == []
+    frees = [e for e in trace.log if e[0] == "free" and e[1].endswith(":reduce-out")]
+    assert len(frees) == 2 * 3 and {e[2] for e in frees} == {"reduce"}, frees
