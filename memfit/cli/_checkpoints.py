@@ -39,15 +39,15 @@ def path_at(root: str, step: int) -> str:
     return os.path.join(root, f"step-{step:08d}")
 
 
-def saved_global_batch(cfg: TrainConfig) -> int | None:
-    """The global batch the newest whole checkpoint records, when --resume may load it (None:
-    no --resume, no checkpoint, none recorded); rank 0 reads it, every rank gets it. A --budget
-    plan is made for the accumulation the resumed run will use (See [Note: Elastic restarts])."""
-    box: list[int | None] = [None]
+def saved_extra(cfg: TrainConfig) -> dict:
+    """The ``extra`` values the newest whole checkpoint records, when --resume may load it ({}:
+    no --resume, no checkpoint, unreadable: resume says why); rank 0 reads them, every rank
+    gets them. A --budget plan is made for the accumulation the resumed run will use (See
+    [Note: Elastic restarts]); --trials keeps the configuration it picked."""
+    box: list[dict] = [{}]
     if dist.get_rank() == 0 and cfg.resume != "no" and cfg.checkpoint_dir and not cfg.overwrite:
         found = complete(cfg.checkpoint_dir)
-        value = extra_of(found[-1][1]).get("global_batch") if found else None  # unreadable: resume says why
-        box[0] = value if isinstance(value, int) and value > 0 else None
+        box[0] = extra_of(found[-1][1]) if found else {}
     dist.broadcast_object_list(box, src=0)
     return box[0]
 

@@ -34,7 +34,9 @@ if TYPE_CHECKING:
 # - --auto with --budget: memfit.autoconfigure over micro-batch sizes (the global batch fixed
 #   when --global-batch is given), accumulation, shard group sizes and reshard_after_forward,
 #   and the per-block decisions at each; the pick (most predicted tokens/s within the budget)
-#   sets --batch, the accumulation, the layout and the decisions.
+#   sets --batch, the accumulation, the layout and the decisions. With --trials K the top K are
+#   timed first and the fastest measured trains; its checkpoints record it, and a restart at the
+#   same world size trains it again without trying (picked_before).
 # Time is priced on the named profile of the device the run computes on. With --mixed-precision
 # bf16 both plan the step as memfit's units compute it (bf16 copies and activations beside fp32
 # shards and optimizer state: [Note: Forecasts under mixed precision]); --auto then searches
@@ -140,6 +142,28 @@ def tried(
         if what:
             said.append(f"{c.micro_batch} x {c.accumulation} {c.layout.describe()}: {what}")
     return dataclasses.replace(choice, about=f"{choice.about}; tried {', '.join(said)}")
+
+
+def trials_record(choice: Choice, world: int) -> dict:
+    """What a checkpoint records of the configuration --trials picked (See :func:`picked_before`)."""
+    shards = choice.hybrid_shards or world
+    record = {"world": world, "micro_batch": choice.batch, "accumulation": choice.accumulate, "shard_size": shards}
+    return record | {"reshard_after_forward": choice.reshard_after_forward}
+
+
+def picked_before(record: object, search: AutoConfig, paths: list[str], world: int, cfg: TrainConfig) -> Choice | None:
+    """The configuration an earlier --trials picked (``record``: what the resumed checkpoint
+    recorded), where this run's search has it and it fits: a restart at the same world size
+    trains it again without trying (None: try; another world size searches other layouts)."""
+    if not isinstance(record, dict) or record.get("world") != world:
+        return None
+    for c in search.candidates:
+        key = {"world": world, "micro_batch": c.micro_batch, "accumulation": c.accumulation}
+        key |= {"shard_size": c.layout.shard_size, "reshard_after_forward": c.layout.reshard_after_forward}
+        if c.fits and key == record:
+            choice = _choice(c, paths, world, cfg, search.device)
+            return dataclasses.replace(choice, about=f"{choice.about}; picked by --trials before, not tried again")
+    return None
 
 
 def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, priced_on: str) -> Choice:

@@ -32,7 +32,7 @@ import memfit
 from memfit._shard._layout import end_mesh
 from memfit._shard._utils import clip_grads
 from memfit.cli import _checkpoints
-from memfit.cli._choose import MIXED, Choice, choose, mixed_precision, tried
+from memfit.cli._choose import MIXED, Choice, choose, mixed_precision, picked_before, trials_record, tried
 from memfit.cli._data import Tokens, load_tokens, window_batch
 from memfit.cli._flags import DEVICE_HELP, DEVICES, decision_kind, flag
 from memfit.cli._launch import choose_device, init_process_group, pg_timeout
@@ -251,6 +251,7 @@ class _Run:
     forecast: float | None = None  # the planner's peak per rank (--budget, --auto), bytes
     chosen: tuple[type, int, str, int] | None = None  # block class, count, checkpointing chosen, shard group
     sharded: bool = True  # shard groups of 2 or more ranks (See [Note: Reducing accumulated gradients])
+    trials_pick: dict | None = None  # what --trials picked, recorded in checkpoints (a restart keeps it)
 
 
 def _build(cfg: TrainConfig, device: torch.device) -> _Run:
@@ -273,7 +274,9 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     # resumed at another world size, the run keeps the checkpoint's global batch: a --budget plan
     # holds the gradients of the accumulation it will use, --auto searches at that global batch
     # (See [Note: Elastic restarts])
-    resumed = None if cfg.global_batch else _checkpoints.saved_global_batch(cfg)
+    saved = _checkpoints.saved_extra(cfg)
+    recorded = saved.get("global_batch")
+    resumed = recorded if not cfg.global_batch and isinstance(recorded, int) and recorded > 0 else None
     planned = accumulation(resumed, batch, world) if resumed and not cfg.auto else wanted // (batch * world)
     data = (tokens, spec.arch, seq, batch)
     meshes: dict[int, object] = {}  # per shard group size: the trials' and the run's the same groups
@@ -295,12 +298,16 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
         return lambda: _descend(trial, _micro_batches(trial, 0))
 
     chosen = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
+    picked = None
     if cfg.trials and chosen.search is not None:  # See [Note: Trying configurations]
+        picked = picked_before(saved.get("trials_pick"), chosen.search, list(chosen.decisions), world, cfg)
+    if cfg.trials and chosen.search is not None and picked is None:
         del model  # each trial builds its own: one whole model in host memory at a time
         gc.collect()
-        chosen = tried(cfg, chosen.search, list(chosen.decisions), world, step_of, device)
+        picked = tried(cfg, chosen.search, list(chosen.decisions), world, step_of, device)
         model = spec.build(cfg.seed)
         settle_loss_type(model)
+    chosen = picked or chosen
     _end_meshes(meshes, keep=chosen.hybrid_shards)
     model, opt = shard(model, chosen)
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
@@ -310,6 +317,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     run.forecast = chosen.forecast
     run.chosen = (block, len(chosen.decisions), chosen.about, chosen.hybrid_shards)  # for the start line
     run.sharded = (chosen.hybrid_shards or world) > 1
+    run.trials_pick = trials_record(chosen, world) if picked is not None else None
     return run
 
 
@@ -514,6 +522,8 @@ def _save(run: _Run, step: int, last: bool) -> str:
         "global_batch": global_batch,
         "world": run.world,
     }
+    if run.trials_pick is not None:
+        extra["trials_pick"] = run.trials_pick
     background = run.cfg.async_save and not last
     # Waits for the save in flight first, raising its error: a failed background write stops the run.
     memfit.save_checkpoint(path, run.model, run.opt, extra=extra, async_=background)

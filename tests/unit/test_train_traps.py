@@ -385,6 +385,38 @@ def test_trials_train_the_fastest_measured_and_leave_the_run_as_it_was(group_of_
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_a_restart_trains_what_the_trials_picked_without_trying_again(group_of_one, monkeypatch, tmp_path):
+    # the checkpoint records --trials' pick; a resumed run at the same world size trains it
+    # again (its search has it, it fits) instead of timing the top K anew, which could pick
+    # another configuration mid-run. See [Note: Trying configurations].
+    from memfit._plan import _trial
+    from memfit.cli import _train
+    from memfit.cli._choose import picked_before
+
+    shape = {k: v for k, v in TINY.items() if k != "batch"}
+    clock, steps, real = [0.0], [], _train._descend
+
+    def descend(run, micro):  # a step takes 1 / its micro-batches seconds: the most accumulation is fastest
+        steps.append((run.batch, run.accumulate))
+        clock[0] += 1 / run.accumulate
+        return real(run, micro)
+
+    monkeypatch.setattr(_trial, "_clock", lambda: clock[0])
+    monkeypatch.setattr(_train, "_descend", descend)
+    flags = {"device": "cpu", "budget": "1GB", "auto": True, "global_batch": 8, "trials": 3, **shape}
+    first = _build(TrainConfig(steps=1, checkpoint_dir=str(tmp_path), **flags), torch.device("cpu"))
+    picked = (first.batch, first.accumulate)
+    assert len(steps) == 3 * 7 and first.trials_pick is not None
+    _train._loop(first, StopRequests(rank=0), None)  # one step, saved
+    steps.clear()
+    again = _build(TrainConfig(steps=2, checkpoint_dir=str(tmp_path), resume="yes", **flags), torch.device("cpu"))
+    assert steps == [] and (again.batch, again.accumulate) == picked, steps
+    assert "picked by --trials before, not tried again" in again.chosen[2], again.chosen[2]
+    assert again.trials_pick == first.trials_pick  # and its checkpoints record it again
+    # another world size searches other layouts: the record does not apply
+    assert picked_before({**first.trials_pick, "world": 2}, None, [], 1, None) is None
+
+
 def test_a_trial_cut_short_by_out_of_memory_frees_its_model(group_of_one):
     # a step that fails between its forward and the end of its backward leaves its root state in
     # memfit's in-flight set: measure releases it, so the failed configuration's model is freed
