@@ -19,7 +19,7 @@ from memfit._plan._budget import format_bytes, parse_bytes
 from memfit._plan._calibrate import check_ranks
 from memfit._plan._calibrate import device_profile as _device_profile
 from memfit._plan._comm import Units, micro_batch_comm
-from memfit._plan._plan import Plan, PlanError, _device_type, _solve_with_heads
+from memfit._plan._plan import Plan, PlanError, _device_type, _solve_with_heads, replicas_forecast
 from memfit._plan._profile import (
     DECISIONS,
     Inputs,
@@ -304,8 +304,9 @@ def autoconfigure(
         shard_sizes: shard group sizes to try (default: every divisor of ``world_size``; 1
             is replication).
         tokens_per_sample: default: the first tensor's elements per sample (a sequence length).
-        mixed_precision: as for memfit.plan; replicated layouts of more than one rank are not
-            searched under it ([Note: Forecasts under mixed precision]).
+        mixed_precision: as for memfit.plan; replicated layouts of more than one rank are
+            searched under it where it sums gradients in fp32 (``reduce_dtype=torch.float32``),
+            else left out ([Note: Forecasts under mixed precision]).
 
     Raises:
         PlanError: no configuration fits; the message gives the smallest budget that does.
@@ -327,12 +328,13 @@ def autoconfigure(
     search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head)
     sizes = micro_batch_sizes(world_size, global_batch, micro_batches, max_micro_batch)
     layouts = _layouts(world_size, shard_sizes)
-    if mixed_precision is not None and world_size > 1:  # See [Note: Forecasts under mixed precision]
-        layouts = [layout for layout in layouts if layout.shard_size > 1]
+    if mixed_precision is not None and world_size > 1 and not replicas_forecast(mixed_precision):
+        layouts = [layout for layout in layouts if layout.shard_size > 1]  # [Note: Forecasts under mixed precision]
         if not layouts:
             raise ValueError(
-                f"memfit.autoconfigure: shard_sizes={shard_sizes} leaves only replicated layouts, which are not "
-                "forecast under mixed_precision; allow a shard size above 1"
+                f"memfit.autoconfigure: shard_sizes={shard_sizes} leaves only replicated layouts, which are "
+                "forecast under mixed_precision with reduce_dtype=torch.float32 only; pass it, or allow a shard "
+                "size above 1"
             )
     return search.run(profile_of, sizes, layouts)
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit._checkpoint import Decision, Offload, remove_checkpointing
@@ -360,6 +361,15 @@ class Plan:
         return f"Plan(budget={budget}, peak={format_bytes(self.predicted_peak)}, {counts})"
 
 
+def replicas_forecast(mixed_precision: MixedPrecision | None, profile: ModelProfile | None = None) -> bool:
+    """Whether a replicated layout (memfit's units over a (W, 1) mesh) is forecast under mixed
+    precision: where gradients are summed in fp32, as they were measured (See [Note:
+    Forecasts under mixed precision]); ``profile``: a mixed-precision profile, when no policy is given."""
+    if mixed_precision is not None:
+        return mixed_precision.reduce_dtype == torch.float32
+    return profile is not None and profile.reduce_scale >= profile.grad_shard_scale
+
+
 def plan(
     model: nn.Module,
     example_inputs: Inputs,
@@ -435,11 +445,12 @@ def plan(
             "memfit.plan: mixed_precision= with a profile measured without it; profile again (drop profile=)"
         )
     mixed = mixed_precision is not None or bool(profile is not None and profile.master_bytes)
-    if mixed and world_size > 1 and (shard is None or shard.shards == 1):
+    replicated = world_size > 1 and (shard is None or shard.shards == 1)
+    if mixed and replicated and not replicas_forecast(mixed_precision, profile):
         raise ValueError(
-            f"memfit.plan: mixed precision over {world_size} replicas of one shard is not forecast (a replicated "
-            "layout; see [Note: Forecasts under mixed precision]); shard the model: shard_size > 1, or the "
-            "default (all ranks)"
+            f"memfit.plan: mixed precision over {world_size} replicas of one shard is forecast with "
+            "reduce_dtype=torch.float32 only (the micro-batches' gradients accumulate in fp32; see [Note: Forecasts "
+            "under mixed precision]); pass it, or shard the model: shard_size > 1, or the default (all ranks)"
         )
     device = _device_profile(device_profile, _device_type(model))
     check_ranks(device, world_size, "memfit.plan")

@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 #   same world size trains it again without trying (picked_before).
 # Time is priced on the named profile of the device the run computes on. With --mixed-precision
 # bf16 both plan the step as memfit's units compute it (bf16 copies and activations beside fp32
-# shards and optimizer state: [Note: Forecasts under mixed precision]); --auto then searches
-# sharded layouts only (a replicated one is not forecast under mixed precision).
+# shards and optimizer state, gradients summed in fp32: [Note: Forecasts under mixed
+# precision]), replicated layouts too.
 PLANNED_KINDS = ("keep", "selective", "full")
 _TRAIN_ADVICE = "a smaller --batch, more ranks (torchrun --nproc-per-node), or a larger --budget."
 

@@ -60,11 +60,6 @@ class PlanConfig:
             raise ValueError(f"memfit plan: unknown --dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.mixed_precision not in MIXED:
             raise ValueError(f"memfit plan: --mixed-precision takes {list(MIXED)}, got {self.mixed_precision!r}")
-        if self.mixed_precision != "no" and self.world_size > 1 and self.shard_size == 1:
-            raise ValueError(
-                f"memfit plan: --mixed-precision {self.mixed_precision} over --shard-size 1 (replicas of one shard) "
-                "is not forecast; drop --shard-size, or pass one above 1"
-            )
         if self.mixed_precision != "no" and self.dtype != "fp32":
             raise ValueError(
                 f"memfit plan: --mixed-precision {self.mixed_precision} keeps fp32 master weights and computes in "
@@ -148,8 +143,6 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
         mixed_precision=mixed_precision(cfg.mixed_precision),
     )
     print(result.table(limit=20))
-    if cfg.mixed_precision != "no" and cfg.world_size > 1:
-        print(f"replicated layouts are not searched under --mixed-precision {cfg.mixed_precision} (not forecast)")
     print()
     print(result.plan.table())
     if cfg.json:

@@ -200,11 +200,6 @@ class TrainConfig:
             raise ValueError("memfit train: --trials K tries --auto's top configurations: pass --auto (and --budget)")
         if self.mixed_precision not in MIXED:
             raise ValueError(f"memfit train: --mixed-precision takes {list(MIXED)}")
-        if self.budget and self.mixed_precision != "no" and self.hybrid_shards == 1:
-            raise ValueError(
-                f"memfit train: --budget does not forecast --mixed-precision {self.mixed_precision} over "
-                "--hybrid-shards 1 (replicas of one shard); drop --hybrid-shards, or pass one above 1"
-            )
 
     @property
     def kind(self) -> str:

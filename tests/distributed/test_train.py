@@ -211,7 +211,8 @@ def test_runs_with_accumulation_stay_within_their_budget_forecast():
     # every gradient between micro-batches, the backward adding into them, no copy beside them
     # (the forecast counted a DDP-style copy and some gradients twice: 63.17 MiB against 55.3).
     flags = ["--model", "llama", "--budget", "1GB", "--accumulate", "4", "--steps", "2"]
-    for layout in ([], ["--hybrid-shards", "1"]):
+    # Under bf16 (gradients summed in fp32) replicated too: fp32 accumulators under no_sync.
+    for layout in ([], ["--hybrid-shards", "1"], ["--hybrid-shards", "1", "--mixed-precision", "bf16"]):
         run = memfit_train(*flags, *layout, torchrun=2)
         forecast = float(re.search(r"forecast peak ([\d.]+) MiB", run.stdout).group(1))
         peak = float(re.search(r"peak [\d.]+-([\d.]+) MiB per rank", run.stdout).group(1))  # the highest rank's

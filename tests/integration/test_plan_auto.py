@@ -59,23 +59,35 @@ def test_plan_auto_prints_the_table_and_the_chosen_plan(capsys, tmp_path):
     assert main(["plan", "--model", "llama", "--budget", "1GB", "--global-batch", "4"]) == 2  # --auto only
 
 
-def test_under_mixed_precision_only_sharded_layouts_are_searched():
-    """A replicated layout of W > 1 ranks is not forecast under mixed precision: autoconfigure
-    leaves it out, memfit.plan refuses it by name; each sharded one is the plan of that layout."""
+def test_under_mixed_precision_replicated_layouts_need_fp32_sums():
+    """A replicated layout of W > 1 ranks is forecast under mixed precision where gradients are
+    summed in fp32 (they accumulate in fp32 under no_sync): searched, planned as memfit.plan
+    plans it. Summed in bf16 it is not forecast: autoconfigure leaves it out, memfit.plan
+    refuses it by name (also given such a profile)."""
     model, batch = llama_lm(SHAPE), lm_batch(SHAPE)
     bf16 = memfit.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    opts = {"decisions": ("keep", "full"), "chunk_head": False}
     result = memfit.autoconfigure(
-        model, batch, budget="1GB", world_size=2, global_batch=4, decisions=("keep", "full"), chunk_head=False,
-        mixed_precision=bf16,
-    )  # fmt: skip
-    assert {c.layout.describe() for c in result.candidates} == {"full shard", "full shard, no reshard"}
+        model, batch, budget="1GB", world_size=2, global_batch=4, mixed_precision=bf16, **opts
+    )
+    assert {c.layout.describe() for c in result.candidates} == {"full shard", "full shard, no reshard", "replicated x2"}
     assert result.plan.profile.master_bytes == sum(p.numel() * 4 for p in model.parameters())
-    with pytest.raises(ValueError, match=r"mixed precision over 2 replicas of one shard is not forecast"):
-        memfit.plan(model, batch, budget="1GB", world_size=2, shard_size=1, mixed_precision=bf16)
+    (whole,) = [c for c in result.candidates if c.layout.shard_size == 1 and c.micro_batch == SHAPE.batch]
+    plan = memfit.plan(model, batch, budget="1GB", world_size=2, shard_size=1, mixed_precision=bf16, **opts)
+    assert whole.accumulation == 1 and plan.predicted_peak == whole.peak
+    summed_in_bf16 = memfit.MixedPrecision(param_dtype=torch.bfloat16)
+    narrow = memfit.autoconfigure(
+        model, batch, budget="1GB", world_size=2, global_batch=4, mixed_precision=summed_in_bf16, **opts
+    )
+    assert {c.layout.shard_size for c in narrow.candidates} == {2}
+    with pytest.raises(
+        ValueError, match=r"mixed precision over 2 replicas of one shard is forecast with reduce_dtype="
+    ):
+        memfit.plan(model, batch, budget="1GB", world_size=2, shard_size=1, mixed_precision=summed_in_bf16)
     with pytest.raises(ValueError, match=r"mixed precision over 2 replicas"):  # the profile says it
-        memfit.plan(model, batch, budget="1GB", world_size=2, shard_size=1, profile=result.plan.profile)
+        memfit.plan(model, batch, budget="1GB", world_size=2, shard_size=1, profile=narrow.plan.profile)
     fp32 = memfit.plan(model, batch, budget="1GB", world_size=2).profile
     with pytest.raises(ValueError, match=r"mixed_precision= with a profile measured without it"):
         memfit.plan(model, batch, budget="1GB", world_size=2, profile=fp32, mixed_precision=bf16)
     with pytest.raises(ValueError, match=r"leaves only replicated layouts"):
-        memfit.autoconfigure(model, batch, budget="1GB", world_size=2, shard_sizes=[1], mixed_precision=bf16)
+        memfit.autoconfigure(model, batch, budget="1GB", world_size=2, shard_sizes=[1], mixed_precision=summed_in_bf16)

@@ -467,7 +467,6 @@ def test_bf16_mixed_precision_gathers_bf16_and_keeps_fp32_masters(group_of_one):
         ({"budget": "lots"}, r"lots"),
         ({"budget": "1GB", "trials": 2}, r"--trials K tries --auto's top configurations: pass --auto"),
         ({"budget": "1GB", "auto": True, "trials": -1}, r"--trials takes 0 \(none\) or more"),
-        ({"budget": "1GB", "mixed_precision": "bf16", "hybrid_shards": 1}, r"over --hybrid-shards 1 \(replicas"),
     ],
 )
 def test_conflicting_choices_are_refused(flags, message):
