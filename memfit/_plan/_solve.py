@@ -192,6 +192,8 @@ class _Moments:
         # reduce outputs freed ([Note: Releasing the reduce output]), and without gathered
         # copies every gradient is added in place, the root's too.
         replicas = sharding is not None and sharding.shards < sharding.world_size and s > 1  # hybrid: outputs kept
+        # replicated (W x 1 units): the root's gradients are copied into a send buffer to be all-reduced
+        replicas_of_one = sharding is not None and sharding.world_size > 1 and s == 1
         after_at = 0.0 if profile.accumulating and not replicas else 1.0
         in_place = 0.0 if profile.accumulating and not units else 1.0
         for i in reversed(range(len(profile.blocks))):
@@ -215,9 +217,9 @@ class _Moments:
         whole = rest if profile.root_grad_bytes is None else profile.root_grad_bytes
         reduced = rest * send if profile.root_reduce_bytes is None else profile.root_reduce_bytes
         # (the blocks' reduce outputs are freed once added, [Note: Releasing the reduce output];
-        # with replicas they are held to the next forward, as large as the blocks' shards)
+        # with replicas they are held to the end of backward, as large as the blocks' shards)
         root_shard = reduced / s if cast and not local else rest * shard  # the whole reduce output, views held
-        held = root_shard + grads_after * after_at if profile.accumulating else 0.0
+        held = root_shard + grads_after * after_at if profile.accumulating and units else 0.0
         root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + send)
         if local:
             root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + cast)
@@ -262,7 +264,7 @@ class _Moments:
             base=sum(base.values()),
             end_of_forward=profile.between_end + t["last_output"] + t["head_transient"] + kept_gathered,
             backward=[g + u + d + r for g, u, d, r in zip(gradients, in_flight, between, outside)],
-            end_of_backward=sum(eob.values()) if units else 0.0,
+            end_of_backward=sum(eob.values()) if units or replicas_of_one else 0.0,
             tail=sum(tail.values()),
             optimizer=t["optimizer_peak"] + profile.leftover + t["workspace"],
             parts={

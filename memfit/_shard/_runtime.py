@@ -17,7 +17,7 @@ from memfit._instrument import HOOKS
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
-from memfit._shard._unit import GradSync, PendingReduce, ShardState, TrainingState, Unit
+from memfit._shard._unit import GradSync, PendingReduce, ShardState, TrainingState, Unit, release
 
 # [Note: One sharded training step]
 # Forward, per unit: the pre-forward hook finishes the unit's all-gather (started early by
@@ -64,6 +64,9 @@ class RootState:
         # (name, buffer) written on compute and read on a reduce stream, freed at the end of
         # backward once compute waited for those streams (one rank's send buffers): CUDA only
         self.reduced_held: list[tuple[str, torch.Tensor]] = []
+        # (name, buffer) reduce outputs a hybrid unit's all-reduce stream used and no gradient
+        # views, freed at the end of backward (See [Note: Releasing the reduce output])
+        self.outputs_held: list[tuple[str, torch.Tensor]] = []
 
     def next_in_forward(self, unit: Unit) -> Unit | None:
         if not self.order_done or unit not in self.forward_order:
@@ -223,9 +226,14 @@ class RootState:
         for name, _ in self.reduced_held:
             self.streams.note("free", name, "compute")
         self.reduced_held.clear()
+        if self.outputs_held:  # allocated on the reduce stream: it waits for the all-reduce stream's uses
+            self.streams.after("reduce", "all_reduce")
+            for name, buffer in self.outputs_held:
+                release(self.streams, name, "reduce", buffer)
+            self.outputs_held.clear()
         for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next
             self.streams.note("use", f"{unit.name}:grad-shards", "compute")  # (the optimizer)
-            self.streams.note("use", f"{unit.name}:reduce-out", "compute")  # (the step's checks)
+            self.streams.note("use", unit.tail_name, "compute")  # (the step's checks)
         for unit in self.units:
             unit.training_state = TrainingState.IDLE
             unit.pending_backward = 0

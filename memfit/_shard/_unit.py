@@ -151,6 +151,7 @@ class Unit:
         # a state, since a unit may run several times in one forward (a shared block) and its
         # post-backward must wait for the last of them.
         self.pending_backward = 0
+        self.tail_name = f"{self.name}:reduce-out"  # the traced buffer its reduce's check values are in
         self._gathered_versions: list[int] = []  # the shards' versions the gather started from
         self._gather: tuple[dist.Work | None, torch.Tensor, torch.Tensor] | None = None  # (work, output, send buffer)
         self._gather_plan: GatherLayout | None = None  # built at the first gather
@@ -613,9 +614,11 @@ class ReduceLayout:
 # at once, its tail copied first: holding it for its tail kept one more copy of the gradient
 # shards (every unit's) from each backward to the next forward, through the optimizer step, as
 # FSDP2 does not (a 2-rank BERT in bf16 at 1 x 4: 16.18 MiB measured, 15.04 MiB since). It is
-# freed on the stream that allocated it and alone used it (the reduce stream); with replicas
+# freed on the stream that allocated it and alone used it (the reduce stream). With replicas
 # the all-reduce stream used it too, and the reduce stream never waits for that one inside a
-# backward, so a hybrid unit keeps its output until the next forward, as before.
+# backward (its reduce-scatters would queue behind the all-reduces): a hybrid unit's output is
+# freed at the end of backward, once the reduce stream waited for the all-reduce stream (it
+# has nothing left to run by then), on the CPU too, so that both hold it as long.
 
 
 class PendingReduce:
@@ -666,11 +669,16 @@ class PendingReduce:
                 streams.note("use", f"{unit.name}:grad-shards", post)
                 torch._foreach_add_(olds, news)
             tail = self.out[layout.flags : layout.flags + layout.checked]
+            unit.tail_name = name
             viewed = out is self.out and len(olds) < len(layout.params)  # a fresh gradient shard views it
-            if not viewed and replicate is None:  # See [Note: Releasing the reduce output]
-                tail = tail.clone()
-                self._release(streams, name, post)
-                streams.note("alloc", name, post)  # the tail's copy: read as the reduce output's was
+            held = unit.root_state.outputs_held if unit.root_state is not None else None
+            if not viewed and (replicate is None or held is not None):  # See [Note: Releasing the reduce output]
+                tail, unit.tail_name = tail.clone(), f"{unit.name}:reduce-tail"
+                streams.note("alloc", unit.tail_name, post)  # read as the reduce output's tail was
+                if replicate is None:  # the reduce stream alone used it
+                    self._release(streams, name, post)
+                else:  # the all-reduce stream too: freed at the end of backward
+                    cast(list, held).append((name, self.out))
             done = streams.record(post)
         # The send buffer was allocated on compute: compute waits before its memory is reused.
         if unit.world > 1:  # for the reduce-scatter, which read it
@@ -694,16 +702,14 @@ class PendingReduce:
             if post != "reduce":
                 streams.wait("compute", scattered)  # (done's stream waited for it; the trace wants it direct)
                 streams.wait("reduce", done)  # the buffer may be freed after the check: its stream waits too
-            streams.note("use", name, "compute")
+            streams.note("use", unit.tail_name, "compute")
         checks.reduced(unit, layout.params, tail, layout.exact, self.have)
 
     def _release(self, streams: Streams, name: str, stream: str) -> None:
         """Free the reduce output, which ``stream`` (the one it was allocated on) alone used: on
         the CPU now (gloo's worker thread may hold a reference of its own), on CUDA with this
         handle, which its caller drops once finished."""
-        if not streams.holds:
-            comm.free_now(self.out)
-        streams.note("free", name, stream)
+        release(streams, name, stream, self.out)
 
     def _shard_grads(self, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Give each shard without a gradient its view of ``out``; (old gradients, their
@@ -719,6 +725,15 @@ class PendingReduce:
                 olds.append(p.sharded.grad)
                 news.append(g)
         return olds, news
+
+
+def release(streams: Streams, name: str, stream: str, buffer: torch.Tensor) -> None:
+    """Free ``buffer`` (traced as ``name``), allocated on ``stream``, whose uses on other
+    streams that stream has waited for: on the CPU at once (gloo's worker thread may hold a
+    reference of its own), on CUDA when the caller's references go."""
+    if not streams.holds:
+        comm.free_now(buffer)
+    streams.note("free", name, stream)
 
 
 class ShardedModule:

@@ -371,15 +371,20 @@ def case_accumulating_backward_frees_its_reduce_outputs(rank, world):
     """A second backward without zero_grad adds the reduced gradients into the shards' and frees
     the reduce outputs (each unit's flags and check sums copied for the step's checks): as many
     bytes alive after it as after the first, where the shards' gradients view them. Until then
-    every unit's output stayed until the next forward, one more copy of the gradient shards."""
-    model = per_block({AttnBlock})(make_model("lm"))
-    x, y = batch("lm", rank, 0)
-    with memfit.MemoryMeter(model=model) as meter:
-        loss_of("lm", model, x, y).backward()
-        once = meter.current_bytes
-        loss_of("lm", model, x, y).backward()
-        twice = meter.current_bytes
-    assert once <= twice <= once + 64 * len(units_of(model)), (once, twice)
+    every unit's output stayed until the next forward, one more copy of the gradient shards.
+    Hybrid (2 x 2 at 4 ranks): freed at the end of backward, after the all-reduce stream."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    meshes = [None] + ([init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))] if world == 4 else [])
+    for mesh in meshes:
+        model = memfit.FullyShardedDataParallel(make_model("lm"), auto_wrap_policy={AttnBlock}, mesh=mesh)
+        x, y = batch("lm", rank, 0)
+        with memfit.MemoryMeter(model=model) as meter:
+            loss_of("lm", model, x, y).backward()
+            once = meter.current_bytes
+            loss_of("lm", model, x, y).backward()
+            twice = meter.current_bytes
+        assert once <= twice <= once + 64 * len(units_of(model)), (mesh, once, twice)
 
 
 def case_eval_under_no_grad_frees(rank, world):

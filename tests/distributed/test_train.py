@@ -178,12 +178,13 @@ def _forecast(proc) -> str:
 def test_a_budget_plan_after_an_elastic_restart_holds_the_accumulation_it_runs(tmp_path):
     # 2 ranks at accumulation 1 save at step 2; resumed on 1 rank the run accumulates 2
     # micro-batches to keep the global batch, and its --budget plan must hold their gradients:
-    # it was made for the flags' accumulation 1 (See [Note: Elastic restarts]).
-    flags = ["--model", "llama", "--batch", "1", "--budget", "1GB", "--steps", "2"]
+    # it was made for the flags' accumulation 1 (See [Note: Elastic restarts]). At --batch 2 the
+    # peak is where the accumulated gradients add (at 1, the optimizer step's: the same for both).
+    flags = ["--model", "llama", "--batch", "2", "--budget", "1GB", "--steps", "2"]
     ck = ["--checkpoint-dir", str(tmp_path / "ck"), "--save-every", "2"]
     memfit_train(*flags, *ck, torchrun=2)
     resumed = memfit_train(*flags[:-1], "3", *ck, "--resume")
-    assert "accumulating 2 micro-batches of 1 per rank (was 1)" in resumed.stdout, resumed.stdout[-2000:]
+    assert "accumulating 2 micro-batches of 2 per rank (was 1)" in resumed.stdout, resumed.stdout[-2000:]
     two = memfit_train(*flags, "--accumulate", "2")
     one = memfit_train(*flags)
     assert _forecast(resumed) == _forecast(two) != _forecast(one)

@@ -96,7 +96,12 @@ def test_hybrid_all_reduce_runs_on_its_own_stream():
     for name in names:
         assert ("use", f"{name}:reduce-out", "all_reduce") in log, name
         assert ("use", f"{name}:grad-shards", "all_reduce") in log, name  # the second backward adds
-    assert not any(e[0] == "wait" and e[1] in ("reduce", "gather") and e[2] in on_all_reduce for e in log)
+    # the reduce stream waits for the all-reduce stream only after a backward's last reduce-scatter,
+    # before the outputs the second backward added into existing shards are freed
+    waits = [i for i, e in enumerate(log) if e[0] == "wait" and e[1] in ("reduce", "gather") and e[2] in on_all_reduce]
+    assert [log[i][1] for i in waits] == ["reduce"], waits
+    assert not any(e[0] == "use" and e[2] == "reduce" for e in log[waits[0] :])
+    assert sorted(e[1] for e in log[waits[0] :] if e[0] == "free") == sorted(f"{n}:reduce-out" for n in names)
     assert sum(e[0] == "wait" and e[1] == "compute" and e[2] in on_all_reduce for e in log) == 2  # per backward
 
 
