@@ -312,7 +312,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     run.forecast = chosen.forecast
     run.chosen = (block, len(chosen.decisions), chosen.about, chosen.hybrid_shards)  # for the start line
     run.sharded = (chosen.hybrid_shards or world) > 1
-    run.trials_pick = trials_record(chosen, world) if picked is not None else None
+    run.trials_pick = trials_record(chosen, world, cfg) if picked is not None else None
     return run
 
 

@@ -413,7 +413,14 @@ def test_a_restart_trains_what_the_trials_picked_without_trying_again(group_of_o
     assert steps == [] and (again.batch, again.accumulate) == picked, steps
     assert "picked by --trials before, not tried again" in again.chosen[2], again.chosen[2]
     assert again.trials_pick == first.trials_pick  # and its checkpoints record it again
-    # another world size searches other layouts: the record does not apply
+    # another precision (or sequence length, device) times other steps; another world size
+    # searches other layouts: the record does not apply, the trials run again
+    steps.clear()
+    bf16 = _build(
+        TrainConfig(steps=2, checkpoint_dir=str(tmp_path), resume="yes", mixed_precision="bf16", **flags),
+        torch.device("cpu"),
+    )
+    assert len(steps) == 3 * 7 and "not tried again" not in bf16.chosen[2]
     assert picked_before({**first.trials_pick, "world": 2}, None, [], 1, None) is None
 
 
