@@ -112,7 +112,10 @@ class StepChecks:
             host.copy_(flat, non_blocking=True)
             event = torch.Event(device=flat.device)
             event.record()
-        self._started.append((self._gathers, self._reduces, host, event))
+        # the read needs the parts' sizes and dtypes only: a tail viewing a reduce output would
+        # hold the whole output (the gradient shards, after zero_grad) until the copy lands
+        reduces = [(u, params, _stand_in(tail), exact) for u, params, tail, exact in self._reduces]
+        self._started.append((self._gathers, reduces, host, event))
         self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()
 
     def _finish_started(self, keep: int = 0) -> None:
@@ -173,6 +176,11 @@ class StepChecks:
 
     def _clear(self) -> None:
         self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()
+
+
+def _stand_in(t: torch.Tensor) -> torch.Tensor:
+    """A tensor of ``t``'s shape and dtype holding no memory (the meta device)."""
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
 
 
 def _groups(parts: list[torch.Tensor]) -> list[list[int]]:

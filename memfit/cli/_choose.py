@@ -144,27 +144,29 @@ def tried(
     return dataclasses.replace(choice, about=f"{choice.about}; tried {', '.join(said)}")
 
 
-def trials_record(choice: Choice, world: int, cfg: TrainConfig) -> dict:
-    """What a checkpoint records of the configuration --trials picked, and of what it was timed
-    under (See :func:`picked_before`)."""
+def trials_record(choice: Choice, world: int, timed: dict) -> dict:
+    """What a checkpoint records of the configuration --trials picked, and ``timed``: what it was
+    timed under (See :func:`picked_before`)."""
     shards = choice.hybrid_shards or world
     record: dict[str, object] = {"world": world, "micro_batch": choice.batch, "accumulation": choice.accumulate}
     record["shard_size"] = shards
-    record |= {"reshard_after_forward": choice.reshard_after_forward, "mixed_precision": cfg.mixed_precision}
-    return record | {"seq": cfg.seq, "device": cfg.device}
+    return record | {"reshard_after_forward": choice.reshard_after_forward, **timed}
 
 
-def picked_before(record: object, search: AutoConfig, paths: list[str], world: int, cfg: TrainConfig) -> Choice | None:
+def picked_before(
+    record: object, search: AutoConfig, paths: list[str], world: int, cfg: TrainConfig, timed: dict
+) -> Choice | None:
     """The configuration an earlier --trials picked (``record``: what the resumed checkpoint
-    recorded), where this run's search has it and it fits: a restart at the same world size,
-    precision, sequence length and device trains it again without trying (None: try; another
-    world size searches other layouts, another precision or length times other steps)."""
+    recorded), where this run's search has it and it fits: a restart at the same world size and
+    ``timed`` (precision, sequence length, device type: what :func:`trials_record` recorded)
+    trains it again without trying (None: try; another world size searches other layouts,
+    another precision, length or device times other steps)."""
     if not isinstance(record, dict) or record.get("world") != world:
         return None
     for c in search.candidates:
         key: dict[str, object] = {"world": world, "micro_batch": c.micro_batch, "accumulation": c.accumulation}
         key |= {"shard_size": c.layout.shard_size, "reshard_after_forward": c.layout.reshard_after_forward}
-        key |= {"mixed_precision": cfg.mixed_precision, "seq": cfg.seq, "device": cfg.device}
+        key |= timed
         if c.fits and key == record:
             choice = _choice(c, paths, world, cfg, search.device)
             return dataclasses.replace(choice, about=f"{choice.about}; picked by --trials before, not tried again")

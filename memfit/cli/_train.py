@@ -294,8 +294,9 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
 
     chosen = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
     picked = None
+    timed = {"mixed_precision": cfg.mixed_precision, "seq": seq, "device": device.type}  # what --trials times under
     if cfg.trials and chosen.search is not None:  # See [Note: Trying configurations]
-        picked = picked_before(saved.get("trials_pick"), chosen.search, list(chosen.decisions), world, cfg)
+        picked = picked_before(saved.get("trials_pick"), chosen.search, list(chosen.decisions), world, cfg, timed)
     if cfg.trials and chosen.search is not None and picked is None:
         del model  # each trial builds its own: one whole model in host memory at a time
         gc.collect()
@@ -312,7 +313,7 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     run.forecast = chosen.forecast
     run.chosen = (block, len(chosen.decisions), chosen.about, chosen.hybrid_shards)  # for the start line
     run.sharded = (chosen.hybrid_shards or world) > 1
-    run.trials_pick = trials_record(chosen, world, cfg) if picked is not None else None
+    run.trials_pick = trials_record(chosen, world, timed) if picked is not None else None
     return run
 
 

@@ -54,3 +54,27 @@ def test_only_a_read_two_backwards_old_is_waited_for():
     assert (old.waits, new.waits, len(checks._started)) == (1, 0, 1)
     checks.settle()  # waiting (evaluation, debugging): everything
     assert new.waits == 1 and checks._started == []
+
+
+def test_a_read_in_flight_keeps_no_view_of_the_reduce_output():
+    """A unit's reduce tail views its whole reduce output; the read started at the end of
+    backward keeps the tail's size and dtype only, so the output (the gradient shards, once
+    zero_grad drops them) is not held until the read lands, which on a GPU may be after the
+    next forward and backward. Checked, it still raises on divergence."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    checks = StepChecks(rank=0)
+    out = torch.zeros(1000)
+    out[-2:] = torch.tensor([3.0, 9.0])  # unit #3's check sums i and i * i (world size 1)
+    unit = SimpleNamespace(index=3, name="layer")
+    checks.reduced(unit, [], out[-2:], exact=True)
+    checks.settle_later()
+    output = StorageWeakRef(out.untyped_storage())
+    del out
+    assert output.expired() and len(checks._started) == 1
+    checks.settle()  # reads the packed copy: unit #3 reduced, as recorded
+    assert checks._started == []
+    checks.reduced(unit, [], torch.tensor([5.0, 25.0]), exact=True)  # another unit's sums
+    checks.settle_later()
+    with pytest.raises(RuntimeError, match="ranks diverged"):
+        checks.settle()

@@ -421,7 +421,8 @@ def test_a_restart_trains_what_the_trials_picked_without_trying_again(group_of_o
         torch.device("cpu"),
     )
     assert len(steps) == 3 * 7 and "not tried again" not in bf16.chosen[2]
-    assert picked_before({**first.trials_pick, "world": 2}, None, [], 1, None) is None
+    assert first.trials_pick["seq"] == first.seq and first.trials_pick["device"] == "cpu"  # resolved, not the flags
+    assert picked_before({**first.trials_pick, "world": 2}, None, [], 1, None, {}) is None
 
 
 def test_a_trial_cut_short_by_out_of_memory_frees_its_model(group_of_one):
