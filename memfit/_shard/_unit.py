@@ -676,7 +676,7 @@ class PendingReduce:
                 tail, unit.tail_name = tail.clone(), f"{unit.name}:reduce-tail"
                 streams.note("alloc", unit.tail_name, post)  # read as the reduce output's tail was
                 if replicate is None:  # the reduce stream alone used it
-                    self._release(streams, name, post)
+                    release(streams, name, post, self.out)
                 else:  # the all-reduce stream too: freed at the end of backward
                     cast(list, held).append((name, self.out))
             done = streams.record(post)
@@ -704,12 +704,6 @@ class PendingReduce:
                 streams.wait("reduce", done)  # the buffer may be freed after the check: its stream waits too
             streams.note("use", unit.tail_name, "compute")
         checks.reduced(unit, layout.params, tail, layout.exact, self.have)
-
-    def _release(self, streams: Streams, name: str, stream: str) -> None:
-        """Free the reduce output, which ``stream`` (the one it was allocated on) alone used: on
-        the CPU now (gloo's worker thread may hold a reference of its own), on CUDA with this
-        handle, which its caller drops once finished."""
-        release(streams, name, stream, self.out)
 
     def _shard_grads(self, out: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Give each shard without a gradient its view of ``out``; (old gradients, their

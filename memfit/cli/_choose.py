@@ -148,9 +148,13 @@ def trials_record(choice: Choice, world: int, timed: dict) -> dict:
     """What a checkpoint records of the configuration --trials picked, and ``timed``: what it was
     timed under (See :func:`picked_before`)."""
     shards = choice.hybrid_shards or world
-    record: dict[str, object] = {"world": world, "micro_batch": choice.batch, "accumulation": choice.accumulate}
-    record["shard_size"] = shards
-    return record | {"reshard_after_forward": choice.reshard_after_forward, **timed}
+    return _trials_key(world, choice.batch, choice.accumulate, shards, choice.reshard_after_forward, timed)
+
+
+def _trials_key(world: int, micro: int, accumulation: int | None, shards: int, reshard: bool, timed: dict) -> dict:
+    """A configuration as --trials' record names it (one spelling for the record and its match)."""
+    key: dict[str, object] = {"world": world, "micro_batch": micro, "accumulation": accumulation}
+    return key | {"shard_size": shards, "reshard_after_forward": reshard, **timed}
 
 
 def picked_before(
@@ -164,9 +168,9 @@ def picked_before(
     if not isinstance(record, dict) or record.get("world") != world:
         return None
     for c in search.candidates:
-        key: dict[str, object] = {"world": world, "micro_batch": c.micro_batch, "accumulation": c.accumulation}
-        key |= {"shard_size": c.layout.shard_size, "reshard_after_forward": c.layout.reshard_after_forward}
-        key |= timed
+        key = _trials_key(
+            world, c.micro_batch, c.accumulation, c.layout.shard_size, c.layout.reshard_after_forward, timed
+        )
         if c.fits and key == record:
             choice = _choice(c, paths, world, cfg, search.device)
             return dataclasses.replace(choice, about=f"{choice.about}; picked by --trials before, not tried again")
