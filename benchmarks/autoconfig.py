@@ -17,7 +17,9 @@ falls on all alike, and each timed step follows its own).
 Peak: the largest over ranks of MemoryMeter over the last step (AdamW's state exists). The
 table compares predicted and measured step time and the pick's measured time with the best;
 with --trials K (default 4) memfit's AutoConfig.measure then tries the top K for real (its
-own warm-up and median), and its pick's time in the grid is compared with the best too.
+own warm-up and median), and its pick's time in the grid is compared with the best too, and
+every grid point's measured time with its price times the trials' scale (AutoConfig.trial_scale:
+the median measured / priced of the K tried; see [Note: Trying configurations]).
 
     .venv/bin/python benchmarks/autoconfig.py [--models bert,gpt2,llama --worlds 2,4
         --global-batch 16 --budget 40MB --replicated memfit|ddp] [--out benchmarks/results/autoconfig_cpu.md]
@@ -226,20 +228,23 @@ def _report(args, world: int, out: dict) -> list[str]:
         )
         + " (compute figures the median of the ranks').",
         "",
-        "| model | micro | accum | layout | predicted ms | measured ms | spread | measured / predicted | rank "
-        "predicted | rank measured | predicted peak MiB | measured peak MiB |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| model | micro | accum | layout | predicted ms | measured ms | spread | measured / predicted "
+        "| measured / (predicted x trial scale) | rank predicted | rank measured | predicted peak MiB "
+        "| measured peak MiB |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     summary = []
     for name, (result, searched, measured, tried) in out["models"].items():
         fits = [c for c in result.candidates if c.fits]
         by_measured = sorted(range(len(fits)), key=lambda i: measured[i][0])
         rank_measured = {i: r + 1 for r, i in enumerate(by_measured)}
+        scale = tried[0].trial_scale if tried is not None else None
         for i, c in enumerate(fits):
             t, peak, spread = measured[i]
+            scaled = "-" if scale is None else f"{t / (c.step_time * scale):.2f}"
             lines.append(
                 f"| {name} | {c.micro_batch} | {c.accumulation} | {c.layout.describe()} | {c.step_time * 1e3:.1f} "
-                f"| {t * 1e3:.1f} | {spread:.0%} | {t / c.step_time:.2f} | {i + 1} | {rank_measured[i]} "
+                f"| {t * 1e3:.1f} | {spread:.0%} | {t / c.step_time:.2f} | {scaled} | {i + 1} | {rank_measured[i]} "
                 f"| {c.peak / MIB:.2f} | {peak / MIB:.2f} |"
             )
         best = by_measured[0]
@@ -258,11 +263,17 @@ def _report(args, world: int, out: dict) -> list[str]:
             after, seconds = tried
             same = [i for i, c in enumerate(fits) if _key(c) == _key(after.best)]
             grid = measured[same[0]][0]
+            scaled = [measured[i][0] / (c.step_time * after.trial_scale) for i, c in enumerate(fits)]
+            out_of_trial = [r for r, c in zip(scaled, fits) if not any(_key(c) == _key(t) for t in fits[: args.trials])]
             summary.append(
                 f"  - after trying the top {args.trials} (AutoConfig.measure, {seconds:.1f} s): pick "
                 f"{after.best.micro_batch} x {after.best.accumulation}, {after.best.layout.describe()} "
                 f"(trial {after.best.measured * 1e3:.1f} ms); in the grid {grid * 1e3:.1f} ms, pick / best "
-                f"{grid / measured[best][0]:.3f}"
+                f"{grid / measured[best][0]:.3f}; trial scale {after.trial_scale:.2f}, weight "
+                f"{after.trial_weight:.2f}: measured / (predicted x "
+                f"scale) {min(scaled):.2f} to {max(scaled):.2f}, {sum(abs(r - 1) <= 0.15 for r in scaled)} of "
+                f"{len(scaled)} within 15% ({sum(abs(r - 1) <= 0.15 for r in out_of_trial)} of {len(out_of_trial)} "
+                "not tried)"
             )
     return [*lines, "", *summary, ""]
 

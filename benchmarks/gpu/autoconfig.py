@@ -84,6 +84,8 @@ def run(env: Env) -> dict:
         "trial_s": took,
         "predicted_pick": [result.best.micro_batch, result.best.accumulation],
         "measured_pick": [best.micro_batch, best.accumulation],
+        "trial_scale": tried.trial_scale,  # median measured / predicted of the runs (AutoConfig.trial_scale)
+        "trial_weight": tried.trial_weight,  # the measured steps' weight against the scaled price (near 1: repeatable)
         "tried": rows,
     }
     peak_ok = best.measured_peak is None or best.measured_peak <= tried.budget

@@ -110,6 +110,7 @@ class Candidate:
     lost: str = ""
     measured: float | None = None  # seconds of a real step (AutoConfig.measure), None: not run
     measured_peak: int | None = None  # bytes per rank, the accelerator allocator's peak over those steps
+    expected: float | None = None  # seconds a step is expected to take after measure() (see AutoConfig.trial_scale)
 
     @property
     def fits(self) -> bool:
@@ -139,6 +140,7 @@ class Candidate:
             "lost": self.lost,
             "measured_s": self.measured,
             "measured_peak": self.measured_peak,
+            "expected_s": self.expected,
         }
 
 
@@ -154,6 +156,8 @@ class AutoConfig:
     tokens_per_sample: int
     device: str
     skipped: tuple[int, ...] = ()  # micro-batch sizes not profiled: a smaller one fit no layout
+    trial_scale: float | None = None  # measured / priced step, the median over measure()'s runs; None: none ran
+    trial_weight: float | None = None  # the measured time's weight in a run's expected step (the rest: scaled price)
 
     @property
     def plan(self) -> Plan:
@@ -191,7 +195,9 @@ class AutoConfig:
         device: torch.device | str | None = None,
     ) -> AutoConfig:
         """This search with its ``top`` fastest-predicted configurations that fit run for real,
-        the one with the most tokens per second measured picked: ``step_of(candidate)`` builds
+        the one with the most tokens per second expected picked (its measured step weighed
+        against its price scaled as the runs measured: ``trial_scale``, ``trial_weight`` and
+        each candidate's ``expected``; see the Note below): ``step_of(candidate)`` builds
         the configuration (the model sharded as ``candidate.layout`` says, ``candidate.plan``'s
         decisions applied, its optimizer) and returns one training step of it (``accumulation``
         micro-batches of ``micro_batch`` rows, then the optimizer step); ``warmup`` steps run,
@@ -209,27 +215,38 @@ class AutoConfig:
         rows = self.candidates if limit is None else self.candidates[:limit]
         w = self.best.layout.world_size
         ran = any(c.measured is not None for c in self.candidates)
+        columns = f"{'measured ms':>13}{'expected ms':>13}" if ran else ""
         batch = "free (accumulation 1)" if self.global_batch is None else str(self.global_batch)
         lines = [
             f"configurations for world size {w}, global batch {batch}, budget {format_bytes(self.budget)} per rank, "
             f"time priced on {self.device} ({self.tokens_per_sample} tokens a sample)",
             f"  {'micro':>5} {'accum':>5}  {'layout':<28}{'head':<8}{'peak/rank':>11}{'step ms':>10}{'tokens/s':>11}"
-            f"{'measured ms' if ran else '':>{13 if ran else 0}}  lost on",
+            f"{columns}  lost on",
         ]
         for c in rows:
             head = c.plan.head if c.plan else "-"
             step = f"{c.step_time * 1e3:.1f}" if c.fits else "-"
             tps = f"{c.tokens_per_second:.0f}" if c.fits else "-"
             mark = "*" if c is self.best else " "
-            measured = (f"{c.measured * 1e3:.1f}" if c.measured is not None else "-") if ran else ""
+            measured = ""
+            if ran:
+                measured = f"{c.measured * 1e3:.1f}" if c.measured is not None else "-"
+                expected = f"{c.expected * 1e3:.1f}" if c.expected is not None else "-"
+                measured = f"{measured:>13}{expected:>13}"
             lines.append(
                 f"{mark} {c.micro_batch:>5} {c.accumulation:>5}  {c.layout.describe():<28}{head:<8}"
-                f"{format_bytes(c.peak):>11}{step:>10}{tps:>11}{measured:>{13 if ran else 0}}  {c.lost or 'chosen'}"
+                f"{format_bytes(c.peak):>11}{step:>10}{tps:>11}{measured}  {c.lost or 'chosen'}"
             )
         if limit is not None and len(self.candidates) > limit:
             lines.append(f"  ... {len(self.candidates) - limit} more (AutoConfig.table())")
         if self.skipped:
             lines.append(f"  micro-batches {list(self.skipped)} not tried: a smaller one fits no layout")
+        if ran and self.trial_scale is not None:
+            lines.append(
+                f"  expected: the price x {self.trial_scale:.2f} (the median measured / priced step of those run), "
+                f"and where run {self.trial_weight:.2f} x measured + {1 - (self.trial_weight or 0.0):.2f} x that "
+                "(the weight: how far the price misses beside the steps' spread)"
+            )
         return "\n".join([*lines, "", *self._chosen()])
 
     def _chosen(self) -> list[str]:
@@ -259,6 +276,8 @@ class AutoConfig:
             "tokens_per_sample": self.tokens_per_sample,
             "device_profile": self.device,
             "skipped_micro_batches": list(self.skipped),
+            "trial_scale": self.trial_scale,
+            "trial_weight": self.trial_weight,
             "candidates": [c.to_dict() for c in self.candidates],  # the pick first
         }
 

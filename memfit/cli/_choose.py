@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 #   when --global-batch is given), accumulation, shard group sizes and reshard_after_forward,
 #   and the per-block decisions at each; the pick (most predicted tokens/s within the budget)
 #   sets --batch, the accumulation, the layout and the decisions. With --trials K the top K are
-#   timed first and the fastest measured trains; its checkpoints record it, and a restart at the
+#   timed first and the fastest expected trains; its checkpoints record it, and a restart at the
 #   same world size trains it again without trying (picked_before).
 # Time is priced on the named profile of the device the run computes on. With --mixed-precision
 # bf16 both plan the step as memfit's units compute it (bf16 copies and activations beside fp32
@@ -128,7 +128,7 @@ def _auto(
 def tried(
     cfg: TrainConfig, search: AutoConfig, paths: list[str], world: int, step_of: Callable, device: torch.device
 ) -> Choice:
-    """--trials K: the Choice of the fastest measured of ``search``'s top K (AutoConfig.measure;
+    """--trials K: the Choice of the fastest expected of ``search``'s top K (AutoConfig.measure;
     ``step_of(choice)`` builds one afresh and returns a training step of it, on ``device``), the
     tried listed."""
     build = lambda c: step_of(_choice(c, paths, world, cfg, search.device))  # noqa: E731
@@ -138,10 +138,14 @@ def tried(
     for c in result.candidates:
         refused = c.lost if c.lost.startswith(("memory: measured", "memory: out of memory")) else ""
         took = f"{c.measured * 1e3:.3g} ms" if c.measured is not None else ""
+        took += f", expected {c.expected * 1e3:.3g}" if took and c.expected is not None else ""
         what = f"{took} ({refused})" if took and refused else took or refused
         if what:
             said.append(f"{c.micro_batch} x {c.accumulation} {c.layout.describe()}: {what}")
-    return dataclasses.replace(choice, about=f"{choice.about}; tried {', '.join(said)}")
+    scale = ""
+    if result.trial_scale is not None:  # See [Note: Trying configurations]
+        scale = f"; measured / priced {result.trial_scale:.2f} (the median), weight {result.trial_weight:.2f}"
+    return dataclasses.replace(choice, about=f"{choice.about}; tried {', '.join(said)}{scale}")
 
 
 def trials_record(choice: Choice, world: int, timed: dict) -> dict:

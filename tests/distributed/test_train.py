@@ -221,14 +221,16 @@ def test_runs_with_accumulation_stay_within_their_budget_forecast():
         assert forecast <= 1.02 * peak, (layout, run.stdout[-2000:])  # not a loose bound
 
 
-def test_trials_on_two_ranks_train_the_fastest_they_measured(tmp_path):
+def test_trials_on_two_ranks_train_the_fastest_they_expect(tmp_path):
     # --trials 3: both ranks build and time the 3 fastest-predicted configurations together (each
-    # step's time the slower rank's), agree on the fastest, and train it (See [Note: Trying configurations]).
+    # step's time the slower rank's), agree on the fastest expected (measured weighed against the
+    # scaled price), and train it (See [Note: Trying configurations]).
     flags = ["--model", "llama", "--auto", "--budget", "1GB", "--global-batch", "8", "--steps", "2", "--trials", "3"]
     run = memfit_train(*flags, "--json", str(tmp_path / "run.json"), torchrun=2)
     start = next(line for line in run.stdout.splitlines() if "--auto for 1GB" in line)
-    tried = re.findall(r"(\d+) x (\d+) ([^:,]+(?:, no reshard)?): ([\d.]+) ms", start.split("; tried ")[1])
-    assert len(tried) == 3, start
-    m, a, layout, _ = min(tried, key=lambda t: float(t[3]))  # one global batch: the least time, the most tokens/s
+    said = start.split("; tried ")[1]
+    tried = re.findall(r"(\d+) x (\d+) ([^:,]+(?:, no reshard)?): ([\d.]+) ms, expected ([\d.]+)", said)
+    assert len(tried) == 3 and re.search(r"measured / priced [\d.]+ \(the median\), weight [\d.]+;", said), start
+    m, a, layout, *_ = min(tried, key=lambda t: float(t[4]))  # one global batch: the least time, the most tokens/s
     assert f"micro-batch {m} x accumulation {a}, {layout}," in start, start
     assert [e["step"] for e in read(tmp_path / "run.json")["log"]] == [1, 2]

@@ -4,6 +4,7 @@ are exact up to float rounding (pytest.approx, rel 1e-6)."""
 
 import dataclasses
 import json
+import math
 import weakref
 from types import SimpleNamespace
 
@@ -479,15 +480,25 @@ def test_measure_picks_the_most_tokens_per_second_measured(monkeypatch):
     assert [c.measured for c in tried] == [1.0, 2.0, 3.0]  # every global batch 64 samples: tokens/s follow
     assert [c.lost for c in tried] == [
         "",
-        "measured: 50.0% fewer tokens/s than the pick",
-        "measured: 66.7% fewer tokens/s than the pick",
+        "tried: 50.0% fewer tokens/s expected than the pick",
+        "tried: 66.7% fewer tokens/s expected than the pick",
     ]
     assert all(c.measured is None for c in rest)
     assert [c.lost for c in rest if c.fits] == ["not measured: priced below the top 3"] * (len(fits) - 3)
     assert [c.lost for c in rest if not c.fits] == [c.lost for c in result.candidates if not c.fits]
+    # the trials' scale: the median measured / priced of the three run; the others expected at it.
+    # Every step of a configuration took the same time: the measured times stand (weight 1)
+    scale = sorted(seconds[id(c)] / c.step_time for c in fits[:3])[1]
+    assert (result.trial_scale, result.trial_weight, fits[3].expected) == (None, None, None)
+    assert measured.trial_scale == pytest.approx(scale, rel=1e-12) and measured.trial_weight == 1.0
+    assert [c.expected for c in tried] == [1.0, 2.0, 3.0]
+    assert rest[0].expected == pytest.approx(rest[0].step_time * scale, rel=1e-12)
     table = measured.table()
-    assert "measured" in table.splitlines()[1] and "measured step 1e+03 ms" in table
-    assert measured.to_dict()["candidates"][0]["measured_s"] == 1.0
+    assert "measured ms  expected ms" in table.splitlines()[1] and "measured step 1e+03 ms" in table
+    assert f"{rest[0].step_time * scale * 1e3:.1f}  not measured" in table and f"price x {scale:.2f}" in table
+    as_dict = measured.to_dict()
+    assert as_dict["candidates"][0]["measured_s"] == 1.0 and as_dict["trial_scale"] == measured.trial_scale
+    assert as_dict["candidates"][3]["expected_s"] == rest[0].expected and as_dict["trial_weight"] == 1.0
     with pytest.raises(ValueError, match=r"top=0 and steps=5 take 1 or more"):
         result.measure(step_of, top=0)
 
@@ -526,6 +537,50 @@ def test_measure_picks_the_most_tokens_per_second_measured(monkeypatch):
     monkeypatch.undo()  # this process alone: 1 rank, not the W searched
     with pytest.raises(ValueError, match=r"the search is for world size 8, but this runs on 1"):
         result.measure(step_of, top=3)
+
+
+def test_the_trials_weigh_their_measured_steps_against_the_scaled_price():
+    from memfit._plan._trial import _scale_and_weight
+
+    runs = [(102.0, 97.0), (95.0, 105.0), (107.0, 108.0), (118.0, 110.0)]  # (measured, priced) ms
+    scale, weight = _scale_and_weight(runs, spread=0.01, steps=5)
+    assert scale == pytest.approx((107 / 108 + 102 / 97) / 2)  # the median of the four ratios
+    noise = math.pi / 2 * 0.01 / 5  # a median of 5 steps whose variance is 1% of the median squared
+    scatter = sum((m / (scale * p) - 1) ** 2 for m, p in runs) / 4  # the scaled price's miss, noise included
+    assert weight == pytest.approx((scatter - noise) / scatter)  # (scatter - noise) / ((scatter - noise) + noise)
+    assert 0.2 < weight < 0.4
+    assert _scale_and_weight(runs, spread=0.0, steps=5) == (scale, 1.0)  # steps that did not vary stand
+    assert _scale_and_weight(runs, spread=0.1, steps=5) == (scale, 0.0)  # all the miss is noise: the price
+    assert _scale_and_weight([(2.0, 1.0)], spread=0.01, steps=5) == (2.0, 0.0)  # one run: its own scale
+
+
+def test_noisy_trials_keep_the_priced_order_within_their_noise(monkeypatch):
+    from memfit._plan import _trial
+
+    result = search(budget=80_000)
+    fits = [c for c in result.candidates if c.fits]
+    assert fits[0].step_time < fits[1].step_time
+    clock, count = [0.0], {}
+    monkeypatch.setattr(_trial, "_clock", lambda: clock[0])
+    monkeypatch.setattr(_trial, "_ranks", lambda group: W)
+    # both at their price x 1.5 on average, the second 2% faster measured, each step +-20% about it
+    median = {id(fits[0]): 1.5 * fits[0].step_time, id(fits[1]): 1.5 * 0.98 * fits[0].step_time}
+    wobble = [1.0, 1.0, 0.8, 1.2, 1.0, 0.8, 1.2]  # warm-up 2, then 5 timed: median 1.0
+
+    def step_of(c):
+        def step():
+            k = count[id(c)] = count.get(id(c), -1) + 1
+            clock[0] += median[id(c)] * wobble[k]
+
+        return step
+
+    measured = result.measure(step_of, top=2, steps=5, warmup=2)
+    first, second = sorted(measured.candidates[:2], key=lambda c: c.step_time)
+    assert second.measured < first.measured  # the second predicted measured faster ...
+    assert 0.0 <= measured.trial_weight < 1.0 and measured.best.step_time == first.step_time  # ... within the noise
+    assert first.expected == pytest.approx(
+        measured.trial_weight * first.measured + (1 - measured.trial_weight) * measured.trial_scale * first.step_time
+    )
 
 
 def test_measure_compares_tokens_per_second_across_global_batches(monkeypatch):
