@@ -241,11 +241,12 @@ class AutoConfig:
             lines.append(f"  ... {len(self.candidates) - limit} more (AutoConfig.table())")
         if self.skipped:
             lines.append(f"  micro-batches {list(self.skipped)} not tried: a smaller one fits no layout")
-        if ran and self.trial_scale is not None:
+        if ran and self.trial_scale is not None and self.trial_weight is not None:
+            w = self.trial_weight
             lines.append(
-                f"  expected: the price x {self.trial_scale:.2f} (the median measured / priced step of those run), "
-                f"and where run {self.trial_weight:.2f} x measured + {1 - (self.trial_weight or 0.0):.2f} x that "
-                "(the weight: how far the price misses beside the steps' spread)"
+                f"  expected ms = step ms x {self.trial_scale:.2f} (trial scale: the median measured / predicted of "
+                f"those tried); tried ones: {w:.2f} x measured + {1 - w:.2f} x that (weight: the share of the scaled "
+                "prediction's error that the steps' own spread does not explain); only tried ones are picked"
             )
         return "\n".join([*lines, "", *self._chosen()])
 

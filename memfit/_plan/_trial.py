@@ -44,23 +44,28 @@ if TYPE_CHECKING:
 #
 # The trials also say how far this machine runs this model's steps from their price, and how far
 # apart their own repeats are; both go into each configuration's expected step:
-#   trial_scale   s = the median over the configurations run of measured / priced;
+#   trial_scale   s = the median over the k configurations run of measured / priced;
 #   noise         v = pi / 2 x the mean over them of their steps' variance / median^2, / steps:
-#                 the relative variance of a median of that many steps;
-#   the miss      r = the mean over them of (measured / (s x priced) - 1)^2, less v (>= 0): what
-#                 the scaled price gets wrong beyond the noise;
-#   trial_weight  w = r / (r + v) (1 where the steps did not vary);
+#                 the relative variance of a median of that many steps (steps normal about it);
+#   the miss      r = the sum over them of (measured / (s x priced) - 1)^2 / (k - 1), less v
+#                 (>= 0): what the scaled price gets wrong beyond the noise;
+#   trial_weight  w = r / (r + v): the positive-part empirical-Bayes weight of a measurement
+#                 against a prior of spread r (1 where there is no spread to weigh: one step, steps
+#                 that did not vary, or one configuration run);
 # a run's expected step is w x measured + (1 - w) x s x priced, one not run s x priced, and the
-# pick is the most tokens/s expected among the runs. Where the trials differ by less than their
-# noise the priced order decides; where steps repeat closely (a GPU's, not measured yet) w nears
-# 1 and the measured times decide, as DeepSpeed's autotuner lets them. Why: on gloo CPU ranks the
-# price misses mostly the same way across a model's configurations (every step of
-# benchmarks/results/autoconfig_trials_cpu_third.md measured 1.04 to 1.45x its price, a model's
-# configurations within 0.09 to 0.34 of each other in that ratio), while one configuration's
-# steps spread widely (their interquartile range 8 to 43% of their median in ..._fourth.md).
-# BERT's top 4 at 2 ranks, tried 4 times in a row, measured fastest 3 times the configuration
-# priced first (which the grid measured fastest too) and once another (95 against 102 ms in that
-# trial). What benchmarks/autoconfig.py measured of the weighing: docs/planning.md.
+# pick is the most tokens/s expected among the runs. Where the runs scatter about the scaled
+# price no more than their noise explains (w = 0) the priced order decides; where the noise is
+# small beside the price's miss, w nears 1 and the measured times decide, as DeepSpeed's
+# autotuner lets them. v counts only the spread of a configuration's own consecutive steps, not
+# the machine's drift between configurations tried one after another, which on this 2-core
+# machine was larger (a configuration's trial against its time in a grid measured minutes
+# apart: 0.72 to 1.11x, docs/planning.md): w leans to the measured more than that drift
+# warrants. Why weigh at all: on gloo CPU ranks the price misses mostly the same way across a
+# model's configurations (every step of benchmarks/results/autoconfig_trials_cpu_third.md
+# measured 1.04 to 1.45x its price, a model's configurations within 0.09 to 0.36 of each other
+# in that ratio), while one configuration's steps spread widely (their interquartile range 8 to
+# 43% of their median in ..._fourth.md), more than the gaps between the top configurations. What
+# benchmarks/autoconfig.py measured of the weighing: docs/planning.md.
 
 _clock = time.perf_counter  # the tests' fake clock replaces it
 
@@ -107,7 +112,8 @@ def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup:
             continue
         peak = None if peak is None else int(_largest(float(peak), group, comm))
         median = statistics.median(took)
-        runs.append((median, c.step_time, statistics.variance(took) / median**2 if len(took) > 1 else 0.0))
+        spread = statistics.variance(took) / median**2 if len(took) > 1 and median > 0 else 0.0
+        runs.append((median, c.step_time, spread))
         measured = dataclasses.replace(c, measured=median, measured_peak=peak)
         if peak is not None and peak > result.budget:
             refused.append(
@@ -152,20 +158,22 @@ def _scale_and_weight(runs: list[tuple[float, float]], spread: float, steps: int
     squared (``spread``), ``steps`` steps each."""
     scale = statistics.median(m / p for m, p in runs)
     noise = math.pi / 2 * spread / steps  # a median's variance, relative: pi / 2 x the steps' over their count
-    if noise <= 0.0:
-        return scale, 1.0  # the steps did not vary: the measured times stand
-    scatter = statistics.fmean((m / (scale * p) - 1) ** 2 for m, p in runs)
-    price = max(scatter - noise, 0.0)  # what the price misses beyond the scale, the measurements' noise left out
-    return scale, price / (price + noise)
+    if noise <= 0.0 or scale <= 0.0 or len(runs) < 2:
+        return scale, 1.0  # no spread to weigh (one step, steps that did not vary, one run): the measured stand
+    k = len(runs)  # the scale is fitted to the same runs: k - 1 of them left to scatter about it
+    scatter = sum((m / (scale * p) - 1) ** 2 for m, p in runs) / (k - 1)
+    miss = max(scatter - noise, 0.0)  # what the scaled price misses, the measurements' noise left out
+    return scale, miss / (miss + noise)
 
 
 def describe(c: Candidate) -> str:
     """The line AutoConfig's table adds for a measured pick."""
-    assert c.measured is not None and c.expected is not None
+    assert c.measured is not None
     peak = "" if c.measured_peak is None else f"; peak {format_bytes(c.measured_peak)} per rank (the allocator's)"
+    expected = "" if c.expected is None else f"; expected {c.expected * 1e3:.3g} ms"
     return (
         f"  measured step {c.measured * 1e3:.3g} ms (the slowest rank's median) against {c.step_time * 1e3:.3g} ms "
-        f"predicted: {c.measured / c.step_time:.2f}x; expected {c.expected * 1e3:.3g} ms{peak}"
+        f"predicted: {c.measured / c.step_time:.2f}x{expected}{peak}"
     )
 
 

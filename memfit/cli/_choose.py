@@ -137,14 +137,17 @@ def tried(
     said = []
     for c in result.candidates:
         refused = c.lost if c.lost.startswith(("memory: measured", "memory: out of memory")) else ""
-        took = f"{c.measured * 1e3:.3g} ms" if c.measured is not None else ""
-        took += f", expected {c.expected * 1e3:.3g}" if took and c.expected is not None else ""
+        took = f"{c.measured * 1e3:.1f} ms" if c.measured is not None else ""
+        took += f" (expected {c.expected * 1e3:.1f} ms)" if took and c.expected is not None else ""
         what = f"{took} ({refused})" if took and refused else took or refused
         if what:
             said.append(f"{c.micro_batch} x {c.accumulation} {c.layout.describe()}: {what}")
     scale = ""
-    if result.trial_scale is not None:  # See [Note: Trying configurations]
-        scale = f"; measured / priced {result.trial_scale:.2f} (the median), weight {result.trial_weight:.2f}"
+    if result.trial_scale is not None and result.trial_weight is not None:  # See [Note: Trying configurations]
+        scale = (
+            f"; trial scale {result.trial_scale:.2f} (the median measured / predicted), measured-time weight "
+            f"{result.trial_weight:.2f}"
+        )
     return dataclasses.replace(choice, about=f"{choice.about}; tried {', '.join(said)}{scale}")
 
 
@@ -186,7 +189,10 @@ def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, pri
     assert best.plan is not None  # autoconfigure raises when nothing fits, and measures only those that fit
     decisions = {p: best.plan.decisions.get(p, "keep") for p in paths}
     shards = best.layout.shard_size if best.layout.shard_size < world else 0
-    measured = "" if best.measured is None else f", {best.measured * 1e3:.3g} ms a step measured (--trials)"
+    measured = ""
+    if best.measured is not None:
+        expected = "" if best.expected is None else f", picked by its expected step {best.expected * 1e3:.1f} ms"
+        measured = f", {best.measured * 1e3:.1f} ms a step measured (--trials{expected})"
     about = (
         f"--auto for {cfg.budget} per rank: micro-batch {best.micro_batch} x accumulation {best.accumulation}, "
         f"{best.layout.describe()}, {_counts(decisions)}, forecast peak {_gib(best.peak)}, "

@@ -98,9 +98,9 @@ class TrainConfig:
         default=0,
         metadata=flag(
             "with --auto: build each of the K fastest-predicted configurations afresh, time 5 steps after 2 "
-            "warm-up, and train the fastest expected: the measured steps weighed against the prices scaled "
-            "as they measured (AutoConfig.measure; on a GPU, one over --budget there is refused); 0: the "
-            "fastest predicted",
+            "warm-up, and train the fastest expected: the measured steps blended with the predictions rescaled "
+            "to this machine (AutoConfig.measure, docs/planning.md; on a GPU, one over --budget there is "
+            "refused); 0: the fastest predicted",
             metavar="K",
         ),
     )

@@ -229,8 +229,9 @@ def test_trials_on_two_ranks_train_the_fastest_they_expect(tmp_path):
     run = memfit_train(*flags, "--json", str(tmp_path / "run.json"), torchrun=2)
     start = next(line for line in run.stdout.splitlines() if "--auto for 1GB" in line)
     said = start.split("; tried ")[1]
-    tried = re.findall(r"(\d+) x (\d+) ([^:,]+(?:, no reshard)?): ([\d.]+) ms, expected ([\d.]+)", said)
-    assert len(tried) == 3 and re.search(r"measured / priced [\d.]+ \(the median\), weight [\d.]+;", said), start
+    tried = re.findall(r"(\d+) x (\d+) ([^:,]+(?:, no reshard)?): ([\d.]+) ms \(expected ([\d.]+) ms\)", said)
+    weighed = r"trial scale [\d.]+ \(the median measured / predicted\), measured-time weight [\d.]+;"
+    assert len(tried) == 3 and re.search(weighed, said), start
     m, a, layout, *_ = min(tried, key=lambda t: float(t[4]))  # one global batch: the least time, the most tokens/s
     assert f"micro-batch {m} x accumulation {a}, {layout}," in start, start
     assert [e["step"] for e in read(tmp_path / "run.json")["log"]] == [1, 2]

@@ -451,7 +451,7 @@ def test_a_groups_profile_takes_the_median_of_its_ranks():
     assert (group.source, group.name, group.ranks_per_node) == ("rank 0", FAKE.name, FAKE.ranks_per_node)
 
 
-def test_measure_picks_the_most_tokens_per_second_measured(monkeypatch):
+def test_measure_picks_the_most_tokens_per_second_expected(monkeypatch):
     from memfit._plan import _trial
 
     result = search(budget=80_000)
@@ -495,7 +495,7 @@ def test_measure_picks_the_most_tokens_per_second_measured(monkeypatch):
     assert rest[0].expected == pytest.approx(rest[0].step_time * scale, rel=1e-12)
     table = measured.table()
     assert "measured ms  expected ms" in table.splitlines()[1] and "measured step 1e+03 ms" in table
-    assert f"{rest[0].step_time * scale * 1e3:.1f}  not measured" in table and f"price x {scale:.2f}" in table
+    assert f"{rest[0].step_time * scale * 1e3:.1f}  not measured" in table and f"step ms x {scale:.2f}" in table
     as_dict = measured.to_dict()
     assert as_dict["candidates"][0]["measured_s"] == 1.0 and as_dict["trial_scale"] == measured.trial_scale
     assert as_dict["candidates"][3]["expected_s"] == rest[0].expected and as_dict["trial_weight"] == 1.0
@@ -546,15 +546,17 @@ def test_the_trials_weigh_their_measured_steps_against_the_scaled_price():
     scale, weight = _scale_and_weight(runs, spread=0.01, steps=5)
     assert scale == pytest.approx((107 / 108 + 102 / 97) / 2)  # the median of the four ratios
     noise = math.pi / 2 * 0.01 / 5  # a median of 5 steps whose variance is 1% of the median squared
-    scatter = sum((m / (scale * p) - 1) ** 2 for m, p in runs) / 4  # the scaled price's miss, noise included
+    # the scaled price's miss, noise included, over 3 degrees of freedom (the scale is fitted to the 4)
+    scatter = sum((m / (scale * p) - 1) ** 2 for m, p in runs) / 3
     assert weight == pytest.approx((scatter - noise) / scatter)  # (scatter - noise) / ((scatter - noise) + noise)
-    assert 0.2 < weight < 0.4
+    assert weight == pytest.approx(0.4557, abs=1e-4)  # by hand: scatter 0.005773, noise 0.003142
     assert _scale_and_weight(runs, spread=0.0, steps=5) == (scale, 1.0)  # steps that did not vary stand
     assert _scale_and_weight(runs, spread=0.1, steps=5) == (scale, 0.0)  # all the miss is noise: the price
-    assert _scale_and_weight([(2.0, 1.0)], spread=0.01, steps=5) == (2.0, 0.0)  # one run: its own scale
+    assert _scale_and_weight([(2.0, 1.0)], spread=0.01, steps=5) == (2.0, 1.0)  # one run: measured, its own scale
 
 
-def test_noisy_trials_keep_the_priced_order_within_their_noise(monkeypatch):
+@pytest.mark.parametrize("swing", [0.2, 0.005])
+def test_trials_keep_the_priced_order_within_their_noise_and_the_measured_beyond(monkeypatch, swing):
     from memfit._plan import _trial
 
     result = search(budget=80_000)
@@ -563,9 +565,9 @@ def test_noisy_trials_keep_the_priced_order_within_their_noise(monkeypatch):
     clock, count = [0.0], {}
     monkeypatch.setattr(_trial, "_clock", lambda: clock[0])
     monkeypatch.setattr(_trial, "_ranks", lambda group: W)
-    # both at their price x 1.5 on average, the second 2% faster measured, each step +-20% about it
-    median = {id(fits[0]): 1.5 * fits[0].step_time, id(fits[1]): 1.5 * 0.98 * fits[0].step_time}
-    wobble = [1.0, 1.0, 0.8, 1.2, 1.0, 0.8, 1.2]  # warm-up 2, then 5 timed: median 1.0
+    # the second predicted measures 5% faster than the first, each step +-swing about its median
+    median = {id(fits[0]): 1.5 * fits[0].step_time, id(fits[1]): 1.5 * 0.95 * fits[0].step_time}
+    wobble = [1.0, 1.0, 1 - swing, 1 + swing, 1.0, 1 - swing, 1 + swing]  # warm-up 2, then 5 timed: median 1
 
     def step_of(c):
         def step():
@@ -576,11 +578,16 @@ def test_noisy_trials_keep_the_priced_order_within_their_noise(monkeypatch):
 
     measured = result.measure(step_of, top=2, steps=5, warmup=2)
     first, second = sorted(measured.candidates[:2], key=lambda c: c.step_time)
-    assert second.measured < first.measured  # the second predicted measured faster ...
-    assert 0.0 <= measured.trial_weight < 1.0 and measured.best.step_time == first.step_time  # ... within the noise
-    assert first.expected == pytest.approx(
-        measured.trial_weight * first.measured + (1 - measured.trial_weight) * measured.trial_scale * first.step_time
-    )
+    assert second.measured == pytest.approx(0.95 * first.measured)
+    scale, weight = _trial._scale_and_weight(
+        [(c.measured, c.step_time) for c in (first, second)], swing**2, 5
+    )  # the steps' variance over their median squared: 4 of 5 off by swing, 4 degrees of freedom
+    assert (measured.trial_scale, measured.trial_weight) == (pytest.approx(scale), pytest.approx(weight))
+    assert first.expected == pytest.approx(weight * first.measured + (1 - weight) * scale * first.step_time)
+    if swing == 0.2:  # a 5% gap within steps 20% apart: the priced order decides
+        assert weight < 0.5 and measured.best.step_time == first.step_time
+    else:  # steps 0.5% apart: the measured gap decides
+        assert weight > 0.9 and measured.best.step_time == second.step_time
 
 
 def test_measure_compares_tokens_per_second_across_global_batches(monkeypatch):
