@@ -242,11 +242,11 @@ class AutoConfig:
         if self.skipped:
             lines.append(f"  micro-batches {list(self.skipped)} not tried: a smaller one fits no layout")
         if ran and self.trial_scale is not None and self.trial_weight is not None:
-            w = self.trial_weight
+            weight = self.trial_weight
             lines.append(
                 f"  expected ms = step ms x {self.trial_scale:.2f} (trial scale: the median measured / predicted of "
-                f"those tried); tried ones: {w:.2f} x measured + {1 - w:.2f} x that (weight: the share of the scaled "
-                "prediction's error that the steps' own spread does not explain); only tried ones are picked"
+                f"those tried); tried ones: {weight:.2f} x measured + {1 - weight:.2f} x that (weight: the share of "
+                "the scaled prediction's error that the steps' own spread does not explain); only tried ones are picked"
             )
         return "\n".join([*lines, "", *self._chosen()])
 
