@@ -238,13 +238,18 @@ def _report(args, world: int, out: dict) -> list[str]:
         fits = [c for c in result.candidates if c.fits]
         by_measured = sorted(range(len(fits)), key=lambda i: measured[i][0])
         rank_measured = {i: r + 1 for r, i in enumerate(by_measured)}
-        scale = tried[0].trial_scale if tried is not None else None
+        # each point's measured step over its price x the trials' scale (None: no trials)
+        scaled = (
+            None
+            if tried is None
+            else [measured[i][0] / (c.step_time * tried[0].trial_scale) for i, c in enumerate(fits)]
+        )
         for i, c in enumerate(fits):
             t, peak, spread = measured[i]
-            scaled = "-" if scale is None else f"{t / (c.step_time * scale):.2f}"
+            ratio = "-" if scaled is None else f"{scaled[i]:.2f}"
             lines.append(
                 f"| {name} | {c.micro_batch} | {c.accumulation} | {c.layout.describe()} | {c.step_time * 1e3:.1f} "
-                f"| {t * 1e3:.1f} | {spread:.0%} | {t / c.step_time:.2f} | {scaled} | {i + 1} | {rank_measured[i]} "
+                f"| {t * 1e3:.1f} | {spread:.0%} | {t / c.step_time:.2f} | {ratio} | {i + 1} | {rank_measured[i]} "
                 f"| {c.peak / MIB:.2f} | {peak / MIB:.2f} |"
             )
         best = by_measured[0]
@@ -259,11 +264,10 @@ def _report(args, world: int, out: dict) -> list[str]:
             f"(median {statistics.median(ratios):.2f}, {sum(abs(r - 1) <= 0.15 for r in ratios)} within 15%); "
             f"over the budget when run: {len(over)}; search {searched:.1f} s"
         )
-        if tried is not None:
+        if tried is not None and scaled is not None:
             after, seconds = tried
             same = [i for i, c in enumerate(fits) if _key(c) == _key(after.best)]
             grid = measured[same[0]][0]
-            scaled = [measured[i][0] / (c.step_time * after.trial_scale) for i, c in enumerate(fits)]
             out_of_trial = [r for r, c in zip(scaled, fits) if not any(_key(c) == _key(t) for t in fits[: args.trials])]
             summary.append(
                 f"  - after trying the top {args.trials} (AutoConfig.measure, {seconds:.1f} s): pick "

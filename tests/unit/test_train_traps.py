@@ -372,10 +372,8 @@ def test_trials_train_the_fastest_measured_and_leave_the_run_as_it_was(group_of_
     assert steps == [m for m in top for _ in range(2 + 5)]  # warm-up 2, then 5 timed, one configuration at a time
     fastest = max(top, key=lambda m: m[1])
     assert fastest != top[0]  # the measured pick is not the predicted one
-    assert (
-        run.batch,
-        run.accumulate,
-    ) == fastest and "ms a step measured (--trials, picked by its expected" in run.chosen[2]
+    assert (run.batch, run.accumulate) == fastest
+    assert "ms a step measured (--trials, picked by its expected" in run.chosen[2], run.chosen[2]
     scale = sorted(1 / c.accumulation / c.step_time for c in result.candidates[:3])[1]  # the median of the three
     assert f"trial scale {scale:.2f} (the median measured / predicted), measured-time weight 1.00" in run.chosen[2]
     assert [ref() for ref in models.values() if ref() is not None] == []  # the trials' models are freed
