@@ -117,22 +117,25 @@ class _WholeStep:
     made: _BlocksMade | None = None  # what each block's forward did ([Note: Memory outside the blocks])
 
 
-def _measure_step(
-    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str | None
-) -> _WholeStep:
-    """One step to create the optimizer state, then one under MemoryMeter with hooks that
-    capture each block's inputs and mark the moments the memory model names (``optimizer``
-    None: forward and backward only, no optimizer)."""
-    captured: dict[int, tuple] = {}
-    marks: dict[str, int] = {}
-    meter_box: list[MemoryMeter] = []
-    recorder = CostRecorder()
-    in_blocks = {id(p) for b in blocks for p in b.parameters()}
-    outside = [p for p in model.parameters() if id(p) not in in_blocks]
-    blocks_made = _BlocksMade(outside)
+class _StepHooks:
+    """The measured step's hooks (see _measure_step): before each block, its inputs captured
+    and its start marked; after it, what it made and, for the last, the head's window."""
 
-    def capture(i):
+    def __init__(self, model: nn.Module, blocks: list[nn.Module], recorder: CostRecorder) -> None:
+        self.captured: dict[int, tuple] = {}
+        self.marks: dict[str, int] = {}
+        self.meter_box: list[MemoryMeter] = []
+        self.recorder = recorder
+        self.blocks = blocks
+        in_blocks = {id(p) for b in blocks for p in b.parameters()}
+        self.outside = [p for p in model.parameters() if id(p) not in in_blocks]
+        self.blocks_made = _BlocksMade(self.outside)
+
+    def capture(self, i):
+        captured, marks, meter_box, recorder = self.captured, self.marks, self.meter_box, self.recorder
+
         def hook(module, args, kwargs):
+            blocks_made = self.blocks_made
             if meter_box and i not in blocks_made.started:  # before the copies below
                 blocks_made.transient[i] = blocks_made.since_last_block(meter_box[0])
             if i not in captured:
@@ -147,18 +150,18 @@ def _measure_step(
 
         return hook
 
-    def made(i):
+    def made(self, i):
         def hook(module, args, kwargs, out):
-            if meter_box and i not in blocks_made.ended:
-                blocks_made.end(i, meter_box[0], out, [f for f, _ in recorder.ops])
+            if self.meter_box and i not in self.blocks_made.ended:
+                self.blocks_made.end(i, self.meter_box[0], out, [f for f, _ in self.recorder.ops])
 
         return hook
 
-    def after_last(module, args, kwargs, out):
-        if not meter_box:
+    def after_last(self, module, args, kwargs, out):
+        if not self.meter_box:
             return
-        meter = meter_box[0]
-        blocks_made.live_end = meter.current_bytes - _tensor_bytes(captured)
+        meter, marks = self.meter_box[0], self.marks
+        self.blocks_made.live_end = meter.current_bytes - _tensor_bytes(self.captured)
         marks["at_last_output"] = meter.current_bytes
         marks["last_output"] = _tensor_bytes(out)
         meter.reset_peak()  # from here on: the head, the loss and their backward
@@ -169,18 +172,28 @@ def _measure_step(
         for t in _outputs_with_grad(out):
             t.register_hook(head_done)
 
-    def ended(i):
+    def ended(self, i):
         def post(module, args, kwargs, out):
-            made(i)(module, args, kwargs, out)
-            if i == len(blocks) - 1:
-                after_last(module, args, kwargs, out)  # its hooks first: the head's peak before the window's
-            if meter_box and i not in blocks_made.watched:
-                blocks_made.watch_backward(i, out, meter_box[0], lambda: _tensor_bytes(captured))
+            self.made(i)(module, args, kwargs, out)
+            if i == len(self.blocks) - 1:
+                self.after_last(module, args, kwargs, out)  # its hooks first: the head's peak before the window's
+            if self.meter_box and i not in self.blocks_made.watched:
+                self.blocks_made.watch_backward(i, out, self.meter_box[0], lambda: _tensor_bytes(self.captured))
 
         return post
 
+
+def _measure_step(
+    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str | None
+) -> _WholeStep:
+    """One step to create the optimizer state, then one under MemoryMeter with hooks that
+    capture each block's inputs and mark the moments the memory model names (``optimizer``
+    None: forward and backward only, no optimizer)."""
+    recorder = CostRecorder()
+    hooks = _StepHooks(model, blocks, recorder)
+    captured, marks = hooks.captured, hooks.marks
     opt = _make_optimizer(optimizer, model) if optimizer else None
-    with _watching(_ByCall(blocks, capture, ended)) as calls:
+    with _watching(_ByCall(blocks, hooks.capture, hooks.ended)) as calls:
         if opt:  # the optimizer's state, as after a first step (fake); see [Note: Parameters the step uses]
             step_loss(model, example_inputs, loss_fn).backward()
             opt.step()
@@ -188,10 +201,10 @@ def _measure_step(
         captured.clear()
         marks.clear()
         calls.restart()
-        blocks_made = _BlocksMade(outside)
+        blocks_made = hooks.blocks_made = _BlocksMade(hooks.outside)
         with _Meter(model=model, optimizer=opt) as whole, recorder:
             whole._track_all(tree_flatten(example_inputs)[0])  # See [Note: The batch from the step's start]
-            meter_box.append(whole)
+            hooks.meter_box.append(whole)
             with _Uses(blocks_made):
                 loss = step_loss(model, example_inputs, loss_fn)
             blocks_made.inputs_dead(len(blocks))  # the forward has returned
