@@ -9,11 +9,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from memfit._persist._export import SavePretrained
 from memfit._shard import _runtime
 from memfit._shard._compat import wrap_policy_of
 from memfit._shard._deferred import materialize
 from memfit._shard._device import compute_device, resolved
-from memfit._shard._export import SavePretrained
 from memfit._shard._fsdp1 import FSDP1API
 from memfit._shard._init import (
     broadcast_buffers,

@@ -28,7 +28,7 @@ ALLOWED = {
     "memfit._shard._runtime._IN_FLIGHT": "steps between forward and backward hold their root state",
     "memfit._shard._init._optimizer_hook": "torch's optimizer hook is global: installed once",
     "memfit._shard._api._CLASSES": "one mixin class per user class, as FSDP2 makes",
-    "memfit._shard._async_save.SAVES": "at most one checkpoint save in flight per process",
+    "memfit._persist._async_save.SAVES": "at most one checkpoint save in flight per process",
     "memfit._shard._compat._WARNED": "each FSDP1 warning once per process",
     "memfit._shard._fully_shard._NO_MIXED_PRECISION": "FSDP2's default policy object, never changed",
     "memfit._checkpoint._selective._ALWAYS_RECOMPUTE": "a cache of a pure function of each aten op",

@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from memfit._instrument import HOOKS
-from memfit._shard import _atomic
-from memfit._shard._async_save import SAVES
-from memfit._shard._dcp_files import is_dcp_checkpoint, load_dcp_checkpoint
+from memfit._persist import _atomic
+from memfit._persist._async_save import SAVES
+from memfit._persist._dcp_files import is_dcp_checkpoint, load_dcp_checkpoint
 from memfit._shard._device import device_of_units, moved
 from memfit._shard._optim_state import install_optimizer_state_hooks
 from memfit._shard._param import ShardedParam
