@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import memfit
 from memfit._persist import _atomic
-from memfit._persist._checkpoint_files import _whole, whole_copy
+from memfit._persist._checkpoint_files import is_whole, whole_copy
 
 if TYPE_CHECKING:
     from memfit.cli._log import RunLog
@@ -111,7 +111,7 @@ def _remove_unfinished(root: str) -> None:
     if not os.path.isdir(root):
         return
     for _, path in complete(root):
-        _atomic.recover(path, _whole, _JSON)
+        _atomic.recover(path, is_whole, _JSON)
     for name in os.listdir(root):
         if re.fullmatch(r"step-\d+\.tmp-[0-9a-f]+", name):
             _atomic.remove_dir(os.path.join(root, name), _JSON)
