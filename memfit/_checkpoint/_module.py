@@ -142,8 +142,9 @@ def apply_activation_checkpointing(
 ) -> list[str]:
     """Checkpoint, in place, the submodules of ``model`` that ``policy`` selects.
 
-    ``policy``: a module class, a tuple of classes, ``every_nth(n, classes)`` or a
-    ``callable(module) -> bool``; or, in torch's spelling, ``check_fn=callable(module) ->
+    ``policy``: a module class, a tuple (or set, list) of classes, ``every_nth(n, classes)``, a
+    ``callable(module) -> bool`` or an int (modules with at least that many parameters): the
+    same policy as sharding's ``auto_wrap_policy``; or, in torch's spelling, ``check_fn=callable(module) ->
     bool`` or ``auto_wrap_policy=`` (torch's wrap policies). When a selected module contains
     other selected modules only the outermost is checkpointed (a nested checkpoint would
     recompute the same work twice). ``offload`` and ``save`` are passed to

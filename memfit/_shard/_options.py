@@ -65,9 +65,10 @@ class ShardOptions:
     Attributes:
         auto_wrap_policy: which submodules ``FullyShardedDataParallel`` shards as their own unit
             (innermost first; the root takes the parameters left): a module class, a set or
-            tuple of classes, a ``callable(module) -> bool``, an int (the minimum number of not
-            yet wrapped parameters, FairScale's size-based policy), or torch's policy objects and
-            old-style policy callables. None: the whole model is one unit. ``memfit.shard``
+            tuple of classes, ``memfit.every_nth(n, classes)``, a ``callable(module) -> bool``, an
+            int (the minimum number of not yet wrapped parameters, FairScale's size-based policy),
+            or torch's policy objects and old-style policy callables: the same policy
+            :func:`memfit.apply_activation_checkpointing` takes. None: the whole model is one unit. ``memfit.shard``
             shards one module and takes none.
         group: the data-parallel process group (default: the default group).
         mesh: instead of ``group``, a ``DeviceMesh`` (``torch.distributed.device_mesh.
