@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from memfit._plan._profile import DECISIONS, ModelProfile, block_names
+from memfit._checkpoint._decision import KINDS as DECISIONS
+from memfit._plan._profile_types import ModelProfile, block_names
 
 BINS = 8192
 
