@@ -119,7 +119,7 @@ class MemoryMeter:
             return
         key = st._cdata
         entry = self._live.get(key)
-        if entry is not None and not entry[0].expired():
+        if entry is not None and not torch.UntypedStorage._expired(entry[0].cdata):
             return
         if entry is not None:  # a freed storage's address reused by a new one
             self._total -= entry[1]
@@ -143,7 +143,8 @@ class MemoryMeter:
         self._update_peak()
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        expired = torch.UntypedStorage._expired  # StorageWeakRef.expired, without its two Python calls
+        dead = [k for k, (ref, _) in self._live.items() if expired(ref.cdata)]
         for k in dead:
             self._total -= self._live.pop(k)[1]
 
