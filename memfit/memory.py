@@ -9,7 +9,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_flatten
 
 from memfit._instrument import HOOKS
 
@@ -47,11 +46,26 @@ class _Mode(TorchDispatchMode):
         if any(t not in _PLAIN for t in types):
             return NotImplemented  # a tensor subclass (DTensor): let it run its local ops, seen below
         kwargs = kwargs or {}
-        self.meter._track_all(tree_flatten((args, kwargs))[0])
+        self.meter._track_all(_tensors((args, kwargs), []))
         out = func(*args, **kwargs)
-        self.meter._track_all(tree_flatten(out)[0])
+        self.meter._track_all(_tensors(out, []))
         self.meter._update_peak()
         return out
+
+
+def _tensors(x: object, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (nested tuples, lists, dicts: what pytree's
+    tree_flatten finds in them, without its per-node bookkeeping, which the planner pays for
+    on every op of a traced step)."""
+    if isinstance(x, torch.Tensor):
+        found.append(x)
+    elif isinstance(x, list | tuple):
+        for y in x:
+            _tensors(y, found)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, found)
+    return found
 
 
 class MemoryMeter:
