@@ -9,7 +9,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
-from torch.utils._pytree import tree_flatten
 
 from memfit._instrument import HOOKS
 
@@ -47,11 +46,26 @@ class _Mode(TorchDispatchMode):
         if any(t not in _PLAIN for t in types):
             return NotImplemented  # a tensor subclass (DTensor): let it run its local ops, seen below
         kwargs = kwargs or {}
-        self.meter._track_all(tree_flatten((args, kwargs))[0])
+        self.meter._track_all(_tensors((args, kwargs), []))
         out = func(*args, **kwargs)
-        self.meter._track_all(tree_flatten(out)[0])
+        self.meter._track_all(_tensors(out, []))
         self.meter._update_peak()
         return out
+
+
+def _tensors(x: object, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors in an op's arguments or results (nested tuples, lists, dicts: what pytree's
+    tree_flatten finds in them, without its per-node bookkeeping, which the planner pays for
+    on every op of a traced step)."""
+    if isinstance(x, torch.Tensor):
+        found.append(x)
+    elif isinstance(x, list | tuple):
+        for y in x:
+            _tensors(y, found)
+    elif isinstance(x, dict):
+        for y in x.values():
+            _tensors(y, found)
+    return found
 
 
 class MemoryMeter:
@@ -119,7 +133,7 @@ class MemoryMeter:
             return
         key = st._cdata
         entry = self._live.get(key)
-        if entry is not None and not entry[0].expired():
+        if entry is not None and not torch.UntypedStorage._expired(entry[0].cdata):
             return
         if entry is not None:  # a freed storage's address reused by a new one
             self._total -= entry[1]
@@ -143,7 +157,8 @@ class MemoryMeter:
         self._update_peak()
 
     def _sweep(self) -> None:
-        dead = [k for k, (ref, _) in self._live.items() if ref.expired()]
+        expired = torch.UntypedStorage._expired  # StorageWeakRef.expired, without its two Python calls
+        dead = [k for k, (ref, _) in self._live.items() if expired(ref.cdata)]
         for k in dead:
             self._total -= self._live.pop(k)[1]
 

@@ -18,6 +18,7 @@ from torch import nn
 from memfit._shard import _collectives as comm
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import copy_in, land, pinning, same_device, to_device, wait_host_copies
+from memfit._shard._grad import as_shard_grad
 from memfit._shard._layout import Layout, post_forward_group
 from memfit._shard._mixed import gradient_divide_factors
 from memfit._shard._param import ShardedParam
@@ -713,7 +714,8 @@ class PendingReduce:
         for p, off in zip(self.layout.params, self.layout.offsets):
             g = out[off : off + p.local_numel].view(p.sharded.shape)
             if p.sharded.grad is None:
-                p.sharded.grad = g
+                # See [Note: Sharded gradients and torch's clip_grad_norm_]
+                p.sharded.grad = as_shard_grad(g, self.unit.group, self.layout.device)
                 checks.fresh_grad(p)
             else:
                 olds.append(p.sharded.grad)

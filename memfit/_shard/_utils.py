@@ -48,7 +48,13 @@ def clip_grads(
     1 when they are within the norm), so nothing waits for the device. Returns the norm on the
     compute device, in fp32 (fp64 where a gradient is), and its value where it was read, once:
     when ``read``, or to clip gradients of offloaded shards, in host memory, on the host (None:
-    not read; the meta test device's too)."""
+    not read; the meta test device's too). The gradients are read as plain tensors, this rank's
+    rows (See [Note: Sharded gradients and torch's clip_grad_norm_]): reduced here, once."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return _clip_grads(model, max_norm, norm_type, read)
+
+
+def _clip_grads(model: nn.Module, max_norm: float, norm_type: float, read: bool) -> tuple[torch.Tensor, float | None]:
     units = units_of(model)
     grads = [sp.sharded.grad for u in units for sp in u.params if sp.sharded.grad is not None]
     counted = [g for u in units if _counts(u) for sp in u.params if (g := sp.sharded.grad) is not None]

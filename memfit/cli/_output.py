@@ -32,33 +32,92 @@ BREAKDOWN = {  # MemoryMeter's categories at the peak, as the bench plot names t
     "activations_and_other": "activations and other",
 }
 
+# [Note: One colour per term]
+# Every plot memfit draws (the bench's measured peaks, the plan's and --auto's timelines) gives a
+# term the same colour, whichever terms a plot happens to show: colours are looked up by the
+# term's name here, never taken from matplotlib's cycle (which shifts when a term is absent).
+# Terms that are the same memory in the measured and the predicted plots share a colour.
+COLOURS = {
+    "parameters and optimizer state": "tab:blue",
+    "parameters": "tab:blue",
+    "optimizer state": "tab:cyan",
+    "gathered parameters": "tab:orange",
+    "activations": "tab:green",
+    "activations and other": "tab:green",
+    "gradients": "tab:red",
+    "working memory": "tab:purple",
+    "optimizer step (state, gradients, temporaries)": "tab:brown",
+    "peak (not split)": "lightgray",
+}
+BUDGET_COLOUR, FORECAST_COLOUR, PICK_COLOUR = "crimson", "black", "gold"
+
+
+def _wrapped(title: str, width_in: float, fontsize: float) -> str:
+    """``title`` broken into lines that fit a figure ``width_in`` inches wide at ``fontsize``."""
+    import textwrap
+
+    chars = max(20, int(width_in * 72 / (0.55 * fontsize)))  # an average glyph: about 0.55 em
+    return "\n".join(textwrap.wrap(title, chars))
+
+
+def recommended(rows: list[dict]) -> tuple[int | None, list[int]]:
+    """The bench row to pick: the fastest median step among those whose measured peak fits the
+    planned row's budget (every row when there is none), and the rows the repeats cannot tell
+    from it (their min-max step times overlap its own, or one of the two has a single repeat).
+    (None, []): no row fits."""
+    budget = next((r["budget"] for r in rows if r.get("budget")), None)
+    fits = [i for i, r in enumerate(rows) if budget is None or r["peak_bytes"] <= budget]
+    if not fits:
+        return None, []
+    best = min(fits, key=lambda i: rows[i]["step_seconds"])
+    spans = [_span(r) for r in rows]
+    lo, hi = spans[best]
+    single = _repeats(rows[best]) < 2
+
+    def overlaps(i: int) -> bool:
+        return single or _repeats(rows[i]) < 2 or (spans[i][0] <= hi and lo <= spans[i][1])
+
+    return best, [i for i in fits if i != best and overlaps(i)]
+
+
+def _span(row: dict) -> tuple[float, float]:
+    times = row.get("step_seconds_each") or [row["step_seconds"]]
+    return min(times), max(times)
+
+
+def _repeats(row: dict) -> int:
+    return len(row.get("step_seconds_each") or [row["step_seconds"]])
+
 
 def plot(rows: list[dict], path: str, title: str) -> None:
     """A PNG at ``path``: each strategy's measured peak stacked by what held it (parameters,
     gradients, optimizer state, activations; the planner's forecast and budget drawn for the
-    planned row), and its step time (median, the bar; every repeat, the whiskers); y from 0."""
+    planned row), and its step time (median, the bar; every repeat, the whiskers); y from 0.
+    The recommended strategy (:func:`recommended`) is starred and named under the plot, with
+    the strategies its repeats cannot tell apart from it (See [Note: One colour per term])."""
     plt = _pyplot()
 
     names = [r["strategy"] for r in rows]
     x = list(range(len(rows)))
-    fig, (mem, tim) = plt.subplots(1, 2, figsize=(max(8.0, 1.3 * len(rows) + 4), 4.8))
+    width = max(8.0, 1.3 * len(rows) + 4)
+    fig, (mem, tim) = plt.subplots(1, 2, figsize=(width, 5.4), layout="constrained")
     bottom = [0.0] * len(rows)
     for key, label in BREAKDOWN.items():
         split = [r.get("breakdown") or r.get("breakdown_rank0") or {} for r in rows]
         heights = [sp.get(key, 0) / MIB for sp in split]
         if any(heights):
-            mem.bar(x, heights, bottom=bottom, label=label, width=0.7)
+            mem.bar(x, heights, bottom=bottom, label=label, width=0.7, color=COLOURS[label])
             bottom = [b + h for b, h in zip(bottom, heights)]
     rest = [r["peak_bytes"] / MIB - b for r, b in zip(rows, bottom)]  # a peak without its split, or above it
     if any(h > 0.5 for h in rest):
-        mem.bar(x, [max(h, 0) for h in rest], bottom=bottom, label="peak (not split)", width=0.7, color="lightgray")
+        label = "peak (not split)"
+        mem.bar(x, [max(h, 0) for h in rest], bottom=bottom, label=label, width=0.7, color=COLOURS[label])
     for i, r in enumerate(rows):
         if r.get("predicted_peak"):
-            mem.scatter(
-                [i], [r["predicted_peak"] / MIB], marker="D", color="black", zorder=3, label="planner's forecast"
-            )
+            forecast = r["predicted_peak"] / MIB
+            mem.scatter([i], [forecast], marker="D", color=FORECAST_COLOUR, zorder=3, label="planner's forecast")
         if r.get("budget"):
-            mem.axhline(r["budget"] / MIB, color="crimson", linestyle="--", linewidth=1.2, label="planned row's budget")
+            mem.axhline(r["budget"] / MIB, color=BUDGET_COLOUR, linestyle="--", linewidth=1.2, label="budget")
     mem.set_ylim(0, max([r["peak_bytes"] for r in rows] + [r.get("budget") or 0 for r in rows]) / MIB * 1.5)
     mem.set_ylabel("MiB (live tensors)")
     mem.set_title("peak memory of a step, by what held it", fontsize=9)
@@ -67,16 +126,42 @@ def plot(rows: list[dict], path: str, title: str) -> None:
     medians = [r["step_seconds"] for r in rows]
     low = [m - min(t) for m, t in zip(medians, times)]
     high = [max(t) - m for m, t in zip(medians, times)]
-    tim.bar(x, medians, yerr=[low, high], capsize=3, width=0.7, color="tab:gray")
-    tim.set_ylim(0, max(max(t) for t in times) * 1.15)
+    best, close = recommended(rows)
+    colours = ["tab:gray"] * len(rows)
+    if best is not None:
+        colours[best] = PICK_COLOUR
+    tim.bar(x, medians, yerr=[low, high], capsize=3, width=0.7, color=colours, edgecolor="dimgray")
+    top = max(max(t) for t in times)
+    if best is not None:
+        lo, hi = _span(rows[best])
+        tim.axhspan(lo, hi, color=PICK_COLOUR, alpha=0.25, zorder=0)  # what overlaps it cannot be told apart
+        tim.annotate("*", (best, hi + top * 0.02), ha="center", fontsize=14, color="darkgoldenrod")
+    tim.set_ylim(0, top * 1.2)
     tim.set_ylabel("seconds")
     tim.set_title("step time: median (bar), min-max of the repeats (whiskers)", fontsize=9)
     for ax in (mem, tim):
         ax.set_xticks(x, names, rotation=30, ha="right", fontsize=8)
-    fig.suptitle(f"memfit bench: {title}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        for tick, i in zip(ax.get_xticklabels(), x):
+            tick.set_fontweight("bold" if i == best else "normal")
+    fig.suptitle(_wrapped(f"memfit bench: {title}", width, 10), fontsize=10)
+    fig.supxlabel(_wrapped(_verdict(rows, best, close), width, 8), fontsize=8)
+    fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.1)  # nothing cut, whatever the labels
     plt.close(fig)
+
+
+def _verdict(rows: list[dict], best: int | None, close: list[int]) -> str:
+    """The line under the bench plot: the pick, and whether the repeats can tell it apart."""
+    if best is None:
+        return "no strategy's measured peak fits the budget: none recommended"
+    budget = next((r["budget"] for r in rows if r.get("budget")), None)
+    why = "fastest median step that fits the budget" if budget else "fastest median step (no budget given)"
+    line = f"* recommended: {rows[best]['strategy']} ({why})"
+    if close:
+        others = ", ".join(rows[i]["strategy"] for i in close)
+        few = min(_repeats(rows[i]) for i in [best, *close])
+        more = "; rerun with more --repeats" if few < 5 else ""
+        line += f"; the repeats cannot tell it from {others} (their min-max step times overlap{more})"
+    return line
 
 
 # The forecast's parts (memfit/_plan/_solve.py), grouped as a plot shows them.
@@ -112,32 +197,36 @@ def categorized(parts: dict[str, float]) -> dict[str, float]:
 
 
 def plot_timeline(timeline: list[dict], budget: float | None, path: str, title: str) -> None:
-    """A PNG at ``path``: the predicted memory at each moment of one step, stacked by category,
-    with the budget as a line; y from 0."""
+    """A PNG at ``path``: the predicted memory at each moment of one step, stacked by category
+    (each in its own colour: See [Note: One colour per term]), with the budget as a line; y
+    from 0. The legend sits in one row above the bars and the title wraps to the width."""
     plt = _pyplot()
 
     top = max([e["total"] for e in timeline] + [budget or 0])
     unit, scale = ("GiB", 2**30) if top >= 2**30 else ("MiB", MIB)
     stacks = [categorized(e["parts"]) for e in timeline]
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(timeline) + 2), 4.8))
+    width = max(8.0, 0.28 * len(timeline) + 2)
+    fig, ax = plt.subplots(figsize=(width, 5.6), layout="constrained")
     x = range(len(timeline))
     bottom = [0.0] * len(timeline)
     for category in CATEGORIES:
         heights = [s[category] / scale for s in stacks]
         if any(heights):
-            ax.bar(x, heights, bottom=bottom, label=category, width=0.8)
+            ax.bar(x, heights, bottom=bottom, label=category, width=0.8, color=COLOURS[category])
             bottom = [b + h for b, h in zip(bottom, heights)]
     if budget:
         ax.axhline(
-            budget / scale, color="crimson", linestyle="--", linewidth=1.2, label=f"budget {budget / scale:.2f} {unit}"
-        )
+            budget / scale, color=BUDGET_COLOUR, linestyle="--", linewidth=1.2,
+            label=f"budget {budget / scale:.2f} {unit}",
+        )  # fmt: skip
     ax.set_xticks(list(x), [e["moment"] for e in timeline], rotation=90, fontsize=7)
+    ax.set_xlim(-0.6, len(timeline) - 0.4)
     ax.set_ylim(0, top / scale * 1.12)
     ax.set_ylabel(f"predicted memory per rank ({unit})")
-    ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))  # beside the bars, never on them
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    ax.set_title(_wrapped(title, width, 10), fontsize=10)
+    columns = 4 if width >= 12 else 2
+    fig.legend(fontsize=7, loc="outside upper center", ncol=columns, frameon=False)  # above the axes, never on them
+    fig.savefig(path, dpi=120, bbox_inches="tight", pad_inches=0.1)  # nothing cut, whatever the labels
     plt.close(fig)
 
 

@@ -4,9 +4,11 @@ See [Note: Stopping on a signal].
 
 from __future__ import annotations
 
+import functools
 import os
 import shlex
 import signal
+import sys
 import threading
 import time
 from types import FrameType
@@ -24,12 +26,19 @@ ECHO_S = 1.0  # a repeat within this many seconds is the same preemption deliver
 # exit). Agreement costs nothing extra: each rank's request rides in the vector the step
 # all-reduces anyway for its loss, whose read is the step's one host sync (memfit/cli/_train.py,
 # `_agree`), so a signal that reached one node only stops every rank after the same step.
-# A second signal stops at once (the process ends by that signal, without saving): the save
-# is atomic, so the previous checkpoint stays whole (See [Note: Atomic directory replacement]
-# in memfit/_persist/_atomic.py). One preemption often arrives twice within milliseconds (SLURM
+# A second signal stops at once, without saving, with status 128 + its number (os._exit after
+# flushing the standard streams: no exit handler, no teardown): the save is atomic, so the
+# previous checkpoint stays whole (See [Note: Atomic directory replacement] in
+# memfit/_persist/_atomic.py). One preemption often arrives twice within milliseconds (SLURM
 # signals every process of the job, and torchrun's agent forwards its own copy), so a repeat
-# within ECHO_S seconds of the first counts as the same signal. A stop agreed after the last
-# step changes nothing: the run ends as usual (its export included) with status 0.
+# within ECHO_S seconds of the first counts as the same signal. After train() raised Preempted
+# (the checkpoint written), a signal ends the process at once with the run's status. That is
+# torchrun's case: the first rank to exit (143) makes the agent SIGTERM the others, which are
+# still leaving (ending the process group, the interpreter's teardown) and would otherwise die
+# of that signal (-15) although they stopped cleanly; a rank the agent signals before it left
+# train() takes it as a second signal, after the save (every rank passed the barrier that
+# follows it before any exits). So a rank never ends by the signal. A stop agreed after the
+# last step changes nothing: the run ends as usual (its export included) with status 0.
 
 
 def exit_status(signum: int) -> int:
@@ -66,9 +75,13 @@ class StopRequests:
                 self._saved[sig] = signal.signal(sig, self._handle)
         return self
 
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self._saved.items():
-            signal.signal(sig, handler)  # type: ignore[arg-type]
+    def __exit__(self, kind, exc, tb) -> None:
+        if isinstance(exc, Preempted) and self._saved:  # leaving: a signal now ends it with the status
+            for sig in self._saved:
+                signal.signal(sig, functools.partial(_leave_on_signal, exc.status))
+        else:
+            for sig, handler in self._saved.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
         self._saved.clear()
 
     def votes(self) -> list[float]:
@@ -88,8 +101,7 @@ class StopRequests:
         if now - self.first[1] < ECHO_S:
             return  # the same preemption, delivered twice
         _write(f"memfit train: second signal ({name}) on rank {self.rank}: stopping now; the last checkpoint is whole")
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+        _leave(exit_status(signum))
 
 
 def agreed_signal(summed_votes: list[float]) -> int | None:
@@ -114,6 +126,21 @@ def resume_command(argv: list[str]) -> str:
             continue
         out.append(arg)
     return shlex.join([*out, "--resume", "auto"])
+
+
+def _leave(status: int) -> None:
+    """End the process at once with ``status``, the standard streams flushed (from a signal
+    handler: no exit handler, no teardown; See [Note: Stopping on a signal])."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed, or a broken pipe: nothing more to say
+            pass
+    os._exit(status)
+
+
+def _leave_on_signal(status: int, signum: int, frame: FrameType | None) -> None:
+    _leave(status)
 
 
 def _write(text: str) -> None:

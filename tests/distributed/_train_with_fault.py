@@ -4,6 +4,7 @@ python or torchrun in place of `-m memfit train`.
     _train_with_fault.py --fail-at-step N [memfit train flags]
     _train_with_fault.py --fail-in-save N [memfit train flags]
     _train_with_fault.py --term-at-step N --term-again-in-save [memfit train flags]
+    _train_with_fault.py --linger-after-stop S [memfit train flags]
 
 The last rank kills itself with SIGKILL (as a crash or the OOM killer would: no clean-up, no
 exit handler) on torchrun's first attempt only, so that the restarted job runs through:
@@ -12,7 +13,9 @@ hook); --fail-in-save N in the middle of the N-th save_checkpoint, right after i
 own shard files (before the checkpoint is complete). --term-at-step N sends the last rank a
 SIGTERM at the start of the step after N steps done (a preemption) and --term-again-in-save a
 second one in the save that follows, after its shard files are written and ECHO_S seconds after
-the first (a repeat sooner counts as the same one): the stop without saving. The exit status
+the first (a repeat sooner counts as the same one): the stop without saving. --linger-after-stop S:
+rank 0 takes S seconds more to leave after a signal stopped the run (a slow teardown), so that
+torchrun's agent, seeing another rank exit first, signals it while it leaves. The exit status
 is `memfit train`'s.
 """
 
@@ -39,6 +42,7 @@ def main() -> None:
     p.add_argument("--fail-in-save", type=int)
     p.add_argument("--term-at-step", type=int)
     p.add_argument("--term-again-in-save", action="store_true")
+    p.add_argument("--linger-after-stop", type=float, default=0.0)
     ours, flags = p.parse_known_args()
     cfg = parse_config(["train", *flags])
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
@@ -84,6 +88,8 @@ def main() -> None:
     try:
         train(cfg, on_step=on_step)
     except Preempted as e:
+        if dist.get_rank() == 0:
+            time.sleep(ours.linger_after_stop)
         end_process_group()
         sys.exit(e.status)
     # as `memfit train` does: every process group freed before the interpreter's teardown (See

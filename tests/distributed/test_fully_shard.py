@@ -172,6 +172,70 @@ def case_ignored_params(rank, world):
     assert got.blocks[0].proj.bias not in got.blocks[0]._memfit_unit.params
 
 
+def train_clipped(model, norm_type, max_norm=0.05, steps=3, **clip):
+    """Losses and norms of ``steps`` AdamW steps that clip with torch's own
+    ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)``, the call an FSDP2 script keeps
+    after the import swap; each norm read as FSDP2 users read it (full_tensor of a DTensor)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=False)
+    rank, losses, norms = dist.get_rank(), [], []
+    for step in range(steps):
+        loss = loss_of(model, batch(step, rank))
+        loss.backward()
+        losses.append(loss.item())
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm, norm_type, **clip)
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).item())
+        opt.step()
+        opt.zero_grad()
+    return losses, norms
+
+
+def case_torch_clip_grad_norm_matches_fsdp2(rank, world):
+    """torch.nn.utils.clip_grad_norm_ on memfit.fully_shard's model clips by FSDP2's global norm,
+    bit for bit (See [Note: Sharded gradients and torch's clip_grad_norm_]): the 2-, 1- and
+    inf-norms, torch's foreach path too; max_norm 0.05 clips every step (the norms are ~6)."""
+    for norm_type, clip in [(2.0, {}), (1.0, {}), (float("inf"), {}), (2.0, {"foreach": True})]:
+        ref, got = build("torch"), build("memfit")
+        want_losses, want_norms = train_clipped(ref, norm_type, **clip)
+        losses, norms = train_clipped(got, norm_type, **clip)
+        assert norms == want_norms, (norm_type, clip, norms, want_norms)
+        assert losses == want_losses, (norm_type, clip, losses, want_losses)
+        assert min(norms) > 0.05  # clipping did happen
+        want, have = full_state(ref), full_state(got)
+        for k in want:
+            torch.testing.assert_close(have[k], want[k], **EXACT, msg=lambda m, k=k, n=norm_type: f"{k} ({n}): {m}")
+
+
+def case_shard_grad_norms_read_as_one_tensor(rank, world):
+    """A chunk's gradient answers a whole-tensor norm with the norm of the whole gradient (as a
+    DTensor's full_tensor() of it), every other op with this rank's rows; memfit.clip_grad_norm_
+    still reduces once (its norm is the single-process one, whatever the gradients' type)."""
+    ref, got = build("torch"), build("memfit")
+    for m in (ref, got):
+        loss_of(m, batch(0, rank)).backward()
+    for (name, p), q in zip(got.named_parameters(), ref.parameters()):
+        g, want = p.grad, q.grad
+        assert type(g).__name__ == "ShardGrad", (name, type(g))
+        whole = torch.linalg.vector_norm(want.full_tensor())
+        assert g.norm().item() == want.norm().full_tensor().item() == pytest.approx(whole.item(), rel=1e-6), name
+        assert torch.linalg.vector_norm(g, float("inf")).item() == want.full_tensor().abs().max().item(), name
+        local = torch.linalg.vector_norm(g, 2.0, dim=0)  # over some dims: this rank's rows
+        assert type(local) is torch.Tensor and torch.equal(local, torch.linalg.vector_norm(want.to_local(), 2.0, dim=0))
+        assert type(g * 2) is torch.Tensor and torch.equal(g * 2, want.to_local() * 2), name
+    part = got.embed.weight.grad.norm()
+    assert type(part).__name__ == "PartialNorm" and part.shape == () and part._memfit_reduced is None
+    first = part.item()  # every rank: the reduction, once, on first use; then kept
+    assert part._memfit_reduced is not None
+    if rank == 0:  # one rank alone reads it again: no collective (it would hang)
+        assert part.item() == first == ref.embed.weight.grad.norm().full_tensor().item()
+    else:
+        ref.embed.weight.grad.norm().full_tensor()
+    total = torch.nn.utils.get_total_norm([p.grad for p in got.parameters()])
+    assert type(total) is torch.Tensor  # the stack's norm: reduced (as FSDP2's is Replicate)
+    want = torch.nn.utils.get_total_norm([p.grad for p in ref.parameters()]).full_tensor().item()
+    assert total.item() == want
+    assert memfit.clip_grad_norm_(got, 1e9) == pytest.approx(want, rel=1e-6)
+
+
 def case_unshard_reshard(rank, world):
     ref, got = build("torch"), build("memfit")
     for model in (ref, got):
@@ -300,6 +364,8 @@ CASES = [
     case_reshard_after_forward_false,
     case_mixed_precision_bf16,
     case_ignored_params,
+    case_torch_clip_grad_norm_matches_fsdp2,
+    case_shard_grad_norms_read_as_one_tensor,
     case_unshard_reshard,
     case_prefetch_setters,
     case_gradient_divide_factor,

@@ -1,9 +1,11 @@
 """memfit train preempted by real signals, as a scheduler or a user sends them (See [Note: Stopping
 on a signal] in memfit/cli/_preempt.py): SIGTERM after a step marker is in the log stops at the
 next step boundary with a whole checkpoint, one line and status 143, and the printed command
-continues bitwise; a second signal in the middle of that save ends the process at once and the
-previous checkpoint stays whole; under torchrun a SIGTERM to one rank stops both at one step;
-Ctrl-C without --checkpoint-dir says nothing could be saved (status 130)."""
+continues bitwise; a second signal in the middle of that save ends the process at once (status 143,
+not by the signal) and the previous checkpoint stays whole; under torchrun a SIGTERM to one rank
+stops both at one step, and the rank still leaving when the agent signals it (the other rank
+exited first) exits 143 too, never by the signal; Ctrl-C without --checkpoint-dir says nothing
+could be saved (status 130)."""
 
 import os
 import re
@@ -107,7 +109,7 @@ def test_a_second_signal_mid_save_ends_at_once_and_the_last_checkpoint_survives(
     flags = ["--term-at-step", "3", "--term-again-in-save", *STEPS, "--checkpoint-dir", str(ck), "--save-every", "2"]
     proc = _start(flags, entry=(fault,))
     out = _finish(proc, "")
-    assert proc.returncode == -signal.SIGTERM, out[-3000:]  # ended by the second signal, in the step-4 save
+    assert proc.returncode == 143, out[-3000:]  # ended by the second signal, in the step-4 save, not killed by it
     assert "second signal (SIGTERM) on rank 0: stopping now" in out and "stopped by" not in out, out[-3000:]
     assert [s for s, _ in complete(str(ck))] == [2]
     assert any(".tmp-" in n for n in os.listdir(ck))  # the interrupted save's leftovers, never picked
@@ -144,7 +146,9 @@ def _rank_pid(root: int, rank: int) -> int:
 def test_sigterm_to_one_rank_stops_every_rank_after_one_step(tmp_path, whole):
     _run([*STEPS, "--json", str(whole / "w2.json")], torchrun=2)
     ck = tmp_path / "ck"
-    proc = _start([*STEPS, "--checkpoint-dir", str(ck)], torchrun=2)
+    fault = str(Path(__file__).with_name("_train_with_fault.py"))
+    # rank 0 leaves 5 s late: rank 1 exits first, and the agent SIGTERMs rank 0 while it leaves
+    proc = _start([*STEPS, "--checkpoint-dir", str(ck), "--linger-after-stop", "5"], torchrun=2, entry=(fault,))
     seen = _wait_for(proc, "step 2/30")
     os.kill(_rank_pid(proc.pid, 1), signal.SIGTERM)  # one node preempted: rank 0 gets no signal
     out = _finish(proc, seen)
@@ -153,6 +157,7 @@ def test_sigterm_to_one_rank_stops_every_rank_after_one_step(tmp_path, whole):
     step = int(stopped[2])
     assert complete(str(ck)) == [(step, str(ck / f"step-{step:08d}"))]  # whole, written by both ranks
     assert "exitcode  : 143" in out, out[-3000:]  # torchrun's report of the ranks it saw stop
+    assert "Signal 15" not in out and "exitcode  : -15" not in out, out[-3000:]  # no rank ended by the signal
     rest = tmp_path / "rest.json"
     out = _run([*STEPS, "--checkpoint-dir", str(ck), "--resume", "auto", "--json", str(rest)], torchrun=2)
     assert f"resumed from step {step}" in out
