@@ -17,11 +17,12 @@ import memfit
 from memfit._plan._autoconfig import AutoConfig, Candidate, Layout, held_gradients
 from memfit._plan._budget import format_bytes
 from memfit._plan._time import default_profile
+from memfit.cli._config import MIXED
 from memfit.cli._data import window_batch
 
 if TYPE_CHECKING:
+    from memfit.cli._config import TrainConfig
     from memfit.cli._data import Tokens
-    from memfit.cli._train import TrainConfig
 
 # [Note: Choosing a run's configuration]
 # `memfit train` builds the model in host memory, then decides before sharding it:
@@ -248,9 +249,6 @@ def _counts(decisions: dict[str, str]) -> str:
 
 def _gib(n: float) -> str:
     return format_bytes(int(n))
-
-
-MIXED = {"no": None, "bf16": torch.bfloat16}
 
 
 def mixed_precision(name: str) -> memfit.MixedPrecision | None:
