@@ -101,7 +101,10 @@ def choose(
             held = held_gradients(plan.profile, Layout(world, cfg.hybrid_shards or world), accumulate)
             plan = memfit.plan(model, example, budget=cfg.budget, profile=held, **opts)
     except memfit.PlanError as e:
-        raise memfit.PlanError(f"{e} For memfit train: {_TRAIN_ADVICE}") from None
+        raise memfit.PlanError(
+            f"{e} memfit train computes the head and loss whole (`memfit plan`'s smallest budget may chunk them: "
+            f"its line says so); for memfit train: {_TRAIN_ADVICE}"
+        ) from None
     about = f"planned for {cfg.budget} per rank: {_counts(plan.decisions)}, forecast peak {_gib(plan.predicted_peak)}"
     return Choice(dict(plan.decisions), batch, None, *layout, about, plan.predicted_peak)
 

@@ -17,6 +17,7 @@ from memfit.cli._choose import PLANNED_KINDS, mixed_precision
 from memfit.cli._config import DTYPES, CalibrateConfig, PlanConfig
 from memfit.cli._data import batch_at, check_first_batch
 from memfit.cli._output import plot_timeline, write_json
+from memfit.cli._progress import phase
 
 __all__ = ["DTYPES", "CalibrateConfig", "PlanConfig", "calibrate_command", "plan_command", "run_lines"]
 
@@ -24,8 +25,8 @@ __all__ = ["DTYPES", "CalibrateConfig", "PlanConfig", "calibrate_command", "plan
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
     spec = cfg.spec()
     seq, rows = spec.seq, spec.batch
-    print(f"plan: building {cfg.model} on the meta device", flush=True)
-    with torch.device("meta"):  # planning needs shapes only: nothing is allocated, no weights are read
+    # planning needs shapes only: nothing is allocated, no weights are read
+    with phase("plan", f"building {cfg.model} on the meta device"), torch.device("meta"):
         model = spec.build(0).to(DTYPES[cfg.dtype])
     batch = batch_at(spec.arch, rows, seq, step=0)
     check_first_batch(cfg.COMMAND, model, batch)
@@ -45,16 +46,16 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     )
     if cfg.auto:
         return auto_command(cfg, model, batch, device)
-    print(f"plan: profiling one batch on fake tensors and solving for {cfg.budget}", flush=True)
-    plan = memfit.plan(
-        model,
-        batch,
-        budget=cfg.budget,
-        world_size=cfg.world_size,
-        shard_size=cfg.shard_size,
-        device_profile=device,
-        mixed_precision=mixed,
-    )
+    with phase("plan", f"profiling one batch on fake tensors and solving for {cfg.budget}"):
+        plan = memfit.plan(
+            model,
+            batch,
+            budget=cfg.budget,
+            world_size=cfg.world_size,
+            shard_size=cfg.shard_size,
+            device_profile=device,
+            mixed_precision=mixed,
+        )
     print(plan.table())
     if cfg.json:
         write_json(cfg.json, plan.to_dict())
@@ -76,20 +77,20 @@ def _plot(cfg: PlanConfig, plan: memfit.Plan) -> None:
 def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.DeviceProfile) -> memfit.Plan:
     """`memfit plan --auto`: the configurations searched, why each lost, and the chosen one's plan."""
     global_batch = f"global batch {cfg.global_batch}" if cfg.global_batch else "no global batch (accumulation 1)"
-    print(f"plan: searching configurations for {cfg.budget} per rank, {global_batch}", flush=True)
-    result = memfit.autoconfigure(
-        model,
-        batch,
-        budget=cfg.budget,
-        world_size=cfg.world_size,
-        global_batch=cfg.global_batch,
-        device_profile=device,
-        shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
-        mixed_precision=mixed_precision(cfg.mixed_precision),
-    )
+    with phase("plan", f"searching configurations for {cfg.budget} per rank, {global_batch}"):
+        result = memfit.autoconfigure(
+            model,
+            batch,
+            budget=cfg.budget,
+            world_size=cfg.world_size,
+            global_batch=cfg.global_batch,
+            device_profile=device,
+            shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
+            mixed_precision=mixed_precision(cfg.mixed_precision),
+        )
     print(result.table(limit=20))
     print()
-    print(result.plan.table())
+    print(chosen_plan_table(result))
     if cfg.json:
         write_json(cfg.json, {"auto": result.to_dict(), "plan": result.plan.to_dict()})
     _plot(cfg, result.plan)
@@ -101,6 +102,23 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
     print("\nthe times above are priced, not measured: with --trials K, memfit train times the top K first")
     print(f"run it: {launcher} train --auto {args}")
     return result.plan
+
+
+def chosen_plan_table(result: memfit.AutoConfig) -> str:
+    """The chosen configuration's plan table; where its predicted step differs from the
+    configuration's (the table above), its line says why: the plan prices one micro-batch's
+    step, the search the whole optimizer step at its layout."""
+    best, lines = result.best, result.plan.table().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("time on ") and ": predicted step " in line:
+            said = line.split(": predicted step ", 1)[1].split(" ms", 1)[0]
+            if said != f"{best.step_time * 1e3:.1f}":
+                lines[i] = (
+                    f"{line}; the plan's own step (micro-batch {best.micro_batch}, as memfit.plan prices it), not the "
+                    f"configuration's {best.step_time * 1e3:.1f} ms above ({best.accumulation} micro-batches, the "
+                    f"optimizer and the communication of {best.layout.describe()})"
+                )
+    return "\n".join(lines)
 
 
 def _count(n: int) -> str:

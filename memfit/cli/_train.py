@@ -34,10 +34,11 @@ from memfit.cli import _checkpoints
 from memfit.cli._choose import Choice, choose, mixed_precision, picked_before, trials_record, tried
 from memfit.cli._config import CHECKPOINTING, TrainConfig
 from memfit.cli._data import Tokens, check_first_batch, load_tokens, window_batch
-from memfit.cli._launch import init_process_group, pg_timeout
+from memfit.cli._launch import init_process_group, pg_timeout, relaunched
 from memfit.cli._log import RunLog, plural
 from memfit.cli._output import write_json
 from memfit.cli._preempt import Preempted, StopRequests, agreed_signal, resume_command
+from memfit.cli._progress import phase
 from memfit.models._spec import ModelSpec, layer_class, loss_of, settle_loss_type, vocab_size
 
 __all__ = ["CHECKPOINTING", "TrainConfig", "accumulation", "train"]
@@ -121,7 +122,9 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
         trial.sharded = (c.hybrid_shards or world) > 1
         return lambda: _descend(trial, _micro_batches(trial, 0))
 
-    chosen = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
+    searching = f"{'searching configurations' if cfg.auto else 'planning'} for {cfg.budget} per rank"
+    with phase(cfg.COMMAND, searching, shown=bool(cfg.budget) and rank == 0):
+        chosen = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
     picked = None
     timed = {"mixed_precision": cfg.mixed_precision, "seq": seq, "device": device.type}  # what --trials times under
     if cfg.trials and chosen.search is not None:  # See [Note: Trying configurations]
@@ -129,7 +132,8 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     if cfg.trials and chosen.search is not None and picked is None:
         del model  # each trial builds its own: one whole model in host memory at a time
         gc.collect()
-        picked = tried(cfg, chosen.search, list(chosen.decisions), world, step_of, device)
+        with phase(cfg.COMMAND, f"timing the {cfg.trials} fastest-predicted configurations", shown=rank == 0):
+            picked = tried(cfg, chosen.search, list(chosen.decisions), world, step_of, device)
         model = spec.build(cfg.seed)
         settle_loss_type(model)
     chosen = picked or chosen
@@ -490,7 +494,7 @@ def _stop(run: _Run, signum: int, done: int, path: str | None, log: list[dict], 
     if path:
         run.log.say(
             f"memfit train: stopped by {name} after step {done} of {run.cfg.steps}; saved checkpoint {path}; "
-            f"continue with: {resume_command(sys.argv)}"
+            f"continue with: {relaunched(resume_command(sys.argv))}"
         )
     else:
         run.log.say(
