@@ -75,7 +75,8 @@ def check_budget(command: str, budget: str, name: str = "--budget") -> int:
         return memfit.parse_bytes(budget)
     except (ValueError, TypeError) as e:
         why = str(e).removeprefix("memfit: ")
-        raise ValueError(f"{command}: {name} {budget}: {why}; pass a positive size, {_BUDGETS}") from None
+        advice = "" if "write a whole number" in why else f"; pass a positive size, {_BUDGETS}"  # said once
+        raise ValueError(f"{command}: {name} {budget}: {why}{advice}") from None
 
 
 def _at_least(command: str, minimum: int, **values: int) -> None:
