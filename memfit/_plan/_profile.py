@@ -23,8 +23,9 @@ from memfit._checkpoint._decision import KINDS as DECISIONS
 from memfit._plan._calibrate import device_profile
 from memfit._plan._head import LMHead, find_head, unchunk_head
 from memfit._plan._head import chunk_head as chunk_forward
+from memfit._plan._target import HOST, target_of
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
-from memfit._plan._trace import DataValues, NeedsDataError, fake_rules, record_data_values
+from memfit._plan._trace import DataValues, NeedsDataError, _class_attribute, fake_rules, record_data_values
 from memfit._shard._mixed import MixedPrecision
 from memfit.memory import MemoryMeter
 
@@ -138,6 +139,9 @@ class ModelProfile:
     # Gradients accumulate over micro-batches (autoconfigure's held_gradients): the root's shard
     # from the micro-batches before is alive at its reduce too.
     accumulating: bool = False
+    # Every op of the measured step (forward, backward, optimizer step), as traced for the device
+    # profile's target ([Note: The target's op stream]); the blocks' recomputes are in their own.
+    step_ops: list[OpCost] = field(default_factory=list)
 
     @property
     def measured_state(self) -> int:
@@ -336,7 +340,7 @@ def _signature(block: nn.Module, args, kwargs) -> tuple:
     return (type(block), text, tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
 
 
-def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions, device) -> BlockProfile:
+def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions, device, target=HOST) -> BlockProfile:
     """Bytes of ``block`` under each decision (on fake tensors) and their priced extra time; its
     backward from the outputs the step's backward reaches (``reached``: their positions among
     the outputs with grad; T5's encoder blocks return a position bias nothing after them uses)."""
@@ -391,7 +395,7 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
         prof.unavailable["offload"] = prof.unavailable["full"]
     elif "offload" in measured:  # full checkpointing with the input elsewhere until backward
         prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
-        prof.peak["offload"] = prof.peak["full"]
+        prof.peak["offload"] = prof.peak["full"] + target.offload_prefetch * prof.input_bytes
         prof.forward_peak["offload"] = prof.forward_peak["full"]
     # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
     keep, n_keep = device.ops_time(work["keep"]), len(work["keep"])
@@ -699,10 +703,11 @@ def _profile(
     mixed_precision,
 ):  # fmt: skip
     fake = FakeTensorMode(allow_non_fake_inputs=True)
+    target = target_of(device)  # See [Note: The target's op stream]
     first = next(iter(model.parameters()), None)
     on = "cpu" if first is None or first.device.type == "meta" else first.device
     mp = mixed_precision
-    with fake:
+    with fake, target.tracing(), _class_attribute(_Meter, "block_bytes", target.block_bytes):
         skeleton = _fake_copy(model, on)
         inputs = tree_map(lambda t: _fake_like(t, on), example_inputs)
         skeleton.train()
@@ -714,9 +719,9 @@ def _profile(
             blocks = [skeleton.get_submodule(p) for p in paths]
             for b in blocks if mp else ():
                 b.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
-            whole = _measure_step(skeleton, inputs, loss_fn, blocks, None if mp else optimizer)
+            whole = _measure_step(skeleton, inputs, loss_fn, blocks, None if mp else optimizer, target.foreach)
             if mp:  # the optimizer steps on the shards, in their own dtype
-                whole = _master_step(whole, masters, optimizer, _buffer_bytes(skeleton))
+                whole = _master_step(whole, masters, optimizer, _buffer_bytes(skeleton), target.foreach)
             made = whole.made or _BlocksMade()
             profiles, seen = [], {}
             for i, (path, blk) in enumerate(zip(paths, blocks)):
@@ -724,7 +729,9 @@ def _profile(
                 reached = made.reached.get(i, set())
                 key = (_signature(blk, args, kwargs), made.fingerprint.get(i), tuple(sorted(reached)))
                 if key not in seen:  # identical blocks are profiled once
-                    seen[key] = _profile_block(path, blk, args, kwargs, reached, rule, offload, decisions, device)
+                    seen[key] = _profile_block(
+                        path, blk, args, kwargs, reached, rule, offload, decisions, device, target
+                    )
                 prof = _without_shared_inputs(seen[key], made.shared.get(i, 0))
                 last = path not in paths[i + 1 :]  # a module's gradients once: [Note: A module run several times]
                 grads = _used_bytes(blk, whole.used) if last else 0
@@ -755,6 +762,7 @@ def _profile(
         leftover=max(0, marks["after_backward"] - counted),
         buffer_bytes=buffers,
         step_time=device.ops_time(whole.costs),
+        step_ops=whole.costs,
         head=head,
         head_chunked=None if chunked is None else chunked[0],
         head_chunked_time=0.0 if chunked is None else chunked[1],
@@ -835,7 +843,11 @@ def _inputs_to(dtype: torch.dtype) -> Callable:
 
 
 def _master_step(
-    whole: _WholeStep, masters: list[tuple[nn.Parameter, torch.dtype]], optimizer: str, buffers: int
+    whole: _WholeStep,
+    masters: list[tuple[nn.Parameter, torch.dtype]],
+    optimizer: str,
+    buffers: int,
+    foreach: bool | None = None,
 ) -> _WholeStep:
     """``whole`` (a step measured without optimizer) with the optimizer's state, peak and ops
     over shards in their own dtype: one step to create the state, one measured, each parameter
@@ -845,7 +857,7 @@ def _master_step(
     shards = nn.ParameterList([nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device)) for p, dtype in used])
     for p in shards:
         p.grad = torch.zeros_like(p)
-    opt = _make_optimizer(optimizer, shards)
+    opt = _make_optimizer(optimizer, shards, foreach)
     opt.step()
     with _Meter(model=shards, optimizer=opt) as meter, CostRecorder() as recorder:
         opt.step()
@@ -1089,7 +1101,12 @@ class _WholeStep:
 
 
 def _measure_step(
-    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str | None
+    model: nn.Module,
+    example_inputs: Inputs,
+    loss_fn: Callable | None,
+    blocks: list[nn.Module],
+    optimizer: str | None,
+    foreach: bool | None = None,
 ) -> _WholeStep:
     """One step to create the optimizer state, then one under MemoryMeter with hooks that
     capture each block's inputs and mark the moments the memory model names (``optimizer``
@@ -1150,7 +1167,7 @@ def _measure_step(
 
         return post
 
-    opt = _make_optimizer(optimizer, model) if optimizer else None
+    opt = _make_optimizer(optimizer, model, foreach) if optimizer else None
     with _watching(_ByCall(blocks, capture, ended)) as calls:
         if opt:  # the optimizer's state, as after a first step (fake); see [Note: Parameters the step uses]
             step_loss(model, example_inputs, loss_fn).backward()
@@ -1333,7 +1350,31 @@ class _BlocksMade:
 
 class _Meter(MemoryMeter):
     """MemoryMeter without the breakdown by category at each new peak (the planner reads the
-    totals only; naming the categories costs O(live tensors) per peak)."""
+    totals only; naming the categories costs O(live tensors) per peak); each storage rounded up
+    to ``block_bytes``, the target's allocator's ([Note: The target's op stream])."""
+
+    block_bytes = 1  # set while tracing for a target whose allocator rounds (CUDA's: 512)
+
+    def _track(self, t: torch.Tensor) -> None:
+        super()._track(t)
+        if self.block_bytes > 1:
+            try:
+                self._round(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):  # no storage (as MemoryMeter._track)
+                pass
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        super()._resized(st)
+        if self.block_bytes > 1:
+            self._round(st)
+            self._update_peak()
+
+    def _round(self, st) -> None:
+        entry = self._live.get(st._cdata)
+        if entry is not None and entry[1] % self.block_bytes:
+            rounded = -(-entry[1] // self.block_bytes) * self.block_bytes
+            self._live[st._cdata] = (entry[0], rounded)
+            self._total += rounded - entry[1]
 
     def _categorise(self) -> dict[str, int]:
         return {}
@@ -1344,12 +1385,13 @@ class _Meter(MemoryMeter):
         return dict(self._live)
 
 
-def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, model: nn.Module, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """``foreach``: as the target's torch picks it ([Note: The target's op stream]); None: the host's default."""
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adamw":
-        return torch.optim.AdamW(params)
+        return torch.optim.AdamW(params, foreach=foreach)
     if name == "adam":
-        return torch.optim.Adam(params)
+        return torch.optim.Adam(params, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
     raise ValueError(f"memfit.plan: unknown optimizer {name!r}; choose 'adamw', 'adam' or 'sgd'")
