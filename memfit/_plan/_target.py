@@ -55,7 +55,7 @@ from memfit._plan._time import DeviceProfile
 #     its test for packed sequences (position ids restarting in a row: it reads their values)
 #     answers "one sequence per row", as for a batch without position ids (an assumption
 #     where the batch's own position ids pack several sequences).
-# CPU profiles get no mapping (Target.host): their forecasts are those of the CPU's stream.
+# CPU profiles get no mapping (Target()): their forecasts are those of the CPU's stream.
 # Patched as module attributes, not a TorchFunctionMode: a checkpointed block's recompute runs
 # inside backward, where no mode entered outside it is seen (the recompute of a full block must
 # trace the fused attention too). Not mapped: CUDA autocast's op lists (a step under CPU
@@ -110,15 +110,12 @@ class Target:
             yield
 
 
-HOST = Target()
-
-
 def target_of(device: DeviceProfile) -> Target:
     """The target a plan priced on ``device`` traces: CUDA's stream for a CUDA profile (the named
     accelerators, or a calibration on a CUDA device: it has CUDA's workspace), the host's else."""
     if device.name in ("h100", "h200", "a100") or device.workspace_bytes > 0:
         return Target(cuda=True, block_bytes=CUDA_BLOCK, offload_prefetch=1)
-    return HOST
+    return Target()
 
 
 def cuda_backend(query, key, value, attn_mask=None, dropout_p=0.0, enable_gqa=False) -> str:
@@ -231,4 +228,4 @@ def _attribute(owner, name: str, value) -> Iterator[None]:
         setattr(owner, name, before)
 
 
-__all__ = ["CUDA_BLOCK", "HOST", "Target", "cuda_backend", "target_of"]
+__all__ = ["CUDA_BLOCK", "Target", "cuda_backend", "target_of"]

@@ -9,7 +9,8 @@ import torch
 
 import memfit
 from memfit._plan._calibrate import device_profile
-from memfit._plan._profile import _Meter, profile_model
+from memfit._plan._profile import profile_model
+from memfit._plan._step import _Meter
 from memfit._plan._target import CUDA_BLOCK, cuda_backend, target_of
 from memfit._plan._trace import _class_attribute
 from memfit.models import Shape, bert_mlm, llama_lm, lm_batch, mlm_batch
