@@ -9,9 +9,10 @@ every memfit row of parts b and c of a GPU validation (benchmarks/results/gpu_h1
 
 Each forecast is the planner's (its profile on fake tensors, the model on the meta device,
 priced for ``--device``: [Note: The target's op stream]) for the decisions the row ran; the
-planned row's decisions are the counts it recorded (the blocks' order is not recorded: kept
-blocks last). Rows under autocast are profiled inside ``torch.autocast("cpu", bf16)``: the
-CPU's autocast op lists, not CUDA's (not mapped yet). Measured: the row's max_memory_allocated.
+planned row is re-planned at its budget on this profile (its decisions and head compared with
+the row's). Rows under autocast are profiled inside ``torch.autocast("cpu", bf16)``, which the
+planner traces with CUDA autocast's fp32 lists for a CUDA profile. Measured: the row's
+max_memory_allocated.
 Goal: forecast / measured - 1 within 0 .. +3%.
 
     PYTHONPATH=. .venv/bin/python benchmarks/gpu_memory_rows.py [--parts b,c] [--rows fp32]

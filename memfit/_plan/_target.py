@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._pytree import tree_map
 
 from memfit._plan._time import DeviceProfile
 
@@ -58,10 +60,16 @@ from memfit._plan._time import DeviceProfile
 # CPU profiles get no mapping (Target()): their forecasts are those of the CPU's stream.
 # Patched as module attributes, not a TorchFunctionMode: a checkpointed block's recompute runs
 # inside backward, where no mode entered outside it is seen (the recompute of a full block must
-# trace the fused attention too). Not mapped: CUDA autocast's op lists (a step under CPU
-# autocast is traced with the CPU's lists), cuDNN attention (off by default), and the CUDA
-# allocator's segments and caching beyond the 512-byte rounding ([Note: The allocator beside
-# the tensors]).
+# trace the fused attention too).
+#   - autocast: a plan made inside torch.autocast("cpu", dtype) (the host's autocast: CUDA's
+#     cannot be entered on a CPU-only build) traces CUDA autocast's op lists: the ops CUDA's
+#     fp32 lists name (layer_norm, softmax, log_softmax, exp, pow, rsqrt, sum, ...) run in
+#     fp32, by a kernel at the AutocastCPU key for the trace's duration (torch.library; torch's
+#     own kernels are back after). Its lower-precision list (the matmuls, linear, SDPA) is the
+#     CPU's; the ops only the CPU's fp32 list names stay as the CPU runs them; a
+#     set_opt_dtype op casts its input rather than passing dtype= (a temporary copy more).
+# Not mapped: cuDNN attention (off by default), and the CUDA allocator's segments and caching
+# beyond the 512-byte rounding ([Note: The allocator beside the tensors]).
 
 CUDA_BLOCK = 512  # CUDACachingAllocator's kMinBlockSize: every allocation a multiple of it
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -107,6 +115,8 @@ class Target:
             if masks is not None and hasattr(masks, "find_packed_sequence_indices"):
                 packed = _unpacked_on_fakes(masks.find_packed_sequence_indices)
                 stack.enter_context(_attribute(masks, "find_packed_sequence_indices", packed))
+            if torch.is_autocast_enabled("cpu"):
+                stack.enter_context(_cuda_autocast_lists())
             yield
 
 
@@ -196,6 +206,52 @@ def _real_causal_skip(plain):
         return plain(padding_mask, q_length, kv_length, q_offset, kv_offset, *args, **kwargs)
 
     return _ignore_causal_mask_sdpa
+
+
+# CUDA autocast's fp32 lists (aten/src/ATen/autocast_mode.cpp, AutocastCUDA: "fp32" and
+# "fp32_set_opt_dtype") where the CPU's lists leave an op in the lower precision.
+_CUDA_FP32 = (
+    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p", "reciprocal", "rsqrt", "sinh",
+    "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm", "native_layer_norm",
+    "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity", "dist", "pdist",
+    "renorm", "logsumexp",
+    # fp32_set_opt_dtype: run in fp32 unless a dtype is given
+    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm", "sum",
+    "sum.dim_IntList",
+)  # fmt: skip
+_LOWER = (torch.float16, torch.bfloat16)
+
+
+@contextlib.contextmanager
+def _cuda_autocast_lists() -> Iterator[None]:
+    """Inside: CPU autocast runs the ops of CUDA autocast's fp32 lists in fp32, as AutocastCUDA
+    does (a kernel at the AutocastCPU key per op, removed after: torch's own kernels return)."""
+    lib = torch.library.Library("aten", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "Overriding a previously registered kernel"
+            for name in _CUDA_FP32:
+                packet, _, overload = name.partition(".")
+                op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+                lib.impl(name, _fp32_kernel(op), "AutocastCPU")
+        yield
+    finally:
+        lib._destroy()
+
+
+def _fp32_kernel(op):
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+
+    def to_fp32(t):
+        return t.to(torch.float32) if isinstance(t, torch.Tensor) and t.dtype in _LOWER else t
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(keys):
+            if kwargs.get("dtype") is None:
+                args, kwargs = tree_map(to_fp32, (args, kwargs))
+            return op(*args, **kwargs)
+
+    return kernel
 
 
 def _unpacked_on_fakes(plain):

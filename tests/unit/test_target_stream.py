@@ -84,6 +84,18 @@ def test_t5_position_bias_traces_efficient_attention_for_h100():
     assert "aten.native_dropout" in ops and "aten.bernoulli_" not in ops
 
 
+def test_autocast_traces_cuda_fp32_lists_for_h100():
+    def norms(device: str) -> set[str]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            prof = profile_model(_bert(), mlm_batch(SHAPE), device=device_profile(device), decisions=("keep",))
+        return {str(c.dtype) for c in prof.step_ops if c.op == "aten.native_layer_norm"}
+
+    assert norms("h100") == {"torch.float32"}  # CUDA autocast: layer_norm in fp32
+    assert "torch.bfloat16" in norms("cpu")  # the CPU's lists: in the Linear's output dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # torch's own kernels back after the trace
+        assert torch.nn.functional.layer_norm(torch.ones(2, 4, dtype=torch.bfloat16), (4,)).dtype == torch.bfloat16
+
+
 def test_cuda_backend_rule():
     def qkv(dtype, heads_kv=4, dim=8):
         return (torch.empty(2, 4, 16, dim, dtype=dtype, device="meta"),
