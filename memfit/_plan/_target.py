@@ -106,13 +106,16 @@ class Target:
         return True if self.cuda else None
 
     @contextlib.contextmanager
-    def tracing(self) -> Iterator[None]:
-        """Inside: F.scaled_dot_product_attention and F.dropout as the target runs them."""
+    def tracing(self, meter: type | None = None) -> Iterator[None]:
+        """Inside: F.scaled_dot_product_attention, F.dropout and autocast as the target runs
+        them, and ``meter`` (a MemoryMeter class) rounding to the target's allocator blocks."""
         if not self.cuda:
             yield
             return
         sdpa, dropout = F.scaled_dot_product_attention, F.dropout
         with contextlib.ExitStack() as stack:
+            if meter is not None:
+                stack.enter_context(_attribute(meter, "block_bytes", self.block_bytes))
             stack.enter_context(_attribute(F, "scaled_dot_product_attention", _cuda_sdpa(sdpa)))
             stack.enter_context(_attribute(F, "dropout", _cuda_dropout(dropout)))
             masks = sys.modules.get("transformers.masking_utils")
