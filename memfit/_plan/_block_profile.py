@@ -61,7 +61,7 @@ def _signature(block: nn.Module, args, kwargs) -> tuple:
     return (type(block), text, tuple(tensors), str(spec), tuple(leaf(x) for x in flat))
 
 
-def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions, device) -> BlockProfile:
+def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions, device, prefetch=0) -> BlockProfile:
     """Bytes of ``block`` under each decision (on fake tensors) and their priced extra time; its
     backward from the outputs the step's backward reaches (``reached``: their positions among
     the outputs with grad; T5's encoder blocks return a position bias nothing after them uses)."""
@@ -121,7 +121,8 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
             continue
         # offload: full checkpointing with the input elsewhere until backward
         prof.kept[d] = prof.kept[base] - (prof.input_bytes if spec.moves_input else 0)
-        prof.peak[d] = prof.peak[base]
+        # the target's streams prefetch the block before's input ([Note: The target's op stream])
+        prof.peak[d] = prof.peak[base] + (prefetch * prof.input_bytes if spec.moves_input else 0)
         prof.forward_peak[d] = prof.forward_peak[base]
     # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
     keep, n_keep = device.ops_time(work["keep"]), len(work["keep"])

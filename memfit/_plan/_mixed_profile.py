@@ -77,7 +77,11 @@ def _inputs_to(dtype: torch.dtype) -> Callable:
 
 
 def _master_step(
-    whole: _WholeStep, masters: list[tuple[nn.Parameter, torch.dtype]], optimizer: str, buffers: int
+    whole: _WholeStep,
+    masters: list[tuple[nn.Parameter, torch.dtype]],
+    optimizer: str,
+    buffers: int,
+    foreach: bool | None = None,
 ) -> _WholeStep:
     """``whole`` (a step measured without optimizer) with the optimizer's state, peak and ops
     over shards in their own dtype: one step to create the state, one measured, each parameter
@@ -87,7 +91,7 @@ def _master_step(
     shards = nn.ParameterList([nn.Parameter(torch.empty(p.shape, dtype=dtype, device=p.device)) for p, dtype in used])
     for p in shards:
         p.grad = torch.zeros_like(p)
-    opt = _make_optimizer(optimizer, shards)
+    opt = _make_optimizer(optimizer, shards, foreach)
     opt.step()
     with _Meter(model=shards, optimizer=opt) as meter, CostRecorder() as recorder:
         opt.step()

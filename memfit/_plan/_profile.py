@@ -23,8 +23,9 @@ from memfit._plan._head import LMHead, find_head, unchunk_head
 from memfit._plan._head import chunk_head as chunk_forward
 from memfit._plan._mixed_profile import _compute_as, _inputs_to, _master_step, _mixed_terms, _reduce_dtype
 from memfit._plan._profile_types import ModelProfile
-from memfit._plan._step import Inputs, _buffer_bytes, _state_bytes, call
+from memfit._plan._step import Inputs, _buffer_bytes, _Meter, _state_bytes, call
 from memfit._plan._step_profile import _backward_outside, _between, _BlocksMade, _measure_step, _used_bytes, _WholeStep
+from memfit._plan._target import target_of
 from memfit._plan._time import DeviceProfile
 from memfit._plan._trace import DataValues, NeedsDataError, fake_rules, record_data_values
 from memfit._shard._mixed import MixedPrecision
@@ -150,10 +151,9 @@ def _profile(
     mixed_precision,
 ):  # fmt: skip
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    first = next(iter(model.parameters()), None)
-    on = "cpu" if first is None or first.device.type == "meta" else first.device
+    on = "cpu" if (p0 := next(iter(model.parameters()), None)) is None or p0.device.type == "meta" else p0.device
     mp = mixed_precision
-    with fake:
+    with fake, (target := target_of(device)).tracing(_Meter):  # See [Note: The target's op stream]
         skeleton = _fake_copy(model, on)
         inputs = tree_map(lambda t: _fake_like(t, on), example_inputs)
         skeleton.train()
@@ -165,9 +165,9 @@ def _profile(
             blocks = [skeleton.get_submodule(p) for p in paths]
             for b in blocks if mp else ():
                 b.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
-            whole = _measure_step(skeleton, inputs, loss_fn, blocks, None if mp else optimizer)
+            whole = _measure_step(skeleton, inputs, loss_fn, blocks, None if mp else optimizer, target.foreach)
             if mp:  # the optimizer steps on the shards, in their own dtype
-                whole = _master_step(whole, masters, optimizer, _buffer_bytes(skeleton))
+                whole = _master_step(whole, masters, optimizer, _buffer_bytes(skeleton), target.foreach)
             made = whole.made or _BlocksMade()
             profiles, seen = [], {}
             for i, (path, blk) in enumerate(zip(paths, blocks)):
@@ -175,7 +175,8 @@ def _profile(
                 reached = made.reached.get(i, set())
                 key = (_signature(blk, args, kwargs), made.fingerprint.get(i), tuple(sorted(reached)))
                 if key not in seen:  # identical blocks are profiled once
-                    seen[key] = _profile_block(path, blk, args, kwargs, reached, rule, offload, decisions, device)
+                    seen[key] = _profile_block(path, blk, args, kwargs, reached, rule, offload, decisions, device,
+                                               target.offload_prefetch)  # fmt: skip
                 prof = _without_shared_inputs(seen[key], made.shared.get(i, 0))
                 last = path not in paths[i + 1 :]  # a module's gradients once: [Note: A module run several times]
                 grads = _used_bytes(blk, whole.used) if last else 0
@@ -206,6 +207,7 @@ def _profile(
         leftover=max(0, marks["after_backward"] - counted),
         buffer_bytes=buffers,
         step_time=device.ops_time(whole.costs),
+        step_ops=whole.costs,
         head=head,
         head_chunked=None if chunked is None else chunked[0],
         head_chunked_time=0.0 if chunked is None else chunked[1],

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit._plan._head import LMHead
+from memfit._plan._time import OpCost
 
 # [Note: The planner's memory model]
 # A training step's peak is the largest of three kinds of moment (named terms, all bytes):
@@ -116,6 +117,9 @@ class ModelProfile:
     # Gradients accumulate over micro-batches (autoconfigure's held_gradients): the root's shard
     # from the micro-batches before is alive at its reduce too.
     accumulating: bool = False
+    # Every op of the measured step (forward, backward, optimizer step), as traced for the device
+    # profile's target ([Note: The target's op stream]); the blocks' recomputes are in their own.
+    step_ops: list[OpCost] = field(default_factory=list)
 
     @property
     def measured_state(self) -> int:

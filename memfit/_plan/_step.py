@@ -91,7 +91,31 @@ def step_loss(model: nn.Module, inputs: Inputs, loss_fn: Callable | None = None)
 
 class _Meter(MemoryMeter):
     """MemoryMeter without the breakdown by category at each new peak (the planner reads the
-    totals only; naming the categories costs O(live tensors) per peak)."""
+    totals only; naming the categories costs O(live tensors) per peak); each storage rounded up
+    to ``block_bytes``, the target's allocator's ([Note: The target's op stream])."""
+
+    block_bytes = 1  # set while tracing for a target whose allocator rounds (CUDA's: 512)
+
+    def _track(self, t: torch.Tensor) -> None:
+        super()._track(t)
+        if self.block_bytes > 1:
+            try:
+                self._round(t.untyped_storage())
+            except (RuntimeError, NotImplementedError):  # no storage (as MemoryMeter._track)
+                pass
+
+    def _resized(self, st: torch.UntypedStorage) -> None:
+        super()._resized(st)
+        if self.block_bytes > 1:
+            self._round(st)
+            self._update_peak()
+
+    def _round(self, st) -> None:
+        entry = self._live.get(st._cdata)
+        if entry is not None and entry[1] % self.block_bytes:
+            rounded = -(-entry[1] // self.block_bytes) * self.block_bytes
+            self._live[st._cdata] = (entry[0], rounded)
+            self._total += rounded - entry[1]
 
     def _categorise(self) -> dict[str, int]:
         return {}
@@ -102,12 +126,13 @@ class _Meter(MemoryMeter):
         return dict(self._live)
 
 
-def _make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+def _make_optimizer(name: str, model: nn.Module, foreach: bool | None = None) -> torch.optim.Optimizer:
+    """``foreach``: as the target's torch picks it ([Note: The target's op stream]); None: the host's default."""
     params = [p for p in model.parameters() if p.requires_grad]
     if name == "adamw":
-        return torch.optim.AdamW(params)
+        return torch.optim.AdamW(params, foreach=foreach)
     if name == "adam":
-        return torch.optim.Adam(params)
+        return torch.optim.Adam(params, foreach=foreach)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=foreach)
     raise ValueError(f"memfit.plan: unknown optimizer {name!r}; choose 'adamw', 'adam' or 'sgd'")

@@ -184,7 +184,12 @@ class _StepHooks:
 
 
 def _measure_step(
-    model: nn.Module, example_inputs: Inputs, loss_fn: Callable | None, blocks: list[nn.Module], optimizer: str | None
+    model: nn.Module,
+    example_inputs: Inputs,
+    loss_fn: Callable | None,
+    blocks: list[nn.Module],
+    optimizer: str | None,
+    foreach: bool | None = None,
 ) -> _WholeStep:
     """One step to create the optimizer state, then one under MemoryMeter with hooks that
     capture each block's inputs and mark the moments the memory model names (``optimizer``
@@ -192,7 +197,7 @@ def _measure_step(
     recorder = CostRecorder()
     hooks = _StepHooks(model, blocks, recorder)
     captured, marks = hooks.captured, hooks.marks
-    opt = _make_optimizer(optimizer, model) if optimizer else None
+    opt = _make_optimizer(optimizer, model, foreach) if optimizer else None
     with _watching(_ByCall(blocks, hooks.capture, hooks.ended)) as calls:
         if opt:  # the optimizer's state, as after a first step (fake); see [Note: Parameters the step uses]
             step_loss(model, example_inputs, loss_fn).backward()
