@@ -345,7 +345,8 @@ def autoconfigure(
         return profile_model(model, batch, blocks, chunk_head=chunk_head is not False, **opts)
 
     search = Search(budget_bytes, world_size, global_batch, device, optimizer_costs(model, optimizer), tokens)
-    search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head)
+    params = sum(1 for p in model.parameters() if p.requires_grad)
+    search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head, params=params)
     sizes = micro_batch_sizes(world_size, global_batch, micro_batches, max_micro_batch)
     layouts = _layouts(world_size, shard_sizes)
     if mixed_precision is not None and world_size > 1 and not replicas_forecast(mixed_precision):
@@ -371,6 +372,7 @@ class Search:
     tokens: int  # per sample
     decisions: tuple[str, ...] = DECISIONS
     chunk_head: bool | None = None
+    params: int = 0  # trainable parameters: the units' hooks cost per parameter ([Note: Host and device time])
 
     def run(self, profile_of: Callable[[int], ModelProfile], sizes: list[int], layouts: list[Layout]) -> AutoConfig:
         priced: list[Candidate] = []
@@ -402,7 +404,7 @@ class Search:
             offload=Offload("disk" if self.device.name in ("cpu", "calibrated-cpu") else "cpu"),
             head=head,
         )
-        time = step_terms(plan, layout, accumulation, self.device, self.opt_costs)
+        time = step_terms(plan, layout, accumulation, self.device, self.opt_costs, self.params)
         samples = b * accumulation * layout.world_size
         return Candidate(b, accumulation, layout, plan, plan.predicted_peak, time, samples * self.tokens / time["step"])
 
@@ -427,18 +429,28 @@ def _least_head(profile: ModelProfile, chunk_head: bool | None) -> ModelProfile:
     return profile
 
 
-def step_terms(plan: Plan, layout: Layout, accumulation: int, device: DeviceProfile, opt_costs: list[OpCost]):
+def step_terms(
+    plan: Plan, layout: Layout, accumulation: int, device: DeviceProfile, opt_costs: list[OpCost], params: int = 0
+):
     """Named terms of a step's time (seconds) and its communication (ring bytes per rank):
         step = accumulation x (compute + recompute) + optimizer + exposed_communication
     compute: a micro-batch's forward and backward with every activation kept (the profile's
-    priced step less its optimizer step); recompute: the plan's extra time (recompute, offload,
-    a chunked head); optimizer: the optimizer step over 1/s of the state; exposed_communication:
-    see [Note: Pricing communication]."""
+    priced step less its optimizer step), with the host time of memfit's units' hooks over
+    ``params`` parameters where W > 1 (the larger of host and device where they overlap: [Note:
+    Host and device time]); recompute: the plan's extra time (recompute, offload, a chunked
+    head); optimizer: the optimizer step over 1/s of the state; exposed_communication: see [Note:
+    Pricing communication]. Also, not summed: host and device, the kept step's host and device
+    seconds (hooks included), to show which bounds it."""
     profile, s = plan.profile, layout.shard_size
-    whole_opt = device.ops_time(opt_costs)
-    compute = max(profile.step_time - whole_opt, 0.0)
-    units = _units(plan, compute)
     w = layout.world_size
+    whole_opt = device.ops_time(opt_costs)
+    hooks = device.shard_hooks(len(profile.blocks) + 1, params) if w > 1 else 0.0
+    host, dev = profile.step_split
+    if device.overlapped and host + dev > 0:
+        compute = max(host + hooks, dev)
+    else:
+        compute = max(profile.step_time - whole_opt, 0.0) + hooks
+    units = _units(plan, compute)
     reshard = layout.reshard_after_forward
     comm = {k: 0.0 for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")}
     comm |= {"communication": 0.0, "exposed_communication": 0.0, "collectives": 0.0}
@@ -453,6 +465,10 @@ def step_terms(plan: Plan, layout: Layout, accumulation: int, device: DeviceProf
         **comm,
     }
     t["step"] = sum(t[k] for k in _TERMS)
+    opt = [_scaled(c, s) for c in opt_costs] if s > 1 else opt_costs
+    opt_host, opt_dev = device.split(opt)
+    t["host"] = accumulation * (host + hooks) + opt_host
+    t["device"] = accumulation * dev + opt_dev
     return t
 
 

@@ -100,6 +100,7 @@ class ModelProfile:
     leftover: int = 0  # L: what the forward leaves alive after backward beside S and gradients (cached masks)
     buffer_bytes: int = 0  # buffers (replicated on every rank when sharded)
     step_time: float = 0.0  # priced forward, backward and optimizer step, activations kept (s)
+    step_split: tuple[float, float] = (0.0, 0.0)  # (host, device) seconds of its forward and backward
     device: str = ""  # the device profile the times are priced on
     device_source: str = ""  # where its rates come from (DeviceProfile.source)
     offload_bandwidth: float = 0.0  # the device profile's bytes per second to host memory
@@ -394,11 +395,9 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
         prof.peak["offload"] = prof.peak["full"]
         prof.forward_peak["offload"] = prof.forward_peak["full"]
     # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
-    keep, n_keep = device.ops_time(work["keep"]), len(work["keep"])
-    prices = {d: max(0.0, device.ops_time(c) - keep + device.checkpoint_time(len(c) - n_keep)) for d, c in work.items()}
-    prices["keep"] = 0.0
+    prices = {d: device.decision_time(d, c, work["keep"]) for d, c in work.items()}
     if "offload" in prof.kept:
-        prices["offload"] = prices["full"] + 2 * prof.input_bytes / device.offload_bandwidth
+        prices["offload"] = prices["full"] + device.offload_time(prof.input_bytes, prof.forward_time)
     prof.extra_time = {d: prices[d] for d in measured if d in prof.kept}
     return prof
 
@@ -754,7 +753,8 @@ def _profile(
         tail_transient=max(0, marks["tail_peak"] - counted - sum(b.grad_bytes for b in profiles)),
         leftover=max(0, marks["after_backward"] - counted),
         buffer_bytes=buffers,
-        step_time=device.ops_time(whole.costs),
+        step_time=device.ops_time(whole.forward_backward) + device.ops_time(whole.costs[len(whole.forward_backward) :]),
+        step_split=device.split(whole.forward_backward),
         head=head,
         head_chunked=None if chunked is None else chunked[0],
         head_chunked_time=0.0 if chunked is None else chunked[1],

@@ -1,0 +1,289 @@
+"""The time model against every GPU row measured on the H100 (benchmarks/results/gpu_h100.json,
+parts b and c): each row's model traced here, on this CPU host, on the meta device (fake
+tensors), priced on the named "h100" profile, beside the step the H100 measured.
+
+Rows: part b, BERT-large MLM (seq 512, batch 16, dropout 0.1, AdamW), fp32 and under bf16
+autocast: none, memfit full, memfit selective (save="matmul"), memfit offload, memfit planned
+(the decisions the H100's plan took); part c, at one rank: plain, torch FSDP2 and memfit's
+FullyShardedDataParallel (each layer a unit), fp32 and bf16 (plain: autocast; memfit and FSDP2:
+MixedPrecision(bf16, fp32)), on BERT-large (batch 8) and llama-1b (seq 2048, batch 1).
+
+A row's prediction ([Note: Host and device time] in memfit/_plan/_time.py):
+    step = max(host + hooks, device) of the forward and backward + that of the optimizer step
+           + per block the decision's extra time (the block's region under it less under keep)
+    hooks: memfit's units at one rank, shard_unit per unit + shard_param per parameter; FSDP2's
+           the same form with its own per-parameter cost (fsdp2_param below, fitted here: not a
+           memfit figure, so not in the profile).
+
+The free figures are fitted on FIT_ROWS (7 of 22 rows, a third at most), each by bisection on the
+row it is named with, in order; the device rates on the kernel time the profiler summed for
+that row (part c's kernel_us), the host costs on the step. ``--fit`` prints them for
+memfit/_plan/_time.py's _H100_FIT; without it the committed profile prices every row, fitted
+and held-out rows reported apart.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/gpu_time_rows.py [--fit] [--out benchmarks/results/gpu_time_rows.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import pickle
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import command, emit
+
+import memfit
+from memfit._plan._autoconfig import optimizer_costs
+from memfit._plan._profile import profile_model
+from memfit._plan._time import PROFILES, DeviceProfile, OpCost
+from memfit.models import PRESETS, Shape, bert_mlm, lm_batch, mlm_batch
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BF16 = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
+# (row, the constant fitted on it, what it is fitted to: "step" or "kernels")
+FIT_ROWS = [
+    ("c bert-large fp32 plain", "float32", "kernels"),
+    ("c llama-1b bf16 plain", "bfloat16", "kernels"),
+    ("b bf16 autocast none", "host_op", "step"),
+    ("b bf16 autocast memfit full", "checkpoint_block", "step"),
+    ("b bf16 autocast memfit selective", "selective_op", "step"),
+    ("c bert-large bf16 memfit", "shard_param", "step"),
+    ("c bert-large bf16 torch FSDP2", "fsdp2_param", "step"),
+]
+FSDP2_PARAM = 150e-6  # host seconds FSDP2 adds per parameter at one rank: fitted by --fit (see FIT_ROWS)
+
+
+class _Recording(DeviceProfile):
+    """A profile that keeps every region the profile prices on it, to price them again on others."""
+
+    def decision_time(self, decision: str, costs: list[OpCost], keep: list[OpCost]) -> float:
+        _SEEN.setdefault("decisions", {})[decision] = (costs, keep)
+        return super().decision_time(decision, costs, keep)
+
+    def split(self, costs: list[OpCost], host_extra: float = 0.0) -> tuple[float, float]:
+        _SEEN["forward_backward"] = costs
+        return super().split(costs, host_extra)
+
+
+_SEEN: dict = {}
+
+
+@dataclasses.dataclass
+class Traced:
+    """The op costs of one model's step, to price on any profile."""
+
+    forward_backward: list[OpCost]
+    optimizer: list[OpCost]
+    decisions: dict[str, tuple[list[OpCost], list[OpCost]]]
+    blocks: int
+    params: int
+    input_bytes: int
+
+
+def trace(model, batch, *, autocast: bool, mixed: bool, rule: str = "matmul") -> Traced:
+    _SEEN.clear()
+    rec = _Recording(**{f.name: getattr(PROFILES["h100"], f.name) for f in dataclasses.fields(DeviceProfile)})
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False)
+    with ctx:
+        prof = profile_model(
+            model, batch, None, rule=rule, device=rec, chunk_head=False, mixed_precision=BF16 if mixed else None,
+            decisions=("keep", "full", "selective", "offload"),
+        )  # fmt: skip
+    assert prof.distinct_blocks == 1, "the rows' models have identical layers"
+    params = sum(1 for p in model.parameters() if p.requires_grad)
+    # the optimizer's ops: traced apart (optimizer_costs), AdamW over the fp32 weights in every row
+    decisions = dict(_SEEN["decisions"])
+    return Traced(_SEEN["forward_backward"], [], decisions, len(prof.blocks), params, prof.blocks[0].input_bytes)
+
+
+def _models() -> dict[str, tuple]:
+    """Per trace key: (model on the meta device, batch, autocast, mixed precision, selective's rule)."""
+    b_shape = Shape(layers=24, hidden=1024, heads=16, seq=512, batch=16, vocab=30522)
+    with torch.device("meta"):
+        bert = bert_mlm(b_shape)
+        built = {name: PRESETS[name].build() for name in ("bert-large", "llama-1b")}
+    out = {}
+    for ac in (False, True):
+        out[f"b {'bf16 autocast' if ac else 'fp32'}"] = (bert, mlm_batch(b_shape), ac, False, "matmul")
+    for name, model in built.items():
+        preset = PRESETS[name]
+        batch = (mlm_batch if preset.arch == "bert" else lm_batch)(preset.shape)
+        out[f"c {name} fp32"] = (model, batch, False, False, "matmul")
+        out[f"c {name} bf16 autocast"] = (model, batch, True, False, "matmul")
+        out[f"c {name} bf16 mixed"] = (model, batch, False, True, "matmul")
+    for ac in (False, True):  # the H100's planned rows: memfit.plan's default rule
+        out[f"b {'bf16 autocast' if ac else 'fp32'} linear"] = (bert, mlm_batch(b_shape), ac, False, "linear")
+    return out
+
+
+def traces(cache: Path | None) -> dict[str, Traced]:
+    """Every row's trace; ``cache``: a pickle written after each (tracing takes minutes)."""
+    out: dict[str, Traced] = pickle.loads(cache.read_bytes()) if cache and cache.exists() else {}
+    models = _models()
+    opt: dict[str, list[OpCost]] = {}
+    for key, (model, batch, ac, mixed, rule) in models.items():
+        if key in out:
+            continue
+        t = trace(model, batch, autocast=ac, mixed=mixed, rule=rule)
+        arch = "llama" if "llama" in key else "bert"
+        if arch not in opt:  # AdamW over the fp32 weights in every row (bert-large's = part b's)
+            opt[arch] = optimizer_costs(model, "adamw")
+        t.optimizer = opt[arch]
+        out[key] = t
+        print(f"traced {key}", file=sys.stderr, flush=True)
+        if cache:
+            cache.write_bytes(pickle.dumps(out))
+    return out
+
+
+def price(t: Traced, device: DeviceProfile, decisions: dict[str, int], hooks: float = 0.0) -> dict[str, float]:
+    """The step of ``t`` on ``device`` with ``decisions`` (kind -> blocks; the rest kept) and
+    host ``hooks`` seconds beside its forward and backward ops."""
+    host, dev = device.split(t.forward_backward, hooks)
+    fb = max(host, dev) if device.overlapped else host + dev
+    opt = device.ops_time(t.optimizer)
+    extra = 0.0
+    for kind, n in decisions.items():
+        if kind == "keep":
+            continue
+        if kind == "offload":
+            costs, keep = t.decisions["full"]
+            forward = device.ops_time(keep) / 3  # a block's forward: a third of its kept region
+            one = device.decision_time("full", costs, keep) + device.offload_time(t.input_bytes, forward)
+        else:
+            costs, keep = t.decisions[kind]
+            one = device.decision_time(kind, costs, keep)
+        extra += n * one
+    return {"step": fb + opt + extra, "host": host, "device": dev + sum(device.device_time(c) for c in t.optimizer)}
+
+
+def measured_rows() -> list[dict]:
+    """Every row of parts b and c: name, its trace key, decisions, hooks kind, measured step and kernels."""
+    data = json.loads((RESULTS / "gpu_h100.json").read_text())["parts"]
+    rows = []
+    for tag, res in data["b"]["figures"]["results"].items():
+        for strategy, r in res.items():
+            if strategy == "torch.utils.checkpoint" or "step_s" not in r:
+                continue
+            kind = strategy.removeprefix("memfit ")
+            n = 24
+            decisions = dict(r["decisions"]) if kind == "planned" else ({} if kind == "none" else {kind: n})
+            key = f"b {tag}" + (" linear" if kind == "planned" else "")
+            rows.append({"row": f"b {tag} {strategy}", "trace": key, "decisions": decisions, "hooks": None,
+                         "step": r["step_s"], "kernels": None})  # fmt: skip
+    for label, res in data["c"]["figures"]["results"].items():
+        name, dtype = label.rsplit(" ", 1)
+        for strategy, r in res.items():
+            if "step_s" not in r:
+                continue
+            bf16 = dtype == "bf16"
+            key = f"c {name} " + ("fp32" if not bf16 else "bf16 autocast" if strategy == "plain" else "bf16 mixed")
+            hooks = {"plain": None, "memfit": "memfit", "torch FSDP2": "fsdp2"}[strategy]
+            rows.append({"row": f"c {label} {strategy}", "trace": key, "decisions": {}, "hooks": hooks,
+                         "step": r["step_s"], "kernels": r["kernel_us"] / 1e6})  # fmt: skip
+    return rows
+
+
+def predict(row: dict, t: Traced, device: DeviceProfile, fsdp2_param: float) -> dict[str, float]:
+    units = t.blocks + 1
+    hooks = {None: 0.0, "memfit": device.shard_hooks(units, t.params), "fsdp2": t.params * fsdp2_param}[row["hooks"]]
+    return price(t, device, row["decisions"], hooks)
+
+
+def fit(rows: list[dict], traced: dict[str, Traced]) -> tuple[DeviceProfile, float]:
+    """The free figures, each by bisection on its row (see FIT_ROWS), in order."""
+    device, fsdp2 = PROFILES["h100"], FSDP2_PARAM
+    by_name = {r["row"]: r for r in rows}
+    for name, constant, target in FIT_ROWS:
+        row = by_name[name]
+        goal = row["kernels"] if target == "kernels" else row["step"]
+
+        def value(x: float, constant=constant, row=row, target=target, device=device, fsdp2=fsdp2) -> float:
+            if constant == "fsdp2_param":
+                p = predict(row, traced[row["trace"]], device, x)
+            else:
+                p = predict(row, traced[row["trace"]], _with(device, constant, x), fsdp2)
+            return p["device"] if target == "kernels" else p["step"]
+
+        rising = constant not in ("float32", "bfloat16")  # a rate: the step falls as it grows
+        lo, hi = (0.0, 1e-2) if rising else (1e12, 2e15)
+        for _ in range(100):
+            mid = (lo + hi) / 2 if rising else (lo * hi) ** 0.5
+            above = value(mid) > goal
+            lo, hi = (lo, mid) if above == rising else (mid, hi)
+        x = (lo + hi) / 2 if rising else (lo * hi) ** 0.5
+        if constant == "fsdp2_param":
+            fsdp2 = x
+        else:
+            device = _with(device, constant, x)
+        print(f"{constant} = {x:.4g}  (on {name}, {target} {goal:.4f} s)", file=sys.stderr)
+    return device, fsdp2
+
+
+def _with(device: DeviceProfile, constant: str, x: float) -> DeviceProfile:
+    """``device`` with one figure set: a matmul rate (a dtype's name) or a field."""
+    if constant in ("float32", "bfloat16"):
+        half = {"float16": x} if constant == "bfloat16" else {}
+        return dataclasses.replace(device, flops=dict(device.flops) | {constant: x} | half)
+    return dataclasses.replace(device, **{constant: x})
+
+
+def report(rows: list[dict], traced: dict[str, Traced], device: DeviceProfile, fsdp2: float) -> list[str]:
+    fitted = {name for name, *_ in FIT_ROWS}
+    lines = [
+        "# The time model against the H100's rows (gpu_h100.json parts b and c)",
+        "",
+        command("gpu_time_rows.py"),
+        "",
+        f"Traced on this CPU host (fake tensors), priced on the named profile {device.name!r} "
+        f"([Note: Host and device time]). Fitted rows (marked fit) set one figure each: "
+        + "; ".join(f"{c} on {n} ({t})" for n, c, t in FIT_ROWS)
+        + ". Held-out rows set nothing.",
+        "",
+        "| row | fit/held-out | measured step s | predicted step s | predicted/measured | host s | device s "
+        "| measured kernels s | within +-15% |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    ratios: dict[str, list[float]] = {"fit": [], "held-out": []}
+    for row in rows:
+        p = predict(row, traced[row["trace"]], device, fsdp2)
+        kind = "fit" if row["row"] in fitted else "held-out"
+        r = p["step"] / row["step"]
+        ratios[kind].append(r)
+        k = f"{row['kernels']:.4f}" if row["kernels"] is not None else "-"
+        lines.append(
+            f"| {row['row']} | {kind} | {row['step']:.4f} | {p['step']:.4f} | {r:.2f} | {p['host']:.4f} "
+            f"| {p['device']:.4f} | {k} | {'yes' if abs(r - 1) <= 0.15 else 'no'} |"
+        )
+    lines.append("")
+    for kind, rs in ratios.items():
+        within = sum(abs(r - 1) <= 0.15 for r in rs)
+        lines.append(
+            f"- {kind}: {within}/{len(rs)} rows within +-15%; predicted/measured median "
+            f"{statistics.median(rs):.2f}, range {min(rs):.2f}-{max(rs):.2f}"
+        )
+    lines.append(f"- FSDP2's host cost per parameter at one rank (this script's, not memfit's): {fsdp2 * 1e6:.1f} us")
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fit", action="store_true", help="fit the free figures on FIT_ROWS and report with them")
+    p.add_argument("--out")
+    p.add_argument("--cache", help="a pickle of the traced rows (traced once, priced many times)")
+    args = p.parse_args()
+    traced = traces(Path(args.cache) if args.cache else None)
+    rows = measured_rows()
+    device, fsdp2 = fit(rows, traced) if args.fit else (PROFILES["h100"], FSDP2_PARAM)
+    emit(report(rows, traced, device, fsdp2), args.out)
+
+
+if __name__ == "__main__":
+    main()
