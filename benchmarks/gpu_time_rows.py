@@ -12,8 +12,8 @@ A row's prediction ([Note: Host and device time] in memfit/_plan/_time.py):
     step = max(host + hooks, device) of the forward and backward + that of the optimizer step
            + per block the decision's extra time (the block's region under it less under keep)
     hooks: memfit's units at one rank, shard_unit per unit + shard_param per parameter; FSDP2's
-           the same form with its own per-parameter cost (fsdp2_param below, fitted here: not a
-           memfit figure, so not in the profile).
+           rows are priced with memfit's figures (its hooks are of the same kind: a test of
+           carrying them over, none of its rows fitted).
 
 The free figures are fitted on FIT_ROWS (7 of 22 rows, a third at most), each by bisection on the
 row it is named with, in order; the device rates on the kernel time the profiler summed for
@@ -48,16 +48,20 @@ from memfit.models import PRESETS, Shape, bert_mlm, lm_batch, mlm_batch
 RESULTS = Path(__file__).resolve().parent / "results"
 BF16 = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
 # (row, the constant fitted on it, what it is fitted to: "step" or "kernels")
+# (row, the figure fitted on it, to what: "kernels": the model's device time to the kernel time
+# the profiler summed for the row; "host": the model's host time to the measured step, on rows
+# the host bounds (their kernel time is half their step or less, or, in part b, the wrappers'
+# cost the issue names))
 FIT_ROWS = [
     ("c bert-large fp32 plain", "float32", "kernels"),
+    ("c llama-1b fp32 plain", "attention_float32", "kernels"),
     ("c llama-1b bf16 plain", "bfloat16", "kernels"),
-    ("b bf16 autocast none", "host_op", "step"),
-    ("b bf16 autocast memfit full", "checkpoint_block", "step"),
-    ("b bf16 autocast memfit selective", "selective_op", "step"),
-    ("c bert-large bf16 memfit", "shard_param", "step"),
-    ("c bert-large bf16 torch FSDP2", "fsdp2_param", "step"),
+    ("c bert-large bf16 plain", "host_op", "host"),
+    ("b bf16 autocast memfit full", "checkpoint_block", "host"),
+    ("b bf16 autocast memfit selective", "selective_op", "host"),
+    ("c bert-large bf16 memfit", "shard_param", "host"),
 ]
-FSDP2_PARAM = 150e-6  # host seconds FSDP2 adds per parameter at one rank: fitted by --fit (see FIT_ROWS)
+RATES = ("float32", "bfloat16", "attention_float32")  # the step falls as these grow
 
 
 class _Recording(DeviceProfile):
@@ -145,23 +149,26 @@ def traces(cache: Path | None) -> dict[str, Traced]:
 
 def price(t: Traced, device: DeviceProfile, decisions: dict[str, int], hooks: float = 0.0) -> dict[str, float]:
     """The step of ``t`` on ``device`` with ``decisions`` (kind -> blocks; the rest kept) and
-    host ``hooks`` seconds beside its forward and backward ops."""
+    host ``hooks`` seconds beside its forward and backward ops; and the step's host and device
+    seconds apart (what the decisions add to each included)."""
     host, dev = device.split(t.forward_backward, hooks)
-    fb = max(host, dev) if device.overlapped else host + dev
-    opt = device.ops_time(t.optimizer)
-    extra = 0.0
+    opt_host, opt_dev = device.split(t.optimizer)
+    step = max(host, dev) + max(opt_host, opt_dev)
+    host, dev = host + opt_host, dev + opt_dev
     for kind, n in decisions.items():
         if kind == "keep":
             continue
+        costs, keep = t.decisions["full" if kind == "offload" else kind]
+        one = device.decision_time("full" if kind == "offload" else kind, costs, keep)
         if kind == "offload":
-            costs, keep = t.decisions["full"]
             forward = device.ops_time(keep) / 3  # a block's forward: a third of its kept region
-            one = device.decision_time("full", costs, keep) + device.offload_time(t.input_bytes, forward)
-        else:
-            costs, keep = t.decisions[kind]
-            one = device.decision_time(kind, costs, keep)
-        extra += n * one
-    return {"step": fb + opt + extra, "host": host, "device": dev + sum(device.device_time(c) for c in t.optimizer)}
+            one += device.offload_time(t.input_bytes, forward)
+        hooks_d = device.checkpoint_time(len(costs) - len(keep)) + (
+            device.selective_op * len(costs) * (kind == "selective")
+        )
+        (h_d, d_d), (h_k, d_k) = device.split(costs, hooks_d), device.split(keep)
+        step, host, dev = step + n * one, host + n * (h_d - h_k), dev + n * (d_d - d_k)
+    return {"step": step, "host": host, "device": dev}
 
 
 def measured_rows() -> list[dict]:
@@ -191,56 +198,64 @@ def measured_rows() -> list[dict]:
     return rows
 
 
-def predict(row: dict, t: Traced, device: DeviceProfile, fsdp2_param: float) -> dict[str, float]:
-    units = t.blocks + 1
-    hooks = {None: 0.0, "memfit": device.shard_hooks(units, t.params), "fsdp2": t.params * fsdp2_param}[row["hooks"]]
+def _trace_of(row: dict, traced: dict[str, Traced]) -> Traced:
+    """The row's trace; a planned row without its own (memfit.plan's "linear" rule), the matmul one's."""
+    return traced.get(row["trace"]) or traced[row["trace"].removesuffix(" linear")]
+
+
+def predict(row: dict, t: Traced, device: DeviceProfile) -> dict[str, float]:
+    hooks = device.shard_hooks(t.blocks + 1, t.params) if row["hooks"] else 0.0  # memfit's or FSDP2's units
     return price(t, device, row["decisions"], hooks)
 
 
-def fit(rows: list[dict], traced: dict[str, Traced]) -> tuple[DeviceProfile, float]:
+def fit(rows: list[dict], traced: dict[str, Traced]) -> DeviceProfile:
     """The free figures, each by bisection on its row (see FIT_ROWS), in order."""
-    device, fsdp2 = PROFILES["h100"], FSDP2_PARAM
+    device = PROFILES["h100"]
     by_name = {r["row"]: r for r in rows}
     for name, constant, target in FIT_ROWS:
         row = by_name[name]
         goal = row["kernels"] if target == "kernels" else row["step"]
 
-        def value(x: float, constant=constant, row=row, target=target, device=device, fsdp2=fsdp2) -> float:
-            if constant == "fsdp2_param":
-                p = predict(row, traced[row["trace"]], device, x)
-            else:
-                p = predict(row, traced[row["trace"]], _with(device, constant, x), fsdp2)
-            return p["device"] if target == "kernels" else p["step"]
+        def value(x: float, constant=constant, row=row, target=target, device=device) -> float:
+            p = predict(row, _trace_of(row, traced), _with(device, constant, x))
+            return p[{"kernels": "device", "host": "host", "step": "step"}[target]]
 
-        rising = constant not in ("float32", "bfloat16")  # a rate: the step falls as it grows
-        lo, hi = (0.0, 1e-2) if rising else (1e12, 2e15)
+        rising = constant not in RATES  # a rate: the step falls as it grows
+        lo, hi = (1e-9, 1e-2) if rising else (1e12, 2e15)  # host_op stays > 0: the overlapped model
         for _ in range(100):
             mid = (lo + hi) / 2 if rising else (lo * hi) ** 0.5
             above = value(mid) > goal
             lo, hi = (lo, mid) if above == rising else (mid, hi)
         x = (lo + hi) / 2 if rising else (lo * hi) ** 0.5
-        if constant == "fsdp2_param":
-            fsdp2 = x
-        else:
-            device = _with(device, constant, x)
+        device = _with(device, constant, x)
         print(f"{constant} = {x:.4g}  (on {name}, {target} {goal:.4f} s)", file=sys.stderr)
-    return device, fsdp2
+    return device
+
+
+def _figure(device: DeviceProfile, constant: str) -> float:
+    if constant == "attention_float32":
+        return device.attention_flops.get("float32", 0.0)
+    return device.flops[constant] if constant in device.flops else getattr(device, constant)
 
 
 def _with(device: DeviceProfile, constant: str, x: float) -> DeviceProfile:
     """``device`` with one figure set: a matmul rate (a dtype's name) or a field."""
+    if constant == "attention_float32":
+        return dataclasses.replace(device, attention_flops=dict(device.attention_flops) | {"float32": x})
     if constant in ("float32", "bfloat16"):
         half = {"float16": x} if constant == "bfloat16" else {}
         return dataclasses.replace(device, flops=dict(device.flops) | {constant: x} | half)
     return dataclasses.replace(device, **{constant: x})
 
 
-def report(rows: list[dict], traced: dict[str, Traced], device: DeviceProfile, fsdp2: float) -> list[str]:
+def report(rows: list[dict], traced: dict[str, Traced], device: DeviceProfile, caching: str = "") -> list[str]:
+    """The table of every row, predicted beside measured (``caching``: flags left out of the command shown)."""
     fitted = {name for name, *_ in FIT_ROWS}
     lines = [
         "# The time model against the H100's rows (gpu_h100.json parts b and c)",
         "",
-        command("gpu_time_rows.py"),
+        command("gpu_time_rows.py").replace(caching, ""),
+        "(add `--cache FILE` to keep the traces: about 25 s of CPU each, ten of them; `--fit` refits).",
         "",
         f"Traced on this CPU host (fake tensors), priced on the named profile {device.name!r} "
         f"([Note: Host and device time]). Fitted rows (marked fit) set one figure each: "
@@ -253,7 +268,7 @@ def report(rows: list[dict], traced: dict[str, Traced], device: DeviceProfile, f
     ]
     ratios: dict[str, list[float]] = {"fit": [], "held-out": []}
     for row in rows:
-        p = predict(row, traced[row["trace"]], device, fsdp2)
+        p = predict(row, _trace_of(row, traced), device)
         kind = "fit" if row["row"] in fitted else "held-out"
         r = p["step"] / row["step"]
         ratios[kind].append(r)
@@ -269,7 +284,7 @@ def report(rows: list[dict], traced: dict[str, Traced], device: DeviceProfile, f
             f"- {kind}: {within}/{len(rs)} rows within +-15%; predicted/measured median "
             f"{statistics.median(rs):.2f}, range {min(rs):.2f}-{max(rs):.2f}"
         )
-    lines.append(f"- FSDP2's host cost per parameter at one rank (this script's, not memfit's): {fsdp2 * 1e6:.1f} us")
+    lines.append("- fitted figures: " + ", ".join(f"{k} {_figure(device, k):.4g}" for _, k, _ in FIT_ROWS))
     return lines
 
 
@@ -278,11 +293,14 @@ def main() -> None:
     p.add_argument("--fit", action="store_true", help="fit the free figures on FIT_ROWS and report with them")
     p.add_argument("--out")
     p.add_argument("--cache", help="a pickle of the traced rows (traced once, priced many times)")
+    p.add_argument("--no-trace", action="store_true", help="price only what --cache holds (trace nothing)")
     args = p.parse_args()
-    traced = traces(Path(args.cache) if args.cache else None)
+    cache = Path(args.cache) if args.cache else None
+    caching = (" --no-trace" if args.no_trace else "") + (f" --cache {args.cache}" if args.cache else "")
+    traced = pickle.loads(cache.read_bytes()) if args.no_trace and cache else traces(cache)
     rows = measured_rows()
-    device, fsdp2 = fit(rows, traced) if args.fit else (PROFILES["h100"], FSDP2_PARAM)
-    emit(report(rows, traced, device, fsdp2), args.out)
+    device = fit(rows, traced) if args.fit else PROFILES["h100"]
+    emit(report(rows, traced, device, caching), args.out)
 
 
 if __name__ == "__main__":

@@ -221,12 +221,15 @@ class AutoConfig:
             f"configurations for world size {w}, global batch {batch}, budget {format_bytes(self.budget)} per rank, "
             f"time priced on {self.device} ({self.tokens_per_sample} tokens a sample)",
             f"  {'micro':>5} {'accum':>5}  {'layout':<28}{'head':<8}{'peak/rank':>11}{'step ms':>10}{'tokens/s':>11}"
-            f"{columns}  lost on",
+            f"{'host ms':>9}{'device ms':>10}{columns}  lost on",
         ]
         for c in rows:
             head = c.plan.head if c.plan else "-"
             step = f"{c.step_time * 1e3:.1f}" if c.fits else "-"
             tps = f"{c.tokens_per_second:.0f}" if c.fits else "-"
+            # See [Note: Host and device time]: the kept step's host and device seconds, which bounds it
+            known = c.fits and "host" in c.time
+            split = f"{c.time['host'] * 1e3:>9.1f}{c.time['device'] * 1e3:>10.1f}" if known else f"{'-':>9}{'-':>10}"
             mark = "*" if c is self.best else " "
             measured = ""
             if ran:
@@ -235,7 +238,7 @@ class AutoConfig:
                 measured = f"{measured:>13}{expected:>13}"
             lines.append(
                 f"{mark} {c.micro_batch:>5} {c.accumulation:>5}  {c.layout.describe():<28}{head:<8}"
-                f"{format_bytes(c.peak):>11}{step:>10}{tps:>11}{measured}  {c.lost or 'chosen'}"
+                f"{format_bytes(c.peak):>11}{step:>10}{tps:>11}{split}{measured}  {c.lost or 'chosen'}"
             )
         if limit is not None and len(self.candidates) > limit:
             lines.append(f"  ... {len(self.candidates) - limit} more (AutoConfig.table())")

@@ -322,6 +322,7 @@ class DeviceProfile:
 #     H100's efficiency (achieved / peak) on its own peaks;
 #   fused attention: FlashAttention-2 (Dao 2023, arXiv:2307.08691): forward+backward up to
 #     335 TFLOP/s bf16 on H100 SXM, 225 on A100 (PyTorch's flash SDPA backend is FlashAttention-2);
+#     fp32 (the memory-efficient kernel, without tensor cores): fitted on the H100 (_H100_FIT);
 #   memory bandwidth: 90% of the data sheet's (what a device-to-device copy reaches: an assumption
 #     until a calibration on the device replaces it);
 #   offload: pinned host copies measured on the H100, 55.1 GB/s (gpu_h100.md part e); the A100's
@@ -347,13 +348,14 @@ CUDA_WORKSPACE = 70 * 2**20
 # Fitted by `benchmarks/gpu_time_rows.py --fit` to the rows of gpu_h100.json it names (a third
 # of the rows at most; the rest held out). See [Note: Host and device time].
 _H100_FIT = {
-    "float32": 50.0e12,  # achieved fp32 matmul FLOP/s
-    "bfloat16": 650.0e12,  # achieved bf16 matmul FLOP/s
-    "host_op": 10e-6,
-    "checkpoint_block": 300e-6,
-    "selective_op": 20e-6,
-    "shard_unit": 200e-6,
-    "shard_param": 100e-6,
+    "float32": 5.241e13,  # achieved fp32 matmul FLOP/s (on c bert-large fp32 plain's kernel time)
+    "bfloat16": 2.532e14,  # achieved bf16 matmul FLOP/s (on c llama-1b bf16 plain's kernel time)
+    "attention_float32": 1.496e13,  # fp32 fused attention FLOP/s, no tensor cores (c llama-1b fp32 plain)
+    "host_op": 1.096e-05,  # host seconds per op (c bert-large bf16 plain: kernels 0.54 of its step)
+    "checkpoint_block": 6.414e-04,  # a checkpoint frame's host seconds (b bf16 autocast memfit full)
+    "selective_op": 1.466e-05,  # selective's dispatch per op (b bf16 autocast memfit selective)
+    "shard_unit": 0.0,  # not told apart from shard_param at one rank (every unit has ~16 parameters)
+    "shard_param": 1.699e-04,  # a unit's hooks per parameter (c bert-large bf16 memfit: kernels 0.33 of it)
 }
 _FIT_SOURCE = "fitted to gpu_h100.json rows by benchmarks/gpu_time_rows.py --fit"
 _PEAKS = {"h100": (67e12, 989e12, 3.35e12), "h200": (67e12, 989e12, 4.8e12), "a100": (19.5e12, 312e12, 2.039e12)}
@@ -369,12 +371,13 @@ def _accelerator(name: str) -> DeviceProfile:
     a100 = name == "a100"
     sheet = {"h100": "NVIDIA H100 SXM", "h200": "NVIDIA H200 SXM", "a100": "NVIDIA A100 80GB SXM"}[name] + " data sheet"
     attention = 225e12 if a100 else 335e12
-    host = {k: _H100_FIT[k] for k in ("host_op", "checkpoint_block", "selective_op", "shard_unit", "shard_param")}
+    host = ("host_op", "checkpoint_block", "selective_op", "shard_unit", "shard_param")
     sources = {
         "flops": _FIT_SOURCE + (" (the H100's)" if name != "h100" else "") + f"; peaks {sheet}",
         "memory_bandwidth": f"90% of {sheet}'s {hbm / 1e12:.2f} TB/s (assumed)",
         "offload_bandwidth": "gpu_h100.md part e: pinned copies 55.1 GB/s" + (", scaled to PCIe Gen4" if a100 else ""),
-        "attention_flops": f"FlashAttention-2 (Dao 2023), fwd+bwd on {'A100' if a100 else 'H100 SXM'}",
+        "attention_flops": f"bf16/fp16: FlashAttention-2 (Dao 2023), fwd+bwd on {'A100' if a100 else 'H100 SXM'}; "
+        f"fp32: {_FIT_SOURCE}",
         "intra_node_bandwidth": f"nccl-tests issue{'s 149/178 (A100' if a100 else ' 212 (H100'} busbw)",
         "inter_node_bandwidth": f"{'HDR 200' if a100 else 'NDR 400'} Gb/s per GPU at 80% of line rate",
         "intra_node_latency": "assumed", "inter_node_latency": "assumed", "kernel_floor": "assumed",
@@ -387,16 +390,24 @@ def _accelerator(name: str) -> DeviceProfile:
         0.9 * hbm,
         27.5e9 if a100 else 55.1e9,
         5e-6,
-        f"{sheet}; achieved rates and host costs: see DeviceProfile.sources",
+        sheet,  # the achieved rates and host costs: their own sources
         workspace_bytes=CUDA_WORKSPACE,
         intra_node_bandwidth=200e9 if a100 else 370e9,
         intra_node_latency=3e-6,
         inter_node_bandwidth=20e9 if a100 else 40e9,
         inter_node_latency=10e-6,
         kernel_floor=2e-6,
-        attention_flops={"bfloat16": attention, "float16": attention},
+        attention_flops={
+            "bfloat16": attention,
+            "float16": attention,
+            "float32": fp32 / h100_fp32 * _H100_FIT["attention_float32"],
+        },
         sources=sources,
-        **host,
+        host_op=_H100_FIT["host_op"],
+        checkpoint_block=_H100_FIT["checkpoint_block"],
+        selective_op=_H100_FIT["selective_op"],
+        shard_unit=_H100_FIT["shard_unit"],
+        shard_param=_H100_FIT["shard_param"],
     )
 
 
