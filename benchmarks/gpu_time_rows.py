@@ -40,7 +40,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import command, emit
 
 import memfit
-from memfit._plan._autoconfig import optimizer_costs
 from memfit._plan._profile import profile_model
 from memfit._plan._time import PROFILES, DeviceProfile, OpCost
 from memfit.models import PRESETS, Shape, bert_mlm, lm_batch, mlm_batch
@@ -71,8 +70,13 @@ class _Recording(DeviceProfile):
         _SEEN.setdefault("decisions", {})[decision] = (costs, keep)
         return super().decision_time(decision, costs, keep)
 
+    def ops_time(self, costs: list[OpCost], host_extra: float = 0.0) -> float:
+        _SEEN["last"] = costs
+        return super().ops_time(costs, host_extra)
+
     def split(self, costs: list[OpCost], host_extra: float = 0.0) -> tuple[float, float]:
-        _SEEN["forward_backward"] = costs
+        # the profile prices the forward and backward, then the optimizer step, then splits the first
+        _SEEN["forward_backward"], _SEEN["optimizer"] = costs, _SEEN["last"]
         return super().split(costs, host_extra)
 
 
@@ -102,9 +106,8 @@ def trace(model, batch, *, autocast: bool, mixed: bool, rule: str = "matmul") ->
         )  # fmt: skip
     assert prof.distinct_blocks == 1, "the rows' models have identical layers"
     params = sum(1 for p in model.parameters() if p.requires_grad)
-    # the optimizer's ops: traced apart (optimizer_costs), AdamW over the fp32 weights in every row
-    decisions = dict(_SEEN["decisions"])
-    return Traced(_SEEN["forward_backward"], [], decisions, len(prof.blocks), params, prof.blocks[0].input_bytes)
+    decisions, opt = dict(_SEEN["decisions"]), _SEEN["optimizer"]  # AdamW as the target runs it (foreach on CUDA)
+    return Traced(_SEEN["forward_backward"], opt, decisions, len(prof.blocks), params, prof.blocks[0].input_bytes)
 
 
 def _models() -> dict[str, tuple]:
@@ -127,20 +130,14 @@ def _models() -> dict[str, tuple]:
     return out
 
 
-def traces(cache: Path | None) -> dict[str, Traced]:
-    """Every row's trace; ``cache``: a pickle written after each (tracing takes minutes)."""
+def traces(cache: Path | None, planned_rule: bool = True) -> dict[str, Traced]:
+    """Every row's trace; ``cache``: a pickle written after each (tracing takes minutes);
+    ``planned_rule``: trace the planned rows with memfit.plan's rule too (else the matmul one's)."""
     out: dict[str, Traced] = pickle.loads(cache.read_bytes()) if cache and cache.exists() else {}
-    models = _models()
-    opt: dict[str, list[OpCost]] = {}
-    for key, (model, batch, ac, mixed, rule) in models.items():
-        if key in out:
+    for key, (model, batch, ac, mixed, rule) in _models().items():
+        if key in out or (key.endswith(" linear") and not planned_rule):
             continue
-        t = trace(model, batch, autocast=ac, mixed=mixed, rule=rule)
-        arch = "llama" if "llama" in key else "bert"
-        if arch not in opt:  # AdamW over the fp32 weights in every row (bert-large's = part b's)
-            opt[arch] = optimizer_costs(model, "adamw")
-        t.optimizer = opt[arch]
-        out[key] = t
+        out[key] = trace(model, batch, autocast=ac, mixed=mixed, rule=rule)
         print(f"traced {key}", file=sys.stderr, flush=True)
         if cache:
             cache.write_bytes(pickle.dumps(out))
@@ -294,10 +291,13 @@ def main() -> None:
     p.add_argument("--out")
     p.add_argument("--cache", help="a pickle of the traced rows (traced once, priced many times)")
     p.add_argument("--no-trace", action="store_true", help="price only what --cache holds (trace nothing)")
+    p.add_argument("--planned-as-selective", action="store_true", help="price the planned rows on the matmul rule")
     args = p.parse_args()
     cache = Path(args.cache) if args.cache else None
     caching = (" --no-trace" if args.no_trace else "") + (f" --cache {args.cache}" if args.cache else "")
-    traced = pickle.loads(cache.read_bytes()) if args.no_trace and cache else traces(cache)
+    traced = (
+        pickle.loads(cache.read_bytes()) if args.no_trace and cache else traces(cache, not args.planned_as_selective)
+    )
     rows = measured_rows()
     device = fit(rows, traced) if args.fit else PROFILES["h100"]
     emit(report(rows, traced, device, caching), args.out)

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
-from memfit._plan._profile import Inputs, _make_optimizer, step_loss
+from memfit._plan._step import Inputs, _make_optimizer, step_loss
 
 
 def measured_sharded_peak(
