@@ -53,7 +53,6 @@ BF16 = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
 # cost the issue names))
 FIT_ROWS = [
     ("c bert-large fp32 plain", "float32", "kernels"),
-    ("c llama-1b fp32 plain", "attention_float32", "kernels"),
     ("c bert-large bf16 plain", "host_op", "host"),
     ("b bf16 autocast memfit full", "checkpoint_block", "host"),
     ("b bf16 autocast memfit selective", "selective_op", "host"),
