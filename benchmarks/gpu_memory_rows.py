@@ -52,15 +52,16 @@ def _profile(model, batch, device: str, *, autocast: bool, mp: bool, rule: str =
     return prof
 
 
-def _forecast(prof, strategy: str, row: dict, sharded: bool, model=None, batch=None) -> tuple[int, str]:
-    """The forecast for the row's decisions, and a note; the planned row: memfit.plan at the
-    row's budget on this profile (its head too: chunked or plain), its decisions compared."""
+def _forecast(prof, strategy: str, row: dict, sharded: bool, model=None, batch=None, planned_on=None):
+    """The forecast for the row's decisions, and a note. The planned row: memfit.plan at the
+    row's budget on ``planned_on`` (the profile the row's plan was made for: fp32 compute, also
+    for the autocast row), its decisions and head forecast on ``prof``."""
     if strategy == "memfit planned":
-        plan = memfit.plan(model, batch, budget=row["budget"], profile=prof, device_profile=prof.device)
+        plan = memfit.plan(model, batch, budget=row["budget"], profile=planned_on or prof, device_profile=prof.device)
         counts = dict(Counter(plan.decisions.values()))
         same = counts == row["decisions"]
         note = f"re-planned: {counts}, head {plan.head}" + ("" if same else " (the row ran others)")
-        return plan.predicted_peak, note
+        return Plan.fixed(plan.decisions, prof, head=plan.head).predicted_peak, note
     shard = _sharding(1, None, True) if sharded else None
     return Plan.fixed(dict.fromkeys([b.path for b in prof.blocks], KIND[strategy]), prof, shard).predicted_peak, ""
 
@@ -72,17 +73,19 @@ def part_b(parts: dict, device: str, which: set[str]) -> list[tuple]:
         model = bert_mlm(shape)
     batch = mlm_batch(shape)
     rows = []
+    fp32 = None  # the profile the planned rows' plans were made for (the GPU planned for fp32 compute)
     for label, results in fig["results"].items():
+        autocast = label != "fp32"
         if label.split()[0] not in which:
             continue
-        autocast = label != "fp32"
-        prof = _profile(model, batch, device, autocast=autocast, mp=False)  # memfit.plan's rule: "linear"
+        fp32 = fp32 or _profile(model, batch, device, autocast=False, mp=False)
+        prof = _profile(model, batch, device, autocast=autocast, mp=False) if autocast else fp32  # rule "linear"
         matmul = _profile(model, batch, device, autocast=autocast, mp=False, rule="matmul")  # selective's row
         for strategy, row in results.items():
             if strategy == "torch.utils.checkpoint" or "max_allocated" not in row:
                 continue
             used = matmul if strategy == "memfit selective" else prof
-            forecast, note = _forecast(used, strategy, row, False, model, batch)
+            forecast, note = _forecast(used, strategy, row, False, model, batch, fp32)
             rows.append(("b", f"bert-large b{shape.batch} {label}", strategy, forecast, note, row["max_allocated"]))
     return rows
 

@@ -11,6 +11,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit._checkpoint import Decision, remove_checkpointing
 from memfit._checkpoint._decision import KINDS as DECISIONS
+from memfit._checkpoint._decision import SPECS, DecisionKind
 from memfit._plan._profile_types import BlockProfile
 from memfit._plan._step import _fresh, _Meter, _outputs_with_grad, _state_bytes, _tensor_bytes
 from memfit._plan._time import CostRecorder, OpCost
@@ -72,10 +73,11 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
     in_bytes = _tensor_bytes((a, k))
     out_bytes = _tensor_bytes(((a, k), out)) - in_bytes
     prof = BlockProfile(path, _state_bytes(block), trainable, in_bytes, out_bytes)
-    measured = [d for d in DECISIONS if d == "keep" or d in decisions or (d == "full" and "offload" in decisions)]
+    traced = {SPECS[DecisionKind(d)].traced_as for d in decisions} - {None}  # what the derived kinds read
+    measured = [d for d in DECISIONS if d == "keep" or d in decisions or d in traced]
     work: dict[str, list[OpCost]] = {}  # per decision: the ops of the block's forward and backward
     for decision in measured:
-        if decision == "offload":
+        if SPECS[DecisionKind(decision)].traced_as is not None:  # derived below
             continue
         Decision.parse(decision, save=rule).apply(block)
         a, k = _fresh(args, kwargs)
@@ -111,18 +113,24 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
         block.zero_grad(set_to_none=True)
         del out, outs
     remove_checkpointing(block)
-    if "offload" in measured and "full" in prof.unavailable:
-        prof.unavailable["offload"] = prof.unavailable["full"]
-    elif "offload" in measured:  # full checkpointing with the input elsewhere until backward
-        prof.kept["offload"] = prof.kept["full"] - prof.input_bytes
+    derived = {d: SPECS[DecisionKind(d)] for d in measured if SPECS[DecisionKind(d)].traced_as is not None}
+    for d, spec in derived.items():  # See [Note: Decision kinds as data]
+        base = str(spec.traced_as)
+        if base in prof.unavailable:
+            prof.unavailable[d] = prof.unavailable[base]
+            continue
+        # offload: full checkpointing with the input elsewhere until backward
+        prof.kept[d] = prof.kept[base] - (prof.input_bytes if spec.moves_input else 0)
         # the target's streams prefetch the block before's input ([Note: The target's op stream])
-        prof.peak["offload"] = prof.peak["full"] + prefetch * prof.input_bytes
-        prof.forward_peak["offload"] = prof.forward_peak["full"]
+        prof.peak[d] = prof.peak[base] + (prefetch * prof.input_bytes if spec.moves_input else 0)
+        prof.forward_peak[d] = prof.forward_peak[base]
     # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
     prices = {d: device.decision_time(d, c, work["keep"]) for d, c in work.items()}
     prices["keep"] = 0.0
-    if "offload" in prof.kept:
-        prices["offload"] = prices["full"] + device.offload_time(prof.input_bytes, prof.forward_time)
+    for d, spec in derived.items():
+        if d in prof.kept:
+            moved = device.offload_time(prof.input_bytes, prof.forward_time) if spec.moves_input else 0.0
+            prices[d] = prices[str(spec.traced_as)] + moved
     prof.extra_time = {d: prices[d] for d in measured if d in prof.kept}
     return prof
 
@@ -132,7 +140,7 @@ def _without_shared_inputs(prof: BlockProfile, shared: int) -> BlockProfile:
     outside the blocks]); an offloaded block's kept bytes have no input in them already."""
     if not shared:
         return prof
-    kept = {d: v if d == "offload" else max(0, v - shared) for d, v in prof.kept.items()}
+    kept = {d: v if SPECS[DecisionKind(d)].moves_input else max(0, v - shared) for d, v in prof.kept.items()}
     peak = {d: max(0, v - shared) for d, v in prof.peak.items()}
     forward = {d: max(0, v - shared) for d, v in prof.forward_peak.items()}
     less = max(0, prof.input_bytes - shared)

@@ -27,7 +27,7 @@ from memfit._plan._step import Inputs, _buffer_bytes, _Meter, _state_bytes, call
 from memfit._plan._step_profile import _backward_outside, _between, _BlocksMade, _measure_step, _used_bytes, _WholeStep
 from memfit._plan._target import target_of
 from memfit._plan._time import DeviceProfile
-from memfit._plan._trace import DataValues, NeedsDataError, _class_attribute, fake_rules, record_data_values
+from memfit._plan._trace import DataValues, NeedsDataError, fake_rules, record_data_values
 from memfit._shard._mixed import MixedPrecision
 
 
@@ -151,11 +151,9 @@ def _profile(
     mixed_precision,
 ):  # fmt: skip
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    target = target_of(device)  # See [Note: The target's op stream]
-    first = next(iter(model.parameters()), None)
-    on = "cpu" if first is None or first.device.type == "meta" else first.device
+    on = "cpu" if (p0 := next(iter(model.parameters()), None)) is None or p0.device.type == "meta" else p0.device
     mp = mixed_precision
-    with fake, target.tracing(), _class_attribute(_Meter, "block_bytes", target.block_bytes):
+    with fake, (target := target_of(device)).tracing(_Meter):  # See [Note: The target's op stream]
         skeleton = _fake_copy(model, on)
         inputs = tree_map(lambda t: _fake_like(t, on), example_inputs)
         skeleton.train()
@@ -177,9 +175,8 @@ def _profile(
                 reached = made.reached.get(i, set())
                 key = (_signature(blk, args, kwargs), made.fingerprint.get(i), tuple(sorted(reached)))
                 if key not in seen:  # identical blocks are profiled once
-                    seen[key] = _profile_block(
-                        path, blk, args, kwargs, reached, rule, offload, decisions, device, target.offload_prefetch
-                    )
+                    seen[key] = _profile_block(path, blk, args, kwargs, reached, rule, offload, decisions, device,
+                                               target.offload_prefetch)  # fmt: skip
                 prof = _without_shared_inputs(seen[key], made.shared.get(i, 0))
                 last = path not in paths[i + 1 :]  # a module's gradients once: [Note: A module run several times]
                 grads = _used_bytes(blk, whole.used) if last else 0
@@ -209,8 +206,7 @@ def _profile(
         tail_transient=max(0, marks["tail_peak"] - counted - sum(b.grad_bytes for b in profiles)),
         leftover=max(0, marks["after_backward"] - counted),
         buffer_bytes=buffers,
-        step_time=device.ops_time(whole.forward_backward) + device.ops_time(whole.costs[len(whole.forward_backward) :]),
-        step_split=device.split(whole.forward_backward),
+        **device.step_fields(whole.forward_backward, whole.costs[len(whole.forward_backward) :]),
         step_ops=whole.costs,
         head=head,
         head_chunked=None if chunked is None else chunked[0],

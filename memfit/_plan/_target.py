@@ -66,8 +66,15 @@ from memfit._plan._time import DeviceProfile
 #     fp32 lists name (layer_norm, softmax, log_softmax, exp, pow, rsqrt, sum, ...) run in
 #     fp32, by a kernel at the AutocastCPU key for the trace's duration (torch.library; torch's
 #     own kernels are back after). Its lower-precision list (the matmuls, linear, SDPA) is the
-#     CPU's; the ops only the CPU's fp32 list names stay as the CPU runs them; a
+#     CPU's; of the ops only the CPU's fp32 list names, cross_entropy_loss runs as CUDA's
+#     composite (no fp32 copy of the logits: one logits' size at BERT's head), the rest as
+#     the CPU runs them; a
 #     set_opt_dtype op casts its input rather than passing dtype= (a temporary copy more).
+#     SDPA's inputs are cast to the autocast dtype before the backend is chosen (CUDA's
+#     lower-precision list names it: fp32 q/k/v from RoPE run flash in bf16). And autocast is
+#     on around each forward only, its weight cache cleared as the forward returns, as a step
+#     runs `with autocast: loss = model(batch)` and backward outside (the planner's own calls
+#     would otherwise keep every bf16 weight copy cached through backward and the optimizer).
 # Not mapped: cuDNN attention (off by default), and the CUDA allocator's segments and caching
 # beyond the 512-byte rounding ([Note: The allocator beside the tensors]).
 
@@ -99,13 +106,16 @@ class Target:
         return True if self.cuda else None
 
     @contextlib.contextmanager
-    def tracing(self) -> Iterator[None]:
-        """Inside: F.scaled_dot_product_attention and F.dropout as the target runs them."""
+    def tracing(self, meter: type | None = None) -> Iterator[None]:
+        """Inside: F.scaled_dot_product_attention, F.dropout and autocast as the target runs
+        them, and ``meter`` (a MemoryMeter class) rounding to the target's allocator blocks."""
         if not self.cuda:
             yield
             return
         sdpa, dropout = F.scaled_dot_product_attention, F.dropout
         with contextlib.ExitStack() as stack:
+            if meter is not None:
+                stack.enter_context(_attribute(meter, "block_bytes", self.block_bytes))
             stack.enter_context(_attribute(F, "scaled_dot_product_attention", _cuda_sdpa(sdpa)))
             stack.enter_context(_attribute(F, "dropout", _cuda_dropout(dropout)))
             masks = sys.modules.get("transformers.masking_utils")
@@ -117,6 +127,7 @@ class Target:
                 stack.enter_context(_attribute(masks, "find_packed_sequence_indices", packed))
             if torch.is_autocast_enabled("cpu"):
                 stack.enter_context(_cuda_autocast_lists())
+                stack.enter_context(_autocast_per_forward(torch.get_autocast_dtype("cpu")))
             yield
 
 
@@ -152,6 +163,12 @@ def _cuda_sdpa(plain):
     def scaled_dot_product_attention(
         query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
     ):
+        if torch.is_autocast_enabled("cpu"):  # CUDA autocast's lower-precision list names SDPA
+            low = torch.get_autocast_dtype("cpu")
+            query, key, value, attn_mask = (
+                t.to(low) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                for t in (query, key, value, attn_mask)
+            )
         backend = cuda_backend(query, key, value, attn_mask, dropout_p, enable_gqa)
         if backend == "flash":
             out = torch.ops.aten._scaled_dot_product_flash_attention(
@@ -219,6 +236,9 @@ _CUDA_FP32 = (
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm", "sum",
     "sum.dim_IntList",
 )  # fmt: skip
+# Named by the CPU's fp32 list, not CUDA's: CUDA runs them as composites (cross_entropy's
+# log_softmax takes the logits in their dtype and gives fp32, with no fp32 copy of them).
+_CPU_ONLY_FP32 = ("cross_entropy_loss",)
 _LOWER = (torch.float16, torch.bfloat16)
 
 
@@ -234,9 +254,44 @@ def _cuda_autocast_lists() -> Iterator[None]:
                 packet, _, overload = name.partition(".")
                 op = getattr(getattr(torch.ops.aten, packet), overload or "default")
                 lib.impl(name, _fp32_kernel(op), "AutocastCPU")
+            for name in _CPU_ONLY_FP32:
+                lib.impl(name, torch.library.fallthrough_kernel, "AutocastCPU")
         yield
     finally:
         lib._destroy()
+
+
+@contextlib.contextmanager
+def _autocast_per_forward(dtype: torch.dtype) -> Iterator[None]:
+    """The ambient autocast off, and on around each outermost module call (the step's forward,
+    a block's alone, a recompute's) with its weight cache cleared as it returns: a step runs
+    ``with autocast: loss = model(batch)`` and its backward and optimizer step outside, so the
+    bf16 copies of the weights the cache holds are gone by backward."""
+    state: list = []  # the autocast entered by the outermost call running (depth 1), or nothing
+
+    def pre(module, args):
+        state.append(None)
+        if len(state) == 1:
+            state[0] = torch.autocast("cpu", dtype=dtype)
+            state[0].__enter__()
+
+    def post(module, args, out):
+        if len(state) == 1 and state[0] is not None:
+            state[0].__exit__(None, None, None)
+            torch.clear_autocast_cache()
+        if state:
+            state.pop()
+
+    with torch.autocast("cpu", enabled=False):
+        handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(pre),
+            torch.nn.modules.module.register_module_forward_hook(post, always_call=True),
+        ]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
 
 
 def _fp32_kernel(op):

@@ -247,6 +247,12 @@ class DeviceProfile:
             return sum(self.op_time(c) for c in costs) + host_extra
         return max(self.split(costs, host_extra))
 
+    def step_fields(self, forward_backward: list[OpCost], optimizer: list[OpCost]) -> dict[str, Any]:
+        """A profile's step_time (its two regions, each priced apart) and step_split (the host
+        and device seconds of the forward and backward)."""
+        step = self.ops_time(forward_backward) + self.ops_time(optimizer)
+        return {"step_time": step, "step_split": self.split(forward_backward)}
+
     def checkpoint_time(self, added_ops: int) -> float:
         """Seconds a checkpointed block adds to a step beside the priced work of the ``added_ops``
         ops it adds (see ``checkpoint_block``)."""
