@@ -359,10 +359,10 @@ CUDA_WORKSPACE = 70 * 2**20
 _H100_FIT = {
     "float32": 4.456e13,  # achieved fp32 matmul FLOP/s (c bert-large fp32 plain's kernel time)
     "bfloat16": 788.7e12,  # published: torch.matmul bf16 4096^3 on an H100 80GB HBM3 (see sources)
-    "host_op": 2.098e-05,  # host seconds per op (c bert-large bf16 plain: kernels 0.54 of its step)
-    "checkpoint_block": 1.35e-04,  # a checkpoint frame's host seconds (b bf16 autocast memfit full)
-    "selective_op": 2.009e-05,  # selective's dispatch per op (b bf16 autocast memfit selective)
-    "shard_unit": 3.134e-03,  # a unit's hooks (c bert-large bf16 memfit: kernels 0.33 of its step)
+    "host_op": 2.096e-05,  # host seconds per op (c bert-large bf16 plain: kernels 0.54 of its step)
+    "checkpoint_block": 0.0,  # a checkpoint frame (b bf16 autocast memfit full: its recompute's ops account for it)
+    "selective_op": 1.878e-05,  # selective's dispatch per op (b bf16 autocast memfit selective)
+    "shard_unit": 3.137e-03,  # a unit's hooks (c bert-large bf16 memfit: kernels 0.33 of its step)
     "shard_param": 0.0,  # not told apart from shard_unit at one rank: fitted per unit only
 }
 _PUBLISHED_MM = "github.com/zzc0721/torch-performance-test-data issue 79 (H100 80GB HBM3, torch 2.7)"
