@@ -11,9 +11,9 @@ torchtitan's docs/performance.md:
 For each, memfit.autoconfigure prices that configuration alone (its micro-batch, full sharding,
 reshard_after_forward, every block the same kind, bf16 mixed precision with fp32 reduce; its
 sequence length 8192) and then searches every configuration within the device's memory at the
-same global batch: the pick and its predicted tokens/s/GPU. The profiles' rates are the data
-sheets' peaks (989 TFLOP/s bf16 dense on the H100 SXM, 312 on the A100): a roofline, optimistic
-as every roofline is; nothing here ran on a GPU.
+same global batch: the pick and its predicted tokens/s/GPU. The profiles' figures are achieved
+rates, host costs and NCCL bus bandwidths, each with its source ([Note: Host and device time]);
+nothing here ran on a GPU.
 
     .venv/bin/python benchmarks/paper_torchtitan.py [--out benchmarks/results/paper_torchtitan.md]
 """
@@ -82,9 +82,9 @@ def main() -> None:
     lines += [
         "",
         "torchtitan's figures: its docs/performance.md (Llama 3.1 8B: Table 1; Llama 3 70B: the A100 table). "
-        "memfit prices on the data sheets' peak rates (profiles h100 and a100) and does not model the "
-        "kernels' efficiency, so its tokens/s are an upper bound of the configuration's; the ratio of the "
-        "measured to the predicted is what those kernels reach of the roofline.",
+        "memfit prices on the profiles h100 and a100: achieved rates, host time per op and per hook, NCCL's "
+        "bus bandwidth ([Note: Host and device time]; each figure's source in DeviceProfile.sources), traced "
+        "in the stream CUDA runs.",
     ]
     emit(lines, args.out)
 

@@ -139,12 +139,15 @@ class AutoConfig:
             f"configurations for world size {w}, global batch {batch}, budget {format_bytes(self.budget)} per rank, "
             f"time priced on {self.device} ({self.tokens_per_sample} tokens a sample)",
             f"  {'micro':>5} {'accum':>5}  {'layout':<28}{'head':<8}{'peak/rank':>11}{'step ms':>10}{'tokens/s':>11}"
-            f"{columns}  lost on",
+            f"{'host ms':>9}{'device ms':>10}{columns}  lost on",
         ]
         for c in rows:
             head = c.plan.head if c.plan else "-"
             step = f"{c.step_time * 1e3:.1f}" if c.fits else "-"
             tps = f"{c.tokens_per_second:.0f}" if c.fits else "-"
+            # See [Note: Host and device time]: the kept step's host and device seconds, which bounds it
+            known = c.fits and "host" in c.time
+            split = f"{c.time['host'] * 1e3:>9.1f}{c.time['device'] * 1e3:>10.1f}" if known else f"{'-':>9}{'-':>10}"
             mark = "*" if c is self.best else " "
             measured = ""
             if ran:
@@ -153,7 +156,7 @@ class AutoConfig:
                 measured = f"{measured:>13}{expected:>13}"
             lines.append(
                 f"{mark} {c.micro_batch:>5} {c.accumulation:>5}  {c.layout.describe():<28}{head:<8}"
-                f"{format_bytes(c.peak):>11}{step:>10}{tps:>11}{measured}  {c.lost or 'chosen'}"
+                f"{format_bytes(c.peak):>11}{step:>10}{tps:>11}{split}{measured}  {c.lost or 'chosen'}"
             )
         if limit is not None and len(self.candidates) > limit:
             lines.append(f"  ... {len(self.candidates) - limit} more (AutoConfig.table())")
@@ -263,7 +266,8 @@ def autoconfigure(
         return profile_model(model, batch, blocks, chunk_head=chunk_head is not False, **opts)
 
     search = Search(budget_bytes, world_size, global_batch, device, optimizer_costs(model, optimizer), tokens)
-    search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head)
+    params = sum(1 for p in model.parameters() if p.requires_grad)
+    search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head, params=params)
     sizes = micro_batch_sizes(world_size, global_batch, micro_batches, max_micro_batch)
     layouts = _layouts(world_size, shard_sizes)
     if mixed_precision is not None and world_size > 1 and not replicas_forecast(mixed_precision):
@@ -289,6 +293,7 @@ class Search:
     tokens: int  # per sample
     decisions: tuple[str, ...] = DECISIONS
     chunk_head: bool | None = None
+    params: int = 0  # trainable parameters: the units' hooks cost per parameter ([Note: Host and device time])
 
     def run(self, profile_of: Callable[[int], ModelProfile], sizes: list[int], layouts: list[Layout]) -> AutoConfig:
         priced: list[Candidate] = []
@@ -320,7 +325,7 @@ class Search:
             offload=Offload("disk" if self.device.name in ("cpu", "calibrated-cpu") else "cpu"),
             head=head,
         )
-        time = step_terms(plan, layout, accumulation, self.device, self.opt_costs)
+        time = step_terms(plan, layout, accumulation, self.device, self.opt_costs, self.params)
         samples = b * accumulation * layout.world_size
         return Candidate(b, accumulation, layout, plan, plan.predicted_peak, time, samples * self.tokens / time["step"])
 
@@ -345,18 +350,28 @@ def _least_head(profile: ModelProfile, chunk_head: bool | None) -> ModelProfile:
     return profile
 
 
-def step_terms(plan: Plan, layout: Layout, accumulation: int, device: DeviceProfile, opt_costs: list[OpCost]):
+def step_terms(
+    plan: Plan, layout: Layout, accumulation: int, device: DeviceProfile, opt_costs: list[OpCost], params: int = 0
+):
     """Named terms of a step's time (seconds) and its communication (ring bytes per rank):
         step = accumulation x (compute + recompute) + optimizer + exposed_communication
     compute: a micro-batch's forward and backward with every activation kept (the profile's
-    priced step less its optimizer step); recompute: the plan's extra time (recompute, offload,
-    a chunked head); optimizer: the optimizer step over 1/s of the state; exposed_communication:
-    see [Note: Pricing communication]."""
+    priced step less its optimizer step), with the host time of memfit's units' hooks over
+    ``params`` parameters where W > 1 (the larger of host and device where they overlap: [Note:
+    Host and device time]); recompute: the plan's extra time (recompute, offload, a chunked
+    head); optimizer: the optimizer step over 1/s of the state; exposed_communication: see [Note:
+    Pricing communication]. Also, not summed: host and device, the kept step's host and device
+    seconds (hooks included), to show which bounds it."""
     profile, s = plan.profile, layout.shard_size
-    whole_opt = device.ops_time(opt_costs)
-    compute = max(profile.step_time - whole_opt, 0.0)
-    units = _units(plan, compute)
     w = layout.world_size
+    whole_opt = device.ops_time(opt_costs)
+    hooks = device.shard_hooks(len(profile.blocks) + 1, params) if w > 1 else 0.0
+    host, dev = profile.step_split
+    if device.overlapped and host + dev > 0:
+        compute = max(host + hooks, dev)
+    else:
+        compute = max(profile.step_time - whole_opt, 0.0) + hooks
+    units = _units(plan, compute)
     reshard = layout.reshard_after_forward
     comm = {k: 0.0 for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")}
     comm |= {"communication": 0.0, "exposed_communication": 0.0, "collectives": 0.0}
@@ -371,6 +386,10 @@ def step_terms(plan: Plan, layout: Layout, accumulation: int, device: DeviceProf
         **comm,
     }
     t["step"] = sum(t[k] for k in _TERMS)
+    opt = [_scaled(c, s) for c in opt_costs] if s > 1 else opt_costs
+    opt_host, opt_dev = device.split(opt)
+    t["host"] = accumulation * (host + hooks) + opt_host
+    t["device"] = accumulation * dev + opt_dev
     return t
 
 

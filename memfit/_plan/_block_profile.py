@@ -125,12 +125,11 @@ def _profile_block(path, block, args, kwargs, reached, rule, offload, decisions,
         prof.peak[d] = prof.peak[base] + (prefetch * prof.input_bytes if spec.moves_input else 0)
         prof.forward_peak[d] = prof.forward_peak[base]
     # See [Note: The planner's time model]: what a decision's forward and backward cost beyond keep's.
-    keep, n_keep = device.ops_time(work["keep"]), len(work["keep"])
-    prices = {d: max(0.0, device.ops_time(c) - keep + device.checkpoint_time(len(c) - n_keep)) for d, c in work.items()}
+    prices = {d: device.decision_time(d, c, work["keep"]) for d, c in work.items()}
     prices["keep"] = 0.0
     for d, spec in derived.items():
         if d in prof.kept:
-            moved = 2 * prof.input_bytes / device.offload_bandwidth if spec.moves_input else 0.0
+            moved = device.offload_time(prof.input_bytes, prof.forward_time) if spec.moves_input else 0.0
             prices[d] = prices[str(spec.traced_as)] + moved
     prof.extra_time = {d: prices[d] for d in measured if d in prof.kept}
     return prof

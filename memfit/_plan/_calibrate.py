@@ -17,7 +17,15 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfit._plan._time import CUDA_WORKSPACE, PROFILES, CostRecorder, DeviceProfile, default_profile, op_cost
+from memfit._plan._time import (
+    CUDA_WORKSPACE,
+    PROFILES,
+    CostRecorder,
+    DeviceProfile,
+    default_profile,
+    named_profile,
+    op_cost,
+)
 
 
 class _AttentionCalls(TorchDispatchMode):
@@ -753,7 +761,7 @@ def device_profile(spec: str | DeviceProfile | None = None, device_type: str = "
             f"memfit.plan: unknown device profile {spec!r}; choose one of {sorted(PROFILES)}, 'calibrated' "
             "(this machine, measured once by `memfit calibrate`) or a memfit DeviceProfile"
         )
-    return PROFILES[spec]
+    return named_profile(spec)
 
 
 def check_ranks(profile: DeviceProfile, world_size: int, who: str) -> None:

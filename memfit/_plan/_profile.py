@@ -206,7 +206,7 @@ def _profile(
         tail_transient=max(0, marks["tail_peak"] - counted - sum(b.grad_bytes for b in profiles)),
         leftover=max(0, marks["after_backward"] - counted),
         buffer_bytes=buffers,
-        step_time=device.ops_time(whole.costs),
+        **device.step_fields(whole.forward_backward, whole.costs[len(whole.forward_backward) :]),
         step_ops=whole.costs,
         head=head,
         head_chunked=None if chunked is None else chunked[0],

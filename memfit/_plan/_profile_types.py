@@ -79,6 +79,7 @@ class ModelProfile:
     leftover: int = 0  # L: what the forward leaves alive after backward beside S and gradients (cached masks)
     buffer_bytes: int = 0  # buffers (replicated on every rank when sharded)
     step_time: float = 0.0  # priced forward, backward and optimizer step, activations kept (s)
+    step_split: tuple[float, float] = (0.0, 0.0)  # (host, device) seconds of its forward and backward
     device: str = ""  # the device profile the times are priced on
     device_source: str = ""  # where its rates come from (DeviceProfile.source)
     offload_bandwidth: float = 0.0  # the device profile's bytes per second to host memory

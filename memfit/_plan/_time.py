@@ -5,9 +5,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import json
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -128,6 +130,12 @@ class DeviceProfile:
             every group of that size running at once, as the layout runs them; a group of a size
             not listed uses the intra_node_* figures. Set by calibrate_group for the divisors of
             its size (see [Note: Calibrating the links]); empty in the named profiles.
+        host_op, kernel_floor, attention_flops, selective_op, shard_unit, shard_param: the
+            overlapped model of an accelerator, see [Note: Host and device time]; 0 / empty:
+            the serial model (every op's work plus op_overhead, a CPU's).
+        sources: per field name, where its figure comes from (a data sheet, a published run,
+            a fit to named measured rows, a calibration); the named profiles name one for
+            every figure they set.
         calibrated_ranks: how many ranks ran while it was measured (`memfit calibrate`: 1,
             calibrate_group: the group's size; the per-rank compute and the collectives
             depend on it: a plan for another world size warns); 0: a named profile.
@@ -160,6 +168,14 @@ class DeviceProfile:
     group_links: tuple[tuple[int, float, float], ...] = ()  # (ranks, latency, bandwidth) per smaller group (see above)
     layout_overheads: tuple[tuple[int, float, float], ...] = ()  # (shard size, per collective, per byte) (see above)
     collective_overlap: float = 1.0  # the part of a collective's link time compute can hide (see above)
+    # See [Note: Host and device time]: an accelerator's host and device run side by side.
+    host_op: float = 0.0  # host seconds per recorded op (dispatch, autograd, Python); > 0: regions overlap
+    kernel_floor: float = 0.0  # device seconds a kernel takes at least (overlapped profiles only)
+    attention_flops: dict[str, float] = dataclasses.field(default_factory=dict)  # fused attention FLOP/s per dtype
+    selective_op: float = 0.0  # host seconds selective's dispatch mode adds per op of its forward and recompute
+    shard_unit: float = 0.0  # host seconds a memfit unit's hooks add to a step (at any world size)
+    shard_param: float = 0.0  # and per parameter of the unit (casts, gradient copies, views)
+    sources: dict[str, str] = dataclasses.field(default_factory=dict)  # field name -> where its figure comes from
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "bandwidth_curve", tuple(tuple(p) for p in self.bandwidth_curve))  # from JSON
@@ -187,21 +203,83 @@ class DeviceProfile:
     def rate(self, dtype: torch.dtype) -> float:
         return self.flops.get(str(dtype).removeprefix("torch."), self.flops["float32"])
 
-    def op_time(self, cost: OpCost) -> float:
+    @property
+    def overlapped(self) -> bool:
+        """Host and device run side by side (an accelerator): see [Note: Host and device time]."""
+        return self.host_op > 0
+
+    def _compute(self, cost: OpCost) -> float:
+        if cost.scores and self.attention_flops:  # a fused kernel: its own rate, masked tiles skipped
+            rate = self.attention_flops.get(str(cost.dtype).removeprefix("torch."), self.rate(cost.dtype))
+            return cost.flops * (0.5 if cost.causal else 1.0) / rate
         compute = cost.flops / self.rate(cost.dtype) + self.matmul_latency if cost.flops else 0.0
         if cost.scores and cost.op in self.score_rates:
             compute += cost.scores / self.score_rates[cost.op]
         if cost.op in self.math_rates:
             compute = max(compute, cost.elements / self.math_rates[cost.op])
+        return compute
+
+    def op_time(self, cost: OpCost) -> float:
+        """Seconds of one op in the serial model: its work, fresh pages and op_overhead."""
         fresh = 0.0
         if self.fresh_bandwidth and self.fresh_threshold and cost.largest_output >= self.fresh_threshold:
             fresh = cost.largest_output / self.fresh_bandwidth
-        return max(compute, cost.bytes / self.bandwidth(cost.bytes)) + fresh + self.op_overhead
+        return max(self._compute(cost), cost.bytes / self.bandwidth(cost.bytes)) + fresh + self.op_overhead
+
+    def device_time(self, cost: OpCost) -> float:
+        """Device seconds of one op in the overlapped model (a view or metadata op: none)."""
+        if not cost.bytes and not cost.flops:
+            return 0.0
+        return max(self._compute(cost), cost.bytes / self.bandwidth(cost.bytes)) + self.kernel_floor
+
+    def split(self, costs: list[OpCost], host_extra: float = 0.0) -> tuple[float, float]:
+        """(host seconds, device seconds) of a region of ops (overlapped profiles; the serial
+        model's host is its op_overhead per op, its device the rest)."""
+        if not self.overlapped:
+            host = len(costs) * self.op_overhead + host_extra
+            return host, sum(self.op_time(c) for c in costs) - len(costs) * self.op_overhead
+        return len(costs) * self.host_op + host_extra, sum(self.device_time(c) for c in costs)
+
+    def ops_time(self, costs: list[OpCost], host_extra: float = 0.0) -> float:
+        """Seconds of a region of ops: the larger of its host and device time where they overlap,
+        their sum in the serial model; ``host_extra``: host seconds of hooks beside the ops."""
+        if not self.overlapped:
+            return sum(self.op_time(c) for c in costs) + host_extra
+        return max(self.split(costs, host_extra))
+
+    def step_fields(self, forward_backward: list[OpCost], optimizer: list[OpCost]) -> dict[str, Any]:
+        """A profile's step_time (its two regions, each priced apart) and step_split (the host
+        and device seconds of the forward and backward)."""
+        step = self.ops_time(forward_backward) + self.ops_time(optimizer)
+        return {"step_time": step, "step_split": self.split(forward_backward)}
 
     def checkpoint_time(self, added_ops: int) -> float:
         """Seconds a checkpointed block adds to a step beside the priced work of the ``added_ops``
         ops it adds (see ``checkpoint_block``)."""
         return self.checkpoint_block + added_ops * self.checkpoint_op
+
+    def decision_time(self, decision: str, costs: list[OpCost], keep: list[OpCost]) -> float:
+        """Seconds a block's decision adds to a step: its forward and backward ops ``costs`` with
+        checkpoint's hooks (and selective's dispatch per op), less ``keep``'s (see [Note: The
+        planner's time model] and [Note: Host and device time])."""
+        if decision == "keep":
+            return 0.0
+        hooks = self.checkpoint_time(len(costs) - len(keep))
+        if decision == "selective":
+            hooks += self.selective_op * len(costs)
+        return max(0.0, self.ops_time(costs, hooks) - self.ops_time(keep))
+
+    def offload_time(self, nbytes: float, forward: float) -> float:
+        """Seconds offloading a block's input of ``nbytes`` adds beside full checkpointing: written
+        in forward, read back in backward; where host and device overlap, the copies run on a
+        side stream behind the block's compute (its ``forward`` and a backward of twice that)."""
+        copies = 2 * nbytes / self.offload_bandwidth
+        return max(0.0, copies - 3 * forward) if self.overlapped else copies
+
+    def shard_hooks(self, units: int, params: int) -> float:
+        """Host seconds memfit's units' hooks add to a step: ``units`` units holding ``params``
+        parameters in all."""
+        return units * self.shard_unit + params * self.shard_param
 
     def bandwidth(self, nbytes: float) -> float:
         """Bytes per second of an op moving ``nbytes`` (see ``bandwidth_curve``)."""
@@ -216,23 +294,56 @@ class DeviceProfile:
                 return y0 + f * (y1 - y0)
         return curve[-1][1]
 
-    def ops_time(self, costs: list[OpCost]) -> float:
-        return sum(self.op_time(c) for c in costs)
 
-
-# Published dense peak rates (no sparsity) from the vendors' data sheets; fp32 without TF32
-# (PyTorch's default for matmuls). Offload over PCIe, one direction: Gen5 x16 64 GB/s, Gen4
-# x16 32 GB/s. Only what a data sheet states is set: no bandwidth curve, math, score or fresh-
-# page rates (an attention op costs its flops at the peak, as any matmul: the roofline), and no
-# checkpoint_time beyond op_overhead per op (the host's Python runs ahead of the device's queue).
-# Links, one direction per GPU (half of the data sheets' bidirectional NVLink figure):
-#   H100 SXM, H200 SXM  NVLink 900 GB/s -> 450e9 (NVIDIA H100 and H200 Tensor Core GPU data
-#                       sheets); between nodes one ConnectX-7 400 Gb/s InfiniBand NDR card per
-#                       GPU -> 50e9 (NVIDIA DGX H100/H200 data sheets: 8x ConnectX-7, 8 GPUs).
-#   A100 80GB SXM       NVLink 600 GB/s -> 300e9 (NVIDIA A100 data sheet); one ConnectX-6
-#                       200 Gb/s HDR card per GPU -> 25e9 (NVIDIA DGX A100 data sheet).
-# No data sheet states a latency: 3 us per ring step within a node and 10 us between nodes are
-# assumptions of the order NCCL's tests show for small messages, not published figures.
+# [Note: Host and device time]
+# On an accelerator the host (Python, the dispatcher, autograd) queues kernels that the device
+# runs later, so a step is not the sum of its ops' work and launches: the host runs ahead until
+# the device's work is longer than the host's, or waits while its own is. Each region of a step
+# (the forward and backward of the model, of a block under a decision, the optimizer step) costs
+#     t(region) = max(host, device)
+#     host   = ops x host_op + hooks       every recorded aten op (views included: dispatched too),
+#                                          plus memfit's own Python in the region:
+#              checkpoint   checkpoint_block per checkpointed block + checkpoint_op per op it adds
+#              selective    selective_op per op of its forward and recompute (its dispatch mode's
+#                           __torch_dispatch__ runs in Python for every op)
+#              sharding     shard_unit per unit + shard_param per parameter (pre/post forward and
+#                           backward hooks, mixed precision's casts, the gradients' copies)
+#     device = sum over ops of max(compute, bytes / memory_bandwidth) + kernel_floor
+#              compute: flops / the achieved matmul rate of the dtype (+ matmul_latency: small
+#              shapes run below the rate); a fused attention kernel (an op with scores) flops /
+#              attention_flops[dtype], halved when is_causal (the kernel skips masked tiles;
+#              torch's flop counter counts the full square); views and metadata ops: none
+# Collectives run on their own stream at the achieved NCCL bus bandwidth of the link ([Note:
+# Pricing communication]; a ring's time is bytes x (g - 1) / g / busbw, which is how nccl-tests
+# defines busbw). A profile with host_op = 0 is the serial model of [Note: The planner's time
+# model] (a CPU, whose host is the device). Every figure of a named profile names its source in
+# DeviceProfile.sources: a data sheet, a published measurement, or a fit to named rows of
+# benchmarks/results/gpu_h100.json (benchmarks/gpu_time_rows.py --fit; at most a third of the
+# rows, the rest held out: docs/planning.md); `memfit calibrate` on the device measures them and a
+# committed benchmarks/results/profile_<name>.json replaces the named figures (named_profile).
+#
+# Sources of the accelerator figures below (one direction per GPU for links):
+#   peaks: NVIDIA H100 SXM / H200 SXM / A100 80GB SXM data sheets (fp32 without TF32, PyTorch's
+#     matmul default); achieved matmul rates: bf16 and fp16 as published for torch.matmul at 4096^3
+#     on an H100 80GB HBM3 (788.7 and 760 TFLOP/s; 1024^3 and 2048^3 ran 9.4 and 3.6 us beyond that
+#     rate: matmul_latency 5 us), fp32 fitted on the H100 (_H100_FIT; the same source: 51.9), the
+#     A100's the H100's efficiency (achieved / peak) on its own peaks;
+#   fused attention: FlashAttention-2 (Dao 2023, arXiv:2307.08691): forward+backward up to
+#     335 TFLOP/s bf16 on H100 SXM, 225 on A100 (PyTorch's flash SDPA backend is FlashAttention-2);
+#     fp32 (the memory-efficient kernel, without tensor cores): the fp32 matmul rate (a fit on BERT's
+#     fp32 kernel time put no time on it: no figure of its own);
+#   memory bandwidth: 90% of the data sheet's (what a device-to-device copy reaches: an assumption
+#     until a calibration on the device replaces it);
+#   offload: pinned host copies measured on the H100, 55.1 GB/s (gpu_h100.md part e); the A100's
+#     PCIe Gen4 x16 at the same 86% of line rate (27.5 GB/s);
+#   links: NVLink H100/H200 busbw ~370 GB/s (nccl-tests issue 212, NCCL's author: 450 GB/s line
+#     rate less ~20% protocol overhead); A100 ~200 GB/s (nccl-tests issues 149 and 178: 8 x A100
+#     NVLink all_reduce busbw 200-208 GB/s); between nodes one 400 Gb/s NDR (H100) or 200 Gb/s
+#     HDR (A100) card per GPU at the same 80% of line rate: 40 and 20 GB/s; latencies 3 us within
+#     and 10 us between nodes per ring step (assumed, the order nccl-tests shows);
+#   kernel_floor: 2 us per kernel (assumed: back-to-back launches of tiny kernels);
+#   host_op, checkpoint_block, selective_op, shard_unit, shard_param: fitted on the H100's host
+#     (see _H100_FIT); another host's CPU changes them: calibrate there.
 # [Note: The allocator beside the tensors]
 # On CUDA the caching allocator also hands out memory no tensor owns: cuBLAS keeps a workspace
 # per thread and stream, and a step runs matmuls on two threads (the forward's and autograd's
@@ -243,46 +354,79 @@ class DeviceProfile:
 # expandable segments (PYTORCH_CUDA_ALLOC_CONF), which keep them small.
 CUDA_WORKSPACE = 70 * 2**20
 
+# Fitted by `benchmarks/gpu_time_rows.py --fit` to the rows of gpu_h100.json it names (a third
+# of the rows at most; the rest held out). See [Note: Host and device time].
+_H100_FIT = {
+    "float32": 4.456e13,  # achieved fp32 matmul FLOP/s (c bert-large fp32 plain's kernel time)
+    "bfloat16": 788.7e12,  # published: torch.matmul bf16 4096^3 on an H100 80GB HBM3 (see sources)
+    "host_op": 2.096e-05,  # host seconds per op (c bert-large bf16 plain: kernels 0.54 of its step)
+    "checkpoint_block": 0.0,  # a checkpoint frame (b bf16 autocast memfit full: its recompute's ops account for it)
+    "selective_op": 1.878e-05,  # selective's dispatch per op (b bf16 autocast memfit selective)
+    "shard_unit": 3.137e-03,  # a unit's hooks (c bert-large bf16 memfit: kernels 0.33 of its step)
+    "shard_param": 0.0,  # not told apart from shard_unit at one rank: fitted per unit only
+}
+_PUBLISHED_MM = "github.com/zzc0721/torch-performance-test-data issue 79 (H100 80GB HBM3, torch 2.7)"
+_FIT_SOURCE = "fitted to gpu_h100.json rows by benchmarks/gpu_time_rows.py --fit"
+_PEAKS = {"h100": (67e12, 989e12, 3.35e12), "h200": (67e12, 989e12, 4.8e12), "a100": (19.5e12, 312e12, 2.039e12)}
+
+
+def _accelerator(name: str) -> DeviceProfile:
+    """A named accelerator profile: achieved rates, fitted host costs and NCCL's bus bandwidth,
+    each with its source (see [Note: Host and device time])."""
+    fp32, bf16, hbm = _PEAKS[name]
+    h100_fp32, h100_bf16 = _PEAKS["h100"][:2]
+    matmul = {"float32": fp32 * _H100_FIT["float32"] / h100_fp32, "bfloat16": bf16 * _H100_FIT["bfloat16"] / h100_bf16}
+    matmul["float16"] = bf16 * 760.0e12 / h100_bf16  # the same source's fp16 figure
+    a100 = name == "a100"
+    sheet = {"h100": "NVIDIA H100 SXM", "h200": "NVIDIA H200 SXM", "a100": "NVIDIA A100 80GB SXM"}[name] + " data sheet"
+    attention = 225e12 if a100 else 335e12
+    host = ("host_op", "checkpoint_block", "selective_op", "shard_unit", "shard_param")
+    sources = {
+        "flops": f"bf16/fp16: {_PUBLISHED_MM}; fp32: {_FIT_SOURCE} (the same source: 51.9 TFLOP/s at 4096^3); "
+        f"{'the H100s efficiency on the ' + sheet + ' peaks' if name != 'h100' else ''}",
+        "matmul_latency": f"{_PUBLISHED_MM}: what its 1024^3 and 2048^3 bf16 products take beyond 788.7 TFLOP/s "
+        "(9.4 and 3.6 us)",
+        "memory_bandwidth": f"90% of {sheet}'s {hbm / 1e12:.2f} TB/s (assumed)",
+        "offload_bandwidth": "gpu_h100.md part e: pinned copies 55.1 GB/s" + (", scaled to PCIe Gen4" if a100 else ""),
+        "attention_flops": f"bf16/fp16: FlashAttention-2 (Dao 2023), fwd+bwd on {'A100' if a100 else 'H100 SXM'}; "
+        "fp32: none (the fp32 matmul rate)",
+        "intra_node_bandwidth": f"nccl-tests issue{'s 149/178 (A100' if a100 else ' 212 (H100'} busbw)",
+        "inter_node_bandwidth": f"{'HDR 200' if a100 else 'NDR 400'} Gb/s per GPU at 80% of line rate",
+        "intra_node_latency": "assumed", "inter_node_latency": "assumed", "kernel_floor": "assumed",
+        "workspace_bytes": "gpu_h100.md part d", "op_overhead": "unused where host_op is set",
+        **{k: _FIT_SOURCE + (" (the H100's host)" if name != "h100" else "") for k in host},
+    }  # fmt: skip
+    return DeviceProfile(
+        name,
+        matmul,
+        0.9 * hbm,
+        27.5e9 if a100 else 55.1e9,
+        5e-6,
+        sheet,  # the achieved rates and host costs: their own sources
+        workspace_bytes=CUDA_WORKSPACE,
+        intra_node_bandwidth=200e9 if a100 else 370e9,
+        intra_node_latency=3e-6,
+        inter_node_bandwidth=20e9 if a100 else 40e9,
+        inter_node_latency=10e-6,
+        kernel_floor=2e-6,
+        matmul_latency=5e-6,
+        attention_flops={
+            "bfloat16": attention,
+            "float16": attention,
+        },
+        sources=sources,
+        host_op=_H100_FIT["host_op"],
+        checkpoint_block=_H100_FIT["checkpoint_block"],
+        selective_op=_H100_FIT["selective_op"],
+        shard_unit=_H100_FIT["shard_unit"],
+        shard_param=_H100_FIT["shard_param"],
+    )
+
+
 PROFILES = {
-    "h100": DeviceProfile(
-        "h100",
-        {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
-        3.35e12,
-        64e9,
-        5e-6,
-        "NVIDIA H100 SXM data sheet",
-        workspace_bytes=CUDA_WORKSPACE,
-        intra_node_bandwidth=450e9,
-        intra_node_latency=3e-6,
-        inter_node_bandwidth=50e9,
-        inter_node_latency=10e-6,
-    ),
-    "h200": DeviceProfile(
-        "h200",
-        {"float32": 67e12, "bfloat16": 989e12, "float16": 989e12},
-        4.8e12,
-        64e9,
-        5e-6,
-        "NVIDIA H200 SXM data sheet",
-        workspace_bytes=CUDA_WORKSPACE,
-        intra_node_bandwidth=450e9,
-        intra_node_latency=3e-6,
-        inter_node_bandwidth=50e9,
-        inter_node_latency=10e-6,
-    ),
-    "a100": DeviceProfile(
-        "a100",
-        {"float32": 19.5e12, "bfloat16": 312e12, "float16": 312e12},
-        2.039e12,
-        32e9,
-        5e-6,
-        "NVIDIA A100 80GB SXM data sheet",
-        workspace_bytes=CUDA_WORKSPACE,
-        intra_node_bandwidth=300e9,
-        intra_node_latency=3e-6,
-        inter_node_bandwidth=25e9,
-        inter_node_latency=10e-6,
-    ),
+    "h100": _accelerator("h100"),
+    "h200": _accelerator("h200"),
+    "a100": _accelerator("a100"),
     # A modest CPU: the default for a model on a CPU or the meta device, fixed so that plans are
     # the same everywhere (device_profile="calibrated" prices on this machine's measured rates).
     # Its links are gloo over TCP, assumed (not measured): 1 GB/s and 50 us per ring step on one
@@ -294,6 +438,7 @@ PROFILES = {
         1e9,
         10e-6,
         "fixed rates of a modest CPU; 'calibrated' measures this one",
+        sources={"*": "fixed rates of a modest CPU (assumed, the same on every machine)"},
         intra_node_bandwidth=1e9,
         intra_node_latency=50e-6,
         inter_node_bandwidth=1e9,
@@ -313,6 +458,7 @@ class OpCost:
     elements: int = 0  # of its outputs
     largest_output: int = 0  # bytes of its largest output
     scores: int = 0  # attention ops: elements of the b*h*sq*sk score matrix they compute through
+    causal: bool = False  # attention ops called with is_causal: a fused kernel skips the masked half
 
 
 def _sdpa_cpu(query, key, value, *args, out_val=None, **kwargs) -> int:
@@ -373,7 +519,20 @@ def op_cost(func, args, kwargs, out) -> OpCost:
     elements = sum(t.numel() for t in tensors)
     largest = max((t.numel() * t.element_size() for t in tensors), default=0)
     dtype = dtype or out_dtype or torch.float32
-    return OpCost(str(packet), flops, read + written, dtype, elements, largest, _scores(str(packet), args))
+    scores = _scores(str(packet), args)
+    causal = bool(scores) and _is_causal(func, args, kwargs)
+    return OpCost(str(packet), flops, read + written, dtype, elements, largest, scores, causal)
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    """The ``is_causal`` argument of an attention op (False where its schema has none)."""
+    names = [a.name for a in func._schema.arguments]
+    if "is_causal" not in names:
+        return False
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    i = names.index("is_causal")
+    return bool(args[i]) if i < len(args) else False
 
 
 class CostRecorder(TorchDispatchMode):
@@ -406,6 +565,33 @@ class CostRecorder(TorchDispatchMode):
         return [c for _, c in self.ops]
 
 
+# Where the GPU validation commits `memfit calibrate`'s profile of a named device (a checkout of
+# the repository: an installed memfit without it uses the named figures).
+RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
+# The figures a calibration on the device measures (memfit/_plan/_calibrate_device.py); the rest
+# (links, fitted hooks it does not time) stay the named profile's.
+MEASURED = (
+    "flops", "memory_bandwidth", "offload_bandwidth", "matmul_latency", "bandwidth_curve", "attention_flops",
+    "host_op", "kernel_floor", "checkpoint_block", "checkpoint_op",
+)  # fmt: skip
+
+
+def named_profile(name: str, results: Path | None = None) -> DeviceProfile:
+    """The named profile ``name``; where a calibration on that device is committed
+    (``benchmarks/results/profile_<name>.json``) its measured figures replace the named ones, and
+    ``sources`` and ``source`` say which: see [Note: Host and device time]."""
+    base = PROFILES[name]
+    path = (results or RESULTS) / f"profile_{name}.json"
+    if not path.is_file():
+        return base
+    measured = json.loads(path.read_text())
+    fields = {k: measured[k] for k in MEASURED if k in measured}
+    said = f"measured by memfit calibrate ({path.name}: {measured.get('source', '')})"
+    sources = dict(base.sources) | dict.fromkeys(fields, said)
+    source = f"{base.source}; measured rates from {path.name}"
+    return dataclasses.replace(base, **fields, sources=sources, source=source)
+
+
 def default_profile(device: str | torch.device = "cpu") -> DeviceProfile:
     """The profile a plan gets when none is named: the named profile of the device it targets,
     the same on every run (see [Note: The default device profile])."""
@@ -416,11 +602,11 @@ def default_profile(device: str | torch.device = "cpu") -> DeviceProfile:
     name = module.get_device_name(device) if hasattr(module, "get_device_name") else device.type
     for key in ("h200", "h100", "a100"):  # H200 before H100: no name holds both
         if key in name.lower().replace(" ", ""):
-            return PROFILES[key]
+            return named_profile(key)
     raise ValueError(
         f"memfit.plan: no named device profile for {name!r} ({device}); pass device_profile= one of "
         f"{sorted(PROFILES)}, 'calibrated' (measured on this machine by `memfit calibrate`) or a memfit.DeviceProfile"
     )
 
 
-__all__ = ["PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "default_profile"]
+__all__ = ["MEASURED", "PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "default_profile", "named_profile"]
