@@ -24,7 +24,9 @@ from torch import nn
 #     callables fn(module, recurse, nonwrapped_numel) ([Note: Spellings from torch FSDP and
 #     FairScale]): the modules they wrap, run once on the model (resolve).
 # check() refuses anything else with one message naming the argument; a bool is refused apart
-# (True is an int). Each caller keeps what it does with the modules: checkpointing takes the
+# (True is an int). An empty collection selects nothing: sharding takes it as "no units below
+# the root" (empty_ok, as before the policies were joined); checkpointing refuses it, since
+# checkpointing nothing is never what a caller of apply_activation_checkpointing meant. Each caller keeps what it does with the modules: checkpointing takes the
 # outermost selected, sharding makes each a unit bottom-up.
 
 
@@ -58,15 +60,19 @@ def _check_classes(classes, where: str) -> None:
 _COLLECTIONS = (tuple, set, frozenset, list)
 
 
-def check(policy: Any, where: str, arg: str) -> None:
-    """Refuse what no spelling of a module-selection policy is (None: none given)."""
+def check(policy: Any, where: str, arg: str, *, empty_ok: bool = False) -> None:
+    """Refuse what no spelling of a module-selection policy is (None: none given; ``empty_ok``:
+    an empty collection is a policy that selects nothing)."""
     if isinstance(policy, bool):
         raise TypeError(
             f"{where}: {arg} must not be a bool; pass a module class, classes or a callable(module) -> bool"
         )
     if isinstance(policy, int) and policy < 0:
         raise ValueError(f"{where}: {arg}={policy}; an int is a minimum parameter count (>= 0)")
-    if isinstance(policy, _COLLECTIONS) and (not policy or not all(isinstance(c, type) for c in policy)):
+    empty = isinstance(policy, _COLLECTIONS) and not policy
+    if empty and empty_ok:
+        return
+    if isinstance(policy, _COLLECTIONS) and (empty or not all(isinstance(c, type) for c in policy)):
         raise TypeError(
             f"{where}: {arg} must be a module class or a tuple of module classes (or a set, a list), got {policy!r}"
         )
@@ -95,11 +101,17 @@ def resolve(policy: Any, root: nn.Module) -> Any:
 
 
 def predicate(
-    policy: Any, where: str, arg: str, numel: Callable[[nn.Module], int] | None = None
+    policy: Any,
+    where: str,
+    arg: str,
+    numel: Callable[[nn.Module], int] | None = None,
+    *,
+    empty_ok: bool = False,
 ) -> Callable[[nn.Module], bool]:
     """Whether a module is selected by ``policy`` (resolved: see :func:`resolve`); ``numel``:
-    the parameters an int policy counts (default: all of the module's)."""
-    check(policy, where, arg)
+    the parameters an int policy counts (default: all of the module's); ``empty_ok``: see
+    :func:`check`."""
+    check(policy, where, arg, empty_ok=empty_ok)
     if policy is None:
         return lambda m: False
     if isinstance(policy, int):

@@ -59,7 +59,7 @@ def wrap_selector(policy) -> Callable[[nn.Module], bool]:
     def unsharded(m: nn.Module) -> int:
         return sum(p.numel() for p in m.parameters() if sharded_as(p) is None and shard_of(p) is None)
 
-    return predicate(policy, "memfit.FullyShardedDataParallel", "auto_wrap_policy", numel=unsharded)
+    return predicate(policy, "memfit.FullyShardedDataParallel", "auto_wrap_policy", numel=unsharded, empty_ok=True)
 
 
 # -- managed modules and tied parameters ----------------------------------------------------

@@ -159,7 +159,7 @@ class ShardOptions:
                 raise ValueError(f"{where}: device={self.device!r} is not a device (e.g. 'cuda:0', 'cpu')") from None
         object.__setattr__(self, "mixed_precision", mixed_precision_of(self.mixed_precision, where))
         object.__setattr__(self, "ignored_params", _ignored(self.ignored_params, where))
-        check(self.auto_wrap_policy, where, "auto_wrap_policy")
+        check(self.auto_wrap_policy, where, "auto_wrap_policy", empty_ok=True)
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(f"{where}: param_init_fn must be a callable(module), got {self.param_init_fn!r}")
 

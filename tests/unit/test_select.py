@@ -5,7 +5,7 @@ import pytest
 from torch import nn
 
 import memfit
-from memfit._select import check, resolve, select
+from memfit._select import check, predicate, resolve, select
 from memfit._shard._init import wrap_selector
 
 
@@ -63,7 +63,6 @@ def test_checkpointing_and_sharding_select_the_same_modules(policy, expected):
         (-1, ValueError, r"^w: policy=-1; an int is a minimum parameter count"),
         ("Block", TypeError, r"^w: policy must be a module class, a tuple of module classes"),
         ({"Block"}, TypeError, r"^w: policy must be a module class or a tuple of module classes"),
-        ((), TypeError, r"^w: policy must be a module class or a tuple of module classes"),
         ((Block, "x"), TypeError, r"tuple of module classes"),
     ],
 )
@@ -74,3 +73,14 @@ def test_one_refusal_per_bad_policy(policy, error, message):
         memfit.ShardOptions(auto_wrap_policy=policy)
     with pytest.raises(error, match=message.replace("^w: ", "memfit.apply_activation_checkpointing: ")):
         memfit.apply_activation_checkpointing(net(), policy)
+
+
+def test_an_empty_collection_is_no_units_for_sharding_and_refused_for_checkpointing():
+    """Sharding took an empty auto_wrap_policy as "no units below the root" before the policies
+    were joined (HF models whose layer class list is empty rely on it); checkpointing refused it."""
+    for empty in ((), set(), []):
+        assert memfit.ShardOptions(auto_wrap_policy=empty).auto_wrap_policy == empty
+        unit = predicate(empty, "w", "policy", empty_ok=True)
+        assert [n for n, m in net().named_modules() if unit(m)] == []
+        with pytest.raises(TypeError, match=r"^memfit.apply_activation_checkpointing: policy must be a module class"):
+            memfit.apply_activation_checkpointing(net(), empty)
