@@ -41,6 +41,8 @@ def test_smoke_runs_every_part(tmp_path):
             f"{k}: {v}" for k, v in errors.items()
         )
         assert part["markdown"] and f"## {letter}. {part['title']}" in markdown
+    fixtures = {p.name.split("-")[0] for p in (tmp_path / "fixtures").glob("ops_*_cpu.json")}
+    assert fixtures == {"ops_b", "ops_c"}, fixtures  # the op streams of parts b and c, per configuration
     # What the CPU can show holds here too: parity, the race probe, syncs, resume.
     for letter in ("a", "f"):
         missed = [g for g in report["parts"][letter]["goals"] if not g["passed"]]
