@@ -1,7 +1,7 @@
 """The GPU validation of memfit in one entry point: correctness, the seed's BERT-large table,
 sharding, the planner against the allocator, offload and the CLI, on one H100/H200.
 
-    PYTHONPATH=. python3 -m benchmarks.gpu --out DIR [--parts a,b,c,d,e,f,g] [--smoke]
+    PYTHONPATH=. python3 -m benchmarks.gpu --time-budget 540 [--out DIR] [--parts adfbcighe] [--smoke]
 
 Parts (each a function ``run(env) -> dict`` of figures and checks; docs/gpu-validation.md
 says what each measures and its goal):
@@ -13,6 +13,11 @@ says what each measures and its goal):
     e  offload       benchmarks/gpu/offload.py
     f  train         benchmarks/gpu/train.py
     g  autoconfig    benchmarks/gpu/autoconfig.py
+    h  two_ranks     benchmarks/gpu/two_ranks.py
+    i  calibrate     benchmarks/gpu/calibrate.py
+
+``--time-budget`` plans the parts to fit (most valuable first: __main__.PRIORITY) and prints
+the plan before it starts; a second call with the same ``--out`` runs what the first left.
 
 It writes ``gpu_<device>.json`` (every figure) and ``gpu_<device>.md`` into ``--out`` after
 each part, merging with what an earlier call of the same device wrote there, so a run cut at

@@ -104,8 +104,14 @@ def measure(strategy: str, base, env: Env, batch: dict, dtype: torch.dtype, budg
         peaks = env.allocator_peaks(step) if env.cuda else {"max_allocated": None, "max_reserved": None}
         with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
             step()
+        from benchmarks.gpu.sharding import profile_step  # the diagnosis: busy share, host time, op fixture
+
+        label = "fp32" if dtype == torch.float32 else "bf16"
+        prof = profile_step(env, step, f"b-{label}-{strategy.replace(' ', '_')}")
+    diagnosis = {**prof, "busy_share": prof["kernel_us"] / 1e6 / seconds, "host_share": prof["host_us"] / 1e6 / seconds}
     return {
         **peaks,
+        **diagnosis,
         "meter_peak": meter.peak_bytes,
         "kept_after_forward": kept[0] if env.cuda else None,
         "step_s": seconds,

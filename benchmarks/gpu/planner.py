@@ -6,10 +6,14 @@ the smallest budget the planner fits to its forecast of keeping every activation
 budget has a plan; each is also given as a share of P):
 ``memfit.plan(model, batch, budget=B)`` (profiled once, re-planned from that profile), the
 plan applied to a fresh copy, and one warm step run under
-``torch.cuda.set_per_process_memory_fraction(B / total)`` (so the allocator refuses to go past
-the budget), with expandable segments as ``memfit train`` sets them; the forecast against
-max_memory_allocated of a later step. Goal: within 5% and no
-out-of-memory (a budget no plan fits is reported with the planner's smallest budget, not run).
+``torch.cuda.set_per_process_memory_fraction((B + S) / total)``, with expandable segments as
+``memfit train`` sets them; the forecast against max_memory_allocated of a later step, judged
+for every budget. The budget is of *allocated* bytes, as the forecast is: S is the cache the
+allocator held beyond its allocated peak on the plain step (bytes no tensor can use; the first
+H100 run had 21-143 MiB of headroom against 172 MiB of it, so a cap on reserved bytes at B ran
+out of memory at every budget). Goals per budget: the forecast within 5% and not below the
+measurement, the allocated peak within B, no out-of-memory (a budget no plan fits is reported
+with the planner's smallest budget, not run).
 
 MemoryMeter vs the allocator on the plain step: the meter counts live tensor storage; the
 allocator's peak adds its 512-byte rounding, blocks split from larger segments, and kernel
@@ -76,6 +80,8 @@ def run(env: Env) -> dict:
     plain |= {"smallest_budget": low, "keep_forecast": high}
     plans = {}
     total = torch.cuda.get_device_properties(env.device).total_memory if env.cuda else None
+    slack = max(0, (plain["allocator_reserved_peak"] or 0) - (plain["allocator_peak"] or 0))
+    plain["cache_slack"] = slack  # reserved beyond allocated on the plain step: not the plan's bytes
     if env.cuda:  # as memfit train runs: cached blocks a step cannot reuse stay small
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         env.free()
@@ -97,7 +103,7 @@ def run(env: Env) -> dict:
             plan.apply(model)
             step, opt = stepper(model)
             if env.cuda:
-                torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), env.device)
+                torch.cuda.set_per_process_memory_fraction(min(1.0, (budget + slack) / total), env.device)
             try:
                 step()  # AdamW's state exists from here on
                 if env.cuda:
@@ -114,11 +120,12 @@ def run(env: Env) -> dict:
             finally:
                 if env.cuda:
                     torch.cuda.set_per_process_memory_fraction(1.0, env.device)
+        if row.get("measured") is not None:  # judged per budget (the first run judged only the last)
+            row["error"] = (row["measured"] - row["predicted_peak"]) / row["predicted_peak"]
+            row["within_budget"] = row["measured"] <= budget
     if env.cuda:
         torch.cuda.memory._set_allocator_settings("expandable_segments:False")
         env.free()
-        if "measured" in row:
-            row["error"] = (row["measured"] - row["predicted_peak"]) / row["predicted_peak"]
     fitted = sum("no_fit" not in row for row in plans.values())
     goals = [
         goal("budgets with a plan", fitted, f"{len(FRACTIONS)} (each above the smallest)", fitted == len(FRACTIONS))
@@ -147,6 +154,9 @@ def run(env: Env) -> dict:
         )
         err = row.get("error")
         goals.append(goal(f"{name}: no OOM under the budget", None, "no OOM", not row["oom"]))
+        if "within_budget" in row:
+            within = row["within_budget"]
+            goals.append(goal(f"{name}: allocated peak within the budget", row["measured"], "<= budget", within))
         if err is not None:
             goals.append(goal(f"{name}: forecast error", err, "|error| <= 0.05", abs(err) <= 0.05))
             goals.append(goal(f"{name}: forecast not below measured", err, "<= 0", err <= 0))

@@ -50,7 +50,31 @@ def wrap(strategy: str, model: torch.nn.Module, layer: type, bf16: bool) -> torc
     return fully_shard(model, mp_policy=policy)
 
 
-def profile_step(env: Env, step) -> dict:
+def op_fixture(prof, tag: str, env: Env) -> dict:
+    """The aten op stream one profiled step ran (names, in order of start) and per op class its
+    host time and its kernels' device time (microseconds), as a fixture CPU tests can compare
+    the planner's traced stream with: written to ``<out>/fixtures/ops_<tag>_<device>.json``."""
+    import json
+
+    from benchmarks.gpu._env import device_name
+
+    aten = sorted((e for e in prof.events() if e.name.startswith("aten::")), key=lambda e: e.time_range.start)
+    by_class = {}
+    for a in prof.key_averages():
+        if a.key.startswith("aten::"):
+            device_us = getattr(a, "self_device_time_total", None)
+            if device_us is None:
+                device_us = getattr(a, "self_cuda_time_total", 0)
+            by_class[a.key] = {"count": a.count, "host_us": a.self_cpu_time_total, "kernel_us": device_us}
+    fixture = {"tag": tag, "device": device_name(env.device), "ops": [e.name for e in aten], "by_class": by_class}
+    path = env.out / "fixtures" / f"ops_{tag}_{device_name(env.device)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(fixture, indent=0))
+    host_us = sum(c["host_us"] for c in by_class.values())
+    return {"fixture": str(path.relative_to(env.out)), "ops": len(aten), "host_us": host_us}
+
+
+def profile_step(env: Env, step, tag: str | None = None) -> dict:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -67,7 +91,10 @@ def profile_step(env: Env, step) -> dict:
         kernels = [e for e in events if e.name.startswith("aten::")]
         busy = 0
     syncs = sum(1 for e in events if e.name in SYNC_CALLS)
-    return {"kernels": len(kernels), "sync_calls": syncs, "kernel_us": busy}
+    out = {"kernels": len(kernels), "sync_calls": syncs, "kernel_us": busy}
+    if tag is not None and env.out is not None:
+        out |= op_fixture(prof, tag, env)
+    return out
 
 
 def measure(env: Env, preset: Preset, strategy: str, bf16: bool, base: torch.nn.Module, batch: dict) -> dict:
@@ -85,7 +112,8 @@ def measure(env: Env, preset: Preset, strategy: str, bf16: bool, base: torch.nn.
     warmup, repeats = (0, 1) if env.smoke else (2, 5)
     seconds = env.median_time(step, warmup, repeats)
     peaks = env.allocator_peaks(step) if env.cuda else {"max_allocated": None, "max_reserved": None}
-    prof = profile_step(env, step)
+    tag = f"c-{preset.arch}-{'bf16' if bf16 else 'fp32'}-{strategy.replace(' ', '_')}"
+    prof = profile_step(env, step, tag)
     units = sum(1 for m in model.modules() if isinstance(m, preset.layer_class())) + 1
     return {"step_s": seconds, **peaks, **prof, "units": units, "busy_share": prof["kernel_us"] / 1e6 / seconds}
 

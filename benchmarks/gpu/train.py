@@ -1,8 +1,10 @@
-"""Part f: ``memfit train --device cuda --steps 20`` on the gpt2-small preset (smoke: the tiny
-gpt2 preset on the CPU), resumed once.
+"""Part f: ``memfit train --device cuda --steps 20 --async-save`` on the gpt2-small preset
+(smoke: the tiny gpt2 preset on the CPU), resumed once.
 
-Run 1 trains 20 steps, saving at steps 10 and 20. The step-20 checkpoint is then deleted and
-run 2 resumes from step 10 to 20. Goals: both exit 0, run 2 logs steps 11-20, and its losses
+Run 1 trains 20 steps, saving at steps 10 and 20 in the background (``--async-save``: the
+path the first run never took, where the staged host copy went back to the GPU). The step-20
+checkpoint is then deleted and run 2 resumes from step 10 to 20. Goals: both exit 0, run 2 logs
+steps 11-20, and its losses
 match run 1's (bitwise reported; goal: relative 1e-5, since some CUDA kernels, such as the
 embedding's backward, accumulate in a nondeterministic order) and final parameter digests
 are reported.
@@ -43,7 +45,7 @@ def run(env: Env) -> dict:
     half = steps // 2
     with tempfile.TemporaryDirectory(prefix="memfit-gpu-train-") as tmp:
         ck = Path(tmp) / "ck"
-        common = ["--steps", str(steps), "--checkpoint-dir", str(ck), "--save-every", str(half)]
+        common = ["--steps", str(steps), "--checkpoint-dir", str(ck), "--save-every", str(half), "--async-save"]
         rc1, out1 = memfit_train(env, *common, "--json", f"{tmp}/whole.json")
         shutil.rmtree(ck / f"step-{steps:08d}", ignore_errors=True)
         rc2, out2 = memfit_train(env, *common, "--resume", "--json", f"{tmp}/rest.json")
@@ -75,7 +77,7 @@ def run(env: Env) -> dict:
     ]
     md = [
         f"- `memfit train --model {'gpt2 (tiny)' if env.smoke else 'gpt2-small --batch 8'} --device "
-        f"{env.device.type} --steps {steps}` saved at {half} and {steps}; resumed from {half}: exit codes "
+        f"{env.device.type} --steps {steps} --async-save` saved at {half} and {steps}; resumed from {half}: exit codes "
         f"{rc1}, {rc2}; losses bitwise {figures['bitwise_losses']}, max relative difference {worst}; "
         f"parameter digests equal: {figures['params_sha256'][0] == figures['params_sha256'][1]}",
     ]

@@ -36,8 +36,11 @@ from memfit._instrument import HOOKS
 # - Size of the pool: when no buffer is in use (a backward has let every copy go), the pool
 #   keeps the most bytes it has had in use at once (what one step offloads) and releases the
 #   least recently used free buffers above that: a step with other shapes than the one before
-#   leaves the pool at its own size, if it is the larger. Releasing waits (on the host) for
-#   the side stream's copies first: one may still read the buffer.
+#   leaves the pool at its own size, if it is the larger. That happens inside backward, so the
+#   host does not wait there for the side stream's copies (one may still read a buffer): the
+#   buffers to release go aside with an event the side stream records, and are released
+#   (unlocked, their pages freed) once it has happened, as a later take or give of the pool
+#   finds by querying it (no host wait); a pool that is collected waits for them.
 # - Exact sizes are reused only by copies of the same size class: shapes that change every step
 #   (unbucketed sequence lengths) allocate and release buffers every step. Disk offload's
 #   staging takes the smallest free buffer that holds its bytes.
@@ -144,12 +147,15 @@ class PinnedPool:
         self.most = 0  # the most bytes in use at once so far: what an idle pool keeps
         self.clock = itertools.count()
         self.register = streams.accel and streams.device.type == "cuda"  # False once CUDA refused
-        weakref.finalize(self, _release_all, streams, self.free, self.locked).atexit = False
+        self.retiring: list[tuple[object, list[torch.Tensor]]] = []  # (side event, buffers to release after it)
+        weakref.finalize(self, _release_all, streams, self.free, self.locked, self.retiring).atexit = False
 
     def take(self, nbytes: int, name: str, at_least: bool = False) -> torch.Tensor:
         """A uint8 buffer of ``nbytes`` rounded up to ALIGN (``at_least``: or the smallest free
         one that holds them), noted as ``name`` allocated on the side stream."""
         size = -(-nbytes // ALIGN) * ALIGN
+        if self.retiring:
+            self._reap()
         if at_least:
             size = min((s for s, bufs in self.free.items() if s >= size and bufs), default=size)
         bufs = self.free.get(size)
@@ -180,7 +186,20 @@ class PinnedPool:
                     break
                 drop.append(self.free[size].pop(0)[1])  # a size's buffers are in the order given back
                 self.held -= size
-            _release(self.streams, drop, self.locked)
+            if drop:  # released once the side stream's copies are done, without a host wait
+                self.retiring.append((self.streams.record("side"), drop))
+        if self.retiring:
+            self._reap()
+
+    def _reap(self) -> None:
+        """Release the retiring buffers whose side stream event has happened (queried: no wait)."""
+        keep = []
+        for event, raws in self.retiring:
+            if isinstance(event, _HostDone) or event.query():  # type: ignore[attr-defined]
+                _release_now(raws, self.locked)
+            else:  # pragma: no cover (needs an accelerator)
+                keep.append((event, raws))
+        self.retiring[:] = keep
 
     def _new(self, size: int) -> torch.Tensor:
         if not self.streams.accel:
@@ -215,11 +234,16 @@ def _clear_cuda_error() -> None:  # pragma: no cover (needs CUDA)
 
 
 def _release(streams: Streams, raws: list[torch.Tensor], locked: set[int]) -> None:
-    """Let buffers go: after the side stream's copies (one may still read them), unlock them."""
+    """Let buffers go: after the side stream's copies (the host waits: one may still read them)."""
     if not raws:
         return
-    STATS.pinned_bytes -= sum(r.numel() for r in raws)
     streams.after("host", "side")
+    _release_now(raws, locked)
+
+
+def _release_now(raws: list[torch.Tensor], locked: set[int]) -> None:
+    """Let buffers go that no copy reads any more: unlock them, drop them from the gauge."""
+    STATS.pinned_bytes -= sum(r.numel() for r in raws)
     for raw in raws:
         if raw.data_ptr() in locked:  # pragma: no cover (needs CUDA)
             locked.discard(raw.data_ptr())
@@ -227,6 +251,12 @@ def _release(streams: Streams, raws: list[torch.Tensor], locked: set[int]) -> No
                 _clear_cuda_error()
 
 
-def _release_all(streams: Streams, free: dict[int, list[tuple[int, torch.Tensor]]], locked: set[int]) -> None:
+def _release_all(
+    streams: Streams,
+    free: dict[int, list[tuple[int, torch.Tensor]]],
+    locked: set[int],
+    retiring: list[tuple[object, list[torch.Tensor]]],
+) -> None:
     """A pool's finalizer (its buffers are all free: every user holds the pool)."""
-    _release(streams, [raw for bufs in free.values() for _, raw in bufs], locked)
+    raws = [raw for bufs in free.values() for _, raw in bufs] + [raw for _, later in retiring for raw in later]
+    _release(streams, raws, locked)

@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from memfit._shard._device import pinning
+
 __all__ = ["SAVES", "SaveFuture", "Saves"]
 
 # [Note: Asynchronous checkpoints]
@@ -35,8 +37,9 @@ __all__ = ["SAVES", "SaveFuture", "Saves"]
 # - What survives a kill or a failure is what survives a synchronous save: the write goes to
 #   a temporary directory swapped in only when whole (See [Note: Atomic directory
 #   replacement]); until then the previous checkpoint is the newest whole one.
-# Only the staging's device path (pinned buffers, non-blocking copies) needs an accelerator to
-# run; everything else is tested on the CPU.
+# Only the staging's device path (pinned buffers, non-blocking copies, the event) needs an
+# accelerator to run; where the staged tensors live is tested on the meta test device
+# (tests/unit/test_device_harness.py), everything else on the CPU.
 
 
 class SaveFuture(concurrent.futures.Future):
@@ -63,6 +66,7 @@ class Saves:
         self._path = ""
         self._groups: dict[tuple[int, ...], Any] = {}  # model group's ranks -> the writer's gloo group
         self._buffers: dict[str, torch.Tensor] = {}  # state key -> host buffer of the last staging
+        self._staged: list[Any] = []  # events after the last staging's copies, one per device
 
     def wait(self) -> None:
         """Wait for the save in flight, if any; raise its error if it failed."""
@@ -88,23 +92,22 @@ class Saves:
         return self._groups[ranks]
 
     def stage(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A copy of ``state`` in host memory: tensors copied into reused (pinned) buffers."""
+        """A copy of ``state`` in host memory: tensors copied into reused (pinned) buffers,
+        without waiting for the copies (the writer does: :meth:`submit`)."""
         out: dict[str, Any] = {}
         devices = set()
         for key, v in state.items():
             if isinstance(v, DTensor):
-                local = self._copy(key, v.to_local())
-                out[key] = DTensor.from_local(
-                    local, v.device_mesh, v.placements, shape=v.shape, stride=v.stride(), run_check=False
-                )
-                devices.add(v.to_local().device)
+                local = v.to_local()
+                # the spec around the host copy, not from_local (it moves it to the mesh's device)
+                out[key] = DTensor(self._copy(key, local), v._spec, requires_grad=False)
+                devices.add(local.device)
             elif torch.is_tensor(v):
                 out[key] = self._copy(key, v)
                 devices.add(v.device)
             else:
                 out[key] = v
-        for device in devices - {torch.device("cpu")}:  # pragma: no cover (needs an accelerator)
-            torch.get_device_module(device.type).synchronize(device)
+        self._staged = [_copied(device) for device in devices - {torch.device("cpu"), torch.device("meta")}]
         for key in set(self._buffers) - set(state):
             del self._buffers[key]
         return out
@@ -112,9 +115,11 @@ class Saves:
     def _copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or buf.stride() != t.stride():
-            pin = t.device.type != "cpu"
+            pin = t.device.type != "cpu" and pinning()
             buf = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu", pin_memory=pin)
             self._buffers[key] = buf
+        if t.is_meta:  # the meta test device holds no values (See [Note: Devices and the meta test device])
+            return buf
         return buf.copy_(t.detach(), non_blocking=True)
 
     def submit(self, path: str, write: Callable[[], None]) -> SaveFuture:
@@ -123,9 +128,12 @@ class Saves:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memfit-save")
         future = SaveFuture()
         future.set_running_or_notify_cancel()
+        staged, self._staged = self._staged, []
 
         def run() -> None:
             try:
+                for event in staged:  # pragma: no cover (needs an accelerator)
+                    event.synchronize()  # the staging's copies have landed
                 write()
             except BaseException as e:
                 future.set_exception(e)
@@ -135,6 +143,13 @@ class Saves:
         self._path, self._future = path, future
         self._executor.submit(run)
         return future
+
+
+def _copied(device: torch.device) -> Any:  # pragma: no cover (needs an accelerator)
+    """An event after the copies queued so far on ``device``'s current stream."""
+    event = torch.Event(device=device)
+    event.record()
+    return event
 
 
 SAVES = Saves()  # process-wide: at most one save in flight per process, whatever the model

@@ -4,6 +4,7 @@ ranks that diverged, and parameters no rank produced a gradient for.
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,11 +42,18 @@ if TYPE_CHECKING:
 # only if the device is still more than a step behind (a host that far ahead was already
 # waiting on something else); a divergence then fails within two steps, naming the unit and
 # the rank as before. With one data-parallel rank nothing is recorded (no rank to diverge
-# from; See [Note: One rank computes on its shards]). The
-# one exception is a parameter that got no gradient on this rank: whether another rank gave it
-# one (then its shard keeps the sum) or none did (then its .grad goes back to None, before the
-# optimizer can see a zero) is only known from the flags, so that step reads them at the end of
-# backward. Either way a step reads the device once.
+# from; See [Note: One rank computes on its shards]).
+# A parameter that got no gradient on this rank: whether another rank gave it one (then its
+# shard keeps the sum) or none did (then its .grad goes back to None, before the optimizer can
+# see a zero) is only known from the flags. The first step in which this rank lacks a given set
+# of gradients reads them at the end of backward (one host sync) and remembers, for that set,
+# which of them no rank had; a later step lacking the same set applies that outcome at once and
+# reads the flags off the backward as any step does, checking the outcome. Models whose unused
+# parameters are the same every step (a pooler no loss reads, a frozen branch) then never wait
+# for the device after the first step. If the check finds the outcome changed (ranks whose
+# unused parameters change from step to step), the step it was applied to let the optimizer
+# see a zero gradient or lose one: memfit warns, naming the parameter, and from then on reads
+# at the end of every backward that lacks a gradient. Either way a step reads the device once.
 
 
 class StepChecks:
@@ -61,6 +69,10 @@ class StepChecks:
         # Reads started at the end of backwards, oldest first: (gathers, reduces, host values
         # or the meta tensor, the copy's event or None); read at the next settles.
         self._started: list[tuple[list, list, torch.Tensor, Any]] = []
+        # set of parameters this rank lacked -> those of them no rank had, learned from a read
+        self._outcomes: dict[frozenset, frozenset] = {}
+        self._guessed: list[tuple[frozenset, frozenset]] = []  # per started read: the outcome it applied
+        self._guessing = True  # False once an applied outcome was wrong: read at once again
 
     def gathered(self, unit: UnitRef, ids: torch.Tensor) -> None:
         """Check later that every rank sent ``unit``'s index (``ids``: one value per rank)."""
@@ -91,18 +103,27 @@ class StepChecks:
         if not self._gathers and not self._reduces:
             return
         parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
+        lacked = frozenset(sp for sp in self._fresh if sp in self._lacking)
         values = _read(_packed(parts), parts)
-        self._check(values)
+        unused = self._check(values)
+        if lacked and unused is not None:
+            self._outcomes[lacked] = unused & lacked
 
     def settle_later(self) -> None:
         """The end of backward: start reading what was recorded, without waiting; the next
         :meth:`settle` finishes the read. At once (:meth:`settle`) when debugging, or when a
-        gradient this step created may belong to no rank (See [Note: Divergence detection])."""
+        gradient this step created may belong to no rank and no earlier read says whether one
+        does (See [Note: Divergence detection])."""
         self._finish_started(keep=1)  # at most two reads in flight
         if not self._gathers and not self._reduces:
             return
-        if self.debug or any(sp in self._lacking for sp in self._fresh):
+        lacked = frozenset(sp for sp in self._fresh if sp in self._lacking)
+        guess = self._outcomes.get(lacked) if self._guessing else None
+        if self.debug or (lacked and guess is None):
             return self.settle()
+        for sp in guess or ():
+            if sp.sharded.grad is self._fresh[sp]:
+                sp.sharded.grad = None  # no rank had one, as the earlier read found
         parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
         flat = _packed(parts)
         if flat.device.type in ("cpu", "meta"):  # nothing crosses (the meta test device: nothing to read)
@@ -116,6 +137,7 @@ class StepChecks:
         # hold the whole output (the gradient shards, after zero_grad) until the copy lands
         reduces = [(u, params, _stand_in(tail), exact) for u, params, tail, exact in self._reduces]
         self._started.append((self._gathers, reduces, host, event))
+        self._guessed.append((lacked, guess or frozenset()))
         self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()
 
     def _finish_started(self, keep: int = 0) -> None:
@@ -128,24 +150,46 @@ class StepChecks:
             if not landed and len(self._started) <= keep:
                 return  # still in flight: read at a later settle
             self._started.pop(0)
+            lacked, guess = self._guessed.pop(0) if self._guessed else (frozenset(), frozenset())
             if not landed:
                 event.synchronize()
-            self._read_started(gathers, reduces, host)
+            unused = self._read_started(gathers, reduces, host)
+            if unused is not None and unused & lacked != guess:
+                self._wrong_outcome(lacked, guess, unused & lacked)
 
-    def _read_started(self, gathers: list, reduces: list, host: torch.Tensor) -> None:
+    def _wrong_outcome(self, lacked: frozenset, guess: frozenset, unused: frozenset) -> None:
+        """An outcome applied from an earlier read was wrong: warn, and read at once from now on."""
+        self._outcomes.clear()
+        self._guessing = False
+        dropped = sorted(sp.fqn for sp in guess - unused)
+        zeroed = sorted(sp.fqn for sp in unused - guess)
+        warnings.warn(
+            f"memfit sharding: rank {self.rank} lacked gradients of {sorted(sp.fqn for sp in lacked)} as in an "
+            f"earlier step, but which of them no rank had changed: the optimizer step after that backward "
+            + (f"dropped the gradients other ranks gave {dropped} " if dropped else "")
+            + (f"saw zero gradients for {zeroed} (none of the ranks had one) " if zeroed else "")
+            + "(See [Note: Divergence detection]). memfit now reads the flags at the end of every backward in "
+            "which this rank lacks a gradient (one host sync); to avoid both, make every rank use the same "
+            "parameters each step",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _read_started(self, gathers: list, reduces: list, host: torch.Tensor) -> frozenset | None:
         mine = (self._gathers, self._reduces, self._fresh, self._lacking)
         self._gathers, self._reduces, self._fresh, self._lacking = gathers, reduces, {}, set()
         parts = [ids.reshape(-1) for _, ids in gathers] + [tail for *_, tail, _ in reduces]
         try:
-            self._check(_read(host, parts))
+            return self._check(_read(host, parts))
         finally:
             self._gathers, self._reduces, self._fresh, self._lacking = mine
 
-    def _check(self, values: list[float] | None) -> None:
-        """Check ``values`` (the recorded parts' values, None on the meta test device) and clear."""
+    def _check(self, values: list[float] | None) -> frozenset | None:
+        """Check ``values`` (the recorded parts' values, None on the meta test device) and clear;
+        the recorded parameters no rank had a gradient for (None: no values)."""
         if values is None:  # the meta test device holds no values (See [Note: Devices and the meta test device])
             self._clear()
-            return
+            return None
         pos = 0
         for unit, ids in self._gathers:
             got = values[pos : pos + ids.numel()]
@@ -157,6 +201,7 @@ class StepChecks:
                     f"sent units {[int(v) for v in got]}: ranks diverged (one skipped or reordered a forward)."
                 )
         used: set[ShardedParam] = set()
+        unused: set[ShardedParam] = set()
         for unit, params, tail, exact in self._reduces:
             flags, checks = values[pos : pos + len(params)], values[pos + len(params) : pos + tail.numel()]
             pos += tail.numel()
@@ -169,10 +214,12 @@ class StepChecks:
                     "or backward)."
                 )
             used.update(sp for sp, f in zip(params, flags) if f > 0)
+            unused.update(sp for sp, f in zip(params, flags) if f <= 0)
         for sp, grad in self._fresh.items():
             if sp not in used and sp.sharded.grad is grad:
                 sp.sharded.grad = None  # no rank produced one: as in single-process training
         self._clear()
+        return frozenset(unused)
 
     def _clear(self) -> None:
         self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()

@@ -22,8 +22,8 @@ import torch.distributed as dist
 # staging buffer and copied to the device in one non-blocking copy on the gather stream;
 # after a reduce-scatter the reduced gradients come back in one non-blocking copy into pinned
 # memory on the reduce stream, and the host waits for the last of those copies once, at the
-# end of backward, before the optimizer (on the host) reads them (FSDP2 does the same; when a
-# gradient accumulates into an existing one the host waits before adding). Unlike FSDP2, which
+# end of backward, before the optimizer (on the host) reads them (FSDP2 does the same; a gradient
+# that accumulates into an existing one is added on the host after that one wait). Unlike FSDP2, which
 # copies each pinned chunk to the device on its own (a launch per parameter), the chunks stay
 # pageable and the host packs them (one memcpy, casting to the wire dtype) so that one copy
 # crosses; keeping the chunks as views of one pinned buffer per unit would save that memcpy too.

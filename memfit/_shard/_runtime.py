@@ -67,6 +67,9 @@ class RootState:
         # (name, buffer) reduce outputs a hybrid unit's all-reduce stream used and no gradient
         # views, freed at the end of backward (See [Note: Releasing the reduce output])
         self.outputs_held: list[tuple[str, torch.Tensor]] = []
+        # (old gradient shards in host memory, the reduced gradients copied beside them): added
+        # after the end of backward's one host wait (See [Note: Devices and the meta test device])
+        self.host_adds: list[tuple[list[torch.Tensor], list[torch.Tensor]]] = []
 
     def next_in_forward(self, unit: Unit) -> Unit | None:
         if not self.order_done or unit not in self.forward_order:
@@ -199,6 +202,14 @@ class RootState:
             unit.grad_sync = GradSync.ACCUMULATED  # full gradients wait for the next synced backward
         unit.training_state = TrainingState.REDUCED
 
+    def add_on_host(self) -> None:
+        """Wait once for the copies to the host (offloaded gradients are in host memory before
+        the optimizer reads them), then add those that accumulate into existing shards' gradients."""
+        wait_host_copies()
+        for olds, news in self.host_adds:
+            torch._foreach_add_(olds, news)
+        self.host_adds.clear()
+
     def finish_pending_reduce(self) -> None:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
@@ -241,7 +252,7 @@ class RootState:
                 unit.grad_sync = GradSync.SYNC
         self.callback_queued = False
         _IN_FLIGHT.discard(self)
-        wait_host_copies()  # offloaded gradients are in host memory before the optimizer reads them
+        self.add_on_host()
         self.checks.settle_later()  # read at the next root forward (See [Note: Divergence detection])
 
 

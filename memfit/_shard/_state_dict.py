@@ -7,8 +7,10 @@ from typing import cast
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Shard
+from torch.distributed.tensor import DTensor, Partial, Placement, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from memfit._shard._device import moved
 from memfit._shard._param import ShardedParam
 from memfit._shard._unit import Unit
 
@@ -29,6 +31,12 @@ __all__ = ["install_state_dict_hooks"]
 # they are the live variables, for code that must reach them (memfit's checkpoint files).
 # `load_state_dict` takes DTensors (any Shard(0) layout), or full tensors shaped like the
 # parameter (each rank keeps its rows); a plain tensor shaped like a chunk is refused.
+# Offloaded shards (`offload="cpu"`) keep their host chunk as the local part, on a mesh of the
+# device the unit computes on (as FSDP2's offloaded DTensors are): a CPU mesh over an NCCL
+# group would send host tensors into NCCL. `full_tensor()` of such a DTensor needs its local
+# part on the mesh's device first (`load_state_dict` moves it there when it must reshard;
+# torch.distributed.checkpoint reads the local part as it is). Tested on the meta test device
+# (tests/unit/test_device_harness.py); NCCL itself needs 2 GPUs.
 
 
 def install_state_dict_hooks(module: nn.Module) -> None:
@@ -56,14 +64,34 @@ def _mesh(unit: Unit, device: torch.device) -> DeviceMesh:
 
 
 def as_dtensor(sp: ShardedParam, unit: Unit, local: torch.Tensor) -> DTensor:
-    """The DTensor whose local part on this rank is ``local``, the chunk of ``sp``."""
-    mesh = _mesh(unit, local.device)
+    """The DTensor whose local part on this rank is ``local``, the chunk of ``sp``, on a mesh
+    of the unit's compute device (the full parameter's), wherever ``local`` lives."""
+    compute = sp.full.device
+    mesh = _mesh(unit, compute)
     if len(sp.shape) == 0:  # one row: rank 0 holds it, the others add zero
         value = local.reshape(()) if local.numel() else torch.zeros((), dtype=local.dtype, device=local.device)
-        return DTensor.from_local(value, mesh, [Partial("sum")], run_check=False)
-    return DTensor.from_local(
-        local, mesh, [Shard(0)], run_check=False, shape=sp.shape, stride=torch.empty(sp.shape, device="meta").stride()
-    )
+        placements: list[Placement] = [Partial("sum")]
+        shape = torch.Size(())
+    else:
+        value, placements, shape = local, [Shard(0)], torch.Size(sp.shape)
+    stride = torch.empty(shape, device="meta").stride()
+    if value.device.type == compute.type:
+        return DTensor.from_local(value, mesh, placements, run_check=False, shape=shape, stride=stride)
+    # from_local would move a host chunk to the mesh's device: the spec goes around it as it is
+    spec = DTensorSpec(mesh, tuple(placements), TensorMeta(shape, stride, value.dtype))
+    return DTensor(value, spec, requires_grad=False)
+
+
+def _full(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, its local part first moved to the mesh's device (an offloaded
+    shard's host chunk: See [Note: state_dict of a sharded model])."""
+    local = value.to_local()
+    if local.device.type != value.device_mesh.device_type:
+        device = torch.device(value.device_mesh.device_type)
+        if device.type != "meta" and hasattr(torch, device.type):
+            device = torch.device(device.type, torch.get_device_module(device.type).current_device())
+        value = DTensor(moved(local, device), value._spec, requires_grad=False)
+    return value.full_tensor()
 
 
 def _to_dtensors(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -81,7 +109,7 @@ def _from_dtensors_or_full(
     unit = cast(Unit, module._memfit_unit)
     for key, _ in _keys(module, unit, prefix, full=True):
         if isinstance(state_dict.get(key), DTensor):
-            state_dict[key] = state_dict[key].full_tensor()
+            state_dict[key] = _full(state_dict[key])
     for key, sp in _keys(module, unit, prefix):
         value = state_dict.get(key)
         if value is None:
@@ -91,7 +119,7 @@ def _from_dtensors_or_full(
             if same and tuple(value.to_local().shape) == tuple(sp.sharded.shape):
                 state_dict[key] = value.to_local()
                 continue
-            value = value.full_tensor()
+            value = _full(value)
         if tuple(value.shape) != tuple(sp.shape):
             chunk = tuple(value.shape) == tuple(sp.sharded.shape)
             errors.append(

@@ -9,6 +9,7 @@ tested on: the CPU tests check the same sequence of waits and records through th
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import torch
@@ -56,36 +57,59 @@ from memfit._instrument import HOOKS
 # forecasts, measured on the CPU, follow the CUDA lifetimes ([Note: Sharded forecasts]).
 
 
-class Streams:
-    """The compute, gather, reduce and all-reduce streams of one root (CUDA), or no-ops (CPU)."""
+# The compute stream is the stream current when the work is queued, looked up at each use
+# (FSDP2 likewise reads `current_stream()` per call), not the one current when the root was
+# set up: a step run under `torch.cuda.stream(s)` (a second model's step, CUDA graphs' capture
+# stream, a framework's own stream) has its forward and backward on `s`, and the side streams
+# must wait for `s`. Inside `on(side)` the current stream is the side stream, so a use of
+# "compute" there means the stream current when `on` was entered (per thread: autograd runs
+# backward on its own threads, with the forward ops' streams current).
 
-    def __init__(self, device: torch.device) -> None:
+
+class Streams:
+    """The compute, gather, reduce and all-reduce streams of one root (CUDA), or no-ops (CPU).
+    ``api``: the CUDA module (tests pass a stand-in with its stream and event calls)."""
+
+    def __init__(self, device: torch.device, api=None) -> None:
         self.cuda = device.type == "cuda"
-        if self.cuda:  # pragma: no cover (needs a GPU)
-            compute = torch.cuda.current_stream(device)
-            high = torch.cuda.Stream.priority_range()[1]  # type: ignore[call-arg]  # collectives first, as FSDP2 does
+        self.device = device
+        self._entered = threading.local()  # .stack: the compute streams current at each `on`
+        if self.cuda:
+            self._api = torch.cuda if api is None else api
+            high = self._api.Stream.priority_range()[1]  # collectives first, as FSDP2 does
             self._streams = {
-                "compute": compute,
-                "gather": torch.cuda.Stream(device, priority=high),
-                "reduce": torch.cuda.Stream(device, priority=high),
-                "all_reduce": torch.cuda.Stream(device, priority=high),
+                name: self._api.Stream(device, priority=high) for name in ("gather", "reduce", "all_reduce")
             }
+
+    def _get(self, stream: str):
+        """The CUDA stream named ``stream`` (See the compute stream's note above)."""
+        if stream != "compute":
+            return self._streams[stream]
+        stack = getattr(self._entered, "stack", None)
+        return stack[-1] if stack else self._api.current_stream(self.device)
 
     @contextlib.contextmanager
     def on(self, stream: str) -> Iterator[None]:
         """Run the enclosed ops (and allocate their outputs) on ``stream``."""
-        if self.cuda:  # pragma: no cover (needs a GPU)
-            with torch.cuda.stream(self._streams[stream]):
-                yield
-        else:
+        if not self.cuda:
             yield
+            return
+        compute = self._get("compute")
+        stack = self._entered.__dict__.setdefault("stack", [])
+        stack.append(compute)
+        try:
+            with self._api.stream(compute if stream == "compute" else self._streams[stream]):
+                yield
+        finally:
+            stack.pop()
 
     def record(self, stream: str):
         """An event marking the work queued on ``stream`` so far (a unique stand-in on the CPU)."""
         event: torch.cuda.Event | object
-        if self.cuda:  # pragma: no cover (needs a GPU)
-            event = torch.cuda.Event()
-            event.record(self._streams[stream])
+        if self.cuda:
+            cuda_event = self._api.Event()
+            cuda_event.record(self._get(stream))
+            event = cuda_event
         else:
             event = object()  # a stand-in: unique, as a CUDA event is (one trace holds every root's)
         if HOOKS.trace is not None:
@@ -96,8 +120,8 @@ class Streams:
         """Make ``stream`` wait (on the device, not the host) for ``event``."""
         if event is None:
             return
-        if self.cuda:  # pragma: no cover (needs a GPU)
-            self._streams[stream].wait_event(event)
+        if self.cuda:
+            self._get(stream).wait_event(event)
         if HOOKS.trace is not None:
             HOOKS.trace.log.append(("wait", stream, event))
 

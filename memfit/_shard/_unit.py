@@ -387,6 +387,8 @@ class Unit:
         pending = self.start_reduce()
         if pending is not None:
             pending.finish()
+            if self.root_state is not None:  # outside backward: no end of backward adds for it
+                self.root_state.add_on_host()
 
     def start_reduce(self) -> PendingReduce | None:
         """Start summing the full gradients over ranks into the local chunks' ``.grad``
@@ -694,7 +696,9 @@ class PendingReduce:
                 streams.wait("compute", done)
                 streams.note("free", f"{unit.name}:send", "compute")
         self.inputs = None
-        if on_host:
+        if on_host and unit.root_state is not None:  # after the end of backward's one host wait
+            unit.root_state.host_adds.append((olds, news))
+        elif on_host:  # no root yet (a unit run on its own): nothing later waits
             wait_host_copies()  # offloaded: the host adds what the device copied
             torch._foreach_add_(olds, news)
         checks = unit._checks()

@@ -22,7 +22,7 @@ from benchmarks.gpu._env import Env  # noqa: E402
 
 def test_smoke_runs_every_part(tmp_path):
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--time-budget", "540", "--out", str(tmp_path)]
     t0 = time.perf_counter()
     proc = subprocess.run(
         cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=900, check=False
@@ -32,6 +32,8 @@ def test_smoke_runs_every_part(tmp_path):
     report = json.loads((tmp_path / "gpu_cpu.json").read_text())
     markdown = (tmp_path / "gpu_cpu.md").read_text()
     assert report["smoke"] and sorted(report["parts"]) == sorted(gpu.PARTS)
+    assert proc.stdout.startswith("plan for an H200 in 540 s: a (correctness"), proc.stdout[:500]  # before any part
+    assert "GPU validation on CPU (smoke run)" in proc.stdout  # the one-screen summary
     for letter, part in sorted(report["parts"].items()):
         assert part["status"] == "ok", f"part {letter} ({part['name']}) {part['status']}:\n{part['traceback']}"
         errors = part["figures"].get("errors")
@@ -39,6 +41,8 @@ def test_smoke_runs_every_part(tmp_path):
             f"{k}: {v}" for k, v in errors.items()
         )
         assert part["markdown"] and f"## {letter}. {part['title']}" in markdown
+    fixtures = {p.name.split("-")[0] for p in (tmp_path / "fixtures").glob("ops_*_cpu.json")}
+    assert fixtures == {"ops_b", "ops_c"}, fixtures  # the op streams of parts b and c, per configuration
     # What the CPU can show holds here too: parity, the race probe, syncs, resume.
     for letter in ("a", "f"):
         missed = [g for g in report["parts"][letter]["goals"] if not g["passed"]]
@@ -111,3 +115,19 @@ def test_merge_joins_the_parts_of_two_calls(tmp_path):
     assert sorted(merged["parts"]) == ["a", "b"] and merged["commands"] == ["call a", "call b"]
     text = (tmp_path / "out" / "gpu_h100.md").read_text()
     assert "## a. part a" in text and "value 1" in text
+
+
+def test_the_plan_fits_the_budget_most_valuable_first_and_a_second_call_completes_it():
+    letters = list(gpu.PRIORITY)
+    plan, left, done = gpu.plan_parts(letters, 540, {}, {})
+    assert sum(limit for _, limit in plan) + gpu.STARTUP <= 540 and done == []
+    order = [x for x, _ in plan]
+    assert order[0] == "a" and order == [x for x in gpu.PRIORITY if x in order]
+    assert all(gpu.PRIORITY.index(x) > gpu.PRIORITY.index(order[-1]) for x in left)
+    assert sorted(order + left) == sorted(gpu.PARTS)
+    earlier = {x: {"status": "ok"} for x in order}
+    earlier[order[-1]] = {"status": "timeout", "limit": plan[-1][1]}  # cut at its limit: again, with twice it
+    again, still, done = gpu.plan_parts(letters, 540, earlier, {})
+    assert [x for x, _ in again] == [order[-1], *left] and still == [] and done == order[:-1]
+    assert dict(again)[order[-1]] == 2 * plan[-1][1]
+    assert gpu.plan_parts(letters, 100, {}, {})[0] == [("a", gpu.PARTS["a"][2])]  # a small budget: a alone

@@ -540,6 +540,8 @@ def test_pinned_pool_sizes_buffers_exactly_and_reuses_them(harness):
     assert stats.pinned_peak - other == n * (rows + 5) * 1024 * F32  # both sizes, during step 3
     assert stats.pinned_bytes - other == n * 5 * 1024 * F32  # the free 3-row buffers released
     assert not _outstanding(trace.log, "host")[1]
+    # issue 48: shrinking happens inside backward, and never makes the host wait for the side stream
+    assert [e for e in trace.log if e[:2] == ("wait", "host")] == []
 
 
 def test_trace_checker_catches_a_host_use_of_a_pool_buffer_not_waited_for():

@@ -318,3 +318,62 @@ def test_summon_full_params_writes_back_to_offloaded_shards():
         with memfit.summon_full_params(model):
             assert devices(model.parameters()) == {"meta"}
         assert devices(model.parameters()) == {"cpu"}
+
+
+def test_async_save_stages_dtensors_in_host_memory():
+    """Issue 48 bug 1: a DTensor's staged copy stays in host memory (``DTensor.from_local``
+    moved it back to the mesh's device: a blocking upload of the whole state), keeps the
+    spec, and staging leaves no device wait behind on the meta device (a GPU records an event
+    the writer thread waits for; not run here)."""
+    from torch.distributed.tensor import DTensor
+
+    from memfit._shard._async_save import Saves
+
+    with meta_accelerator(2):
+        model = sharded(net(META))
+        memfit.materialize(model)
+        state = model.state_dict()
+        saves = Saves()
+        staged = saves.stage(state)
+        assert set(staged) == set(state)
+        for key, v in state.items():
+            got = staged[key]
+            local = got.to_local() if isinstance(got, DTensor) else got
+            assert local.device.type == "cpu", key
+            if isinstance(v, DTensor):
+                assert got._spec == v._spec and got.shape == v.shape, key
+        assert saves._staged == []
+
+
+def test_offloaded_state_dict_meshes_the_compute_device():
+    """Issue 48 bug 2: an offloaded shard's DTensor keeps its host chunk but is placed on a
+    mesh of the compute device (NCCL's), as FSDP2's are: a CPU mesh over an NCCL group would
+    send host tensors into NCCL (``full_tensor``, a reshard on load)."""
+    from torch.distributed.tensor import DTensor
+
+    from memfit._shard._state_dict import _full
+
+    with meta_accelerator(2):
+        model = sharded(net(), offload="cpu", sync_module_states=False)
+        state = model.state_dict()
+        dts = [v for v in state.values() if isinstance(v, DTensor)]
+        assert dts and {v.device_mesh.device_type for v in dts} == {"meta"}
+        assert {v.to_local().device.type for v in dts} == {"cpu"}
+        model.load_state_dict(state)
+        full = {k: _full(v) for k, v in state.items() if isinstance(v, DTensor)}  # gathered on the device
+        assert {v.device.type for v in full.values()} == {"meta"}  # (meta: no values to load back)
+
+
+def test_offloaded_gradients_that_accumulate_make_the_host_wait_once_per_backward():
+    """Issue 48 bug 2: backwards that add into offloaded gradient shards (accumulation without
+    no_sync) wait on the host once, at the end of backward, not once per unit inside it
+    (which stalled the host until the device drained, every unit)."""
+    with meta_accelerator(2):
+        model = sharded(net(), offload="cpu")
+        opt = torch.optim.AdamW(model.parameters())
+        train_step(model, opt)
+        with device_audit() as audit:
+            for _ in range(3):  # three micro-batches, each adding into the gradients before
+                model(torch.randn(3, 4, device=META)).sum().backward()
+        assert audit.host_waits == 3
+        assert devices(p.grad for p in model.parameters()) == {"cpu"}

@@ -78,3 +78,50 @@ def test_a_read_in_flight_keeps_no_view_of_the_reduce_output():
     checks.settle_later()
     with pytest.raises(RuntimeError, match="ranks diverged"):
         checks.settle()
+
+
+class Param:
+    """A sharded parameter's stand-in: a name and a shard whose ``.grad`` the checks may drop."""
+
+    def __init__(self, fqn: str) -> None:
+        self.fqn, self.sharded = fqn, SimpleNamespace(grad=None)
+
+
+def backward(checks: StepChecks, params, flags, have) -> None:
+    """One backward of unit #3 at world size 1 (check sums 3, 9): fresh gradients for
+    ``params``, ``flags`` as reduced over the ranks, ``have`` this rank's."""
+    for sp in params:
+        sp.sharded.grad = torch.zeros(1)
+        checks.fresh_grad(sp)
+    tail = torch.tensor([*map(float, flags), 3.0, 9.0])
+    checks.reduced(SimpleNamespace(index=3, name="layer"), params, tail, exact=True, have=have)
+    checks.settle_later()
+
+
+def test_a_gradient_this_rank_lacks_is_read_at_once_only_the_first_time():
+    """Issue 48 bug 3: a step lacking a gradient on this rank read the flags at the end of
+    backward (a host sync) every step; now only the first step lacking that set does, and later
+    ones apply its outcome at once and check it off the backward."""
+    from memfit.testing import device_audit
+
+    used, pooler = Param("used"), Param("pooler")
+    checks = StepChecks(rank=0)
+    for step in range(3):
+        with device_audit() as audit:
+            backward(checks, [used, pooler], flags=[1, 0], have=(True, False))
+        assert audit.host_reads == (1 if step == 0 else 0), step  # the first step's read at once
+        assert pooler.sharded.grad is None and used.sharded.grad is not None  # no rank had it
+        with device_audit() as audit:
+            checks.settle(wait=False)  # the next forward: the started read, checked
+        assert audit.host_reads == (0 if step == 0 else 1)
+
+
+def test_an_outcome_that_changed_warns_and_reads_at_once_from_then_on():
+    used, pooler = Param("used"), Param("pooler")
+    checks = StepChecks(rank=0)
+    backward(checks, [used, pooler], flags=[1, 0], have=(True, False))
+    backward(checks, [used, pooler], flags=[1, 1], have=(True, False))  # another rank used it now
+    with pytest.warns(RuntimeWarning, match=r"dropped the gradients other ranks gave \['pooler'\]"):
+        checks.settle(wait=False)
+    backward(checks, [used, pooler], flags=[1, 1], have=(True, False))
+    assert pooler.sharded.grad is not None and checks._started == []  # read at once: another rank had it

@@ -7,6 +7,8 @@ Only a GPU shows that the recorded order is also the order the device runs (real
 streams and events, NCCL writing the reduce output while compute runs).
 """
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -215,3 +217,54 @@ def test_offloaded_shards_free_the_reduce_output_once_copied_to_the_host():
     assert trace.violations() == []
     frees = [e for e in trace.log if e[0] == "free" and e[1].endswith(":reduce-out")]
     assert len(frees) == 2 * 3 and {e[2] for e in frees} == {"reduce"}, frees
+
+
+class FakeCuda:
+    """torch.cuda's stream and event calls, recording which stream each record and wait used."""
+
+    class Stream:
+        def __init__(self, device=None, priority=0, name="side"):
+            self.name, self.log = name, []
+
+        @staticmethod
+        def priority_range():
+            return (0, -1)
+
+        def wait_event(self, event):
+            self.log.append(("wait", event))
+
+    class Event:
+        def record(self, stream):
+            stream.log.append(("record", self))
+
+    def __init__(self):
+        self.current = self.Stream(name="default")
+
+    def current_stream(self, device=None):
+        return self.current
+
+    @contextlib.contextmanager
+    def stream(self, s):
+        saved, self.current = self.current, s
+        try:
+            yield
+        finally:
+            self.current = saved
+
+
+def test_the_compute_stream_is_the_one_current_at_each_use():
+    """Issue 48 bug 3: a step run under another stream than the root's first (a second model's
+    stream, a capture stream) has the side streams wait for that stream, not the one current
+    when the root was set up; inside a side stream "compute" is the stream current at entry."""
+    from memfit._shard._streams import Streams
+
+    cuda = FakeCuda()
+    streams = Streams(torch.device("cuda"), api=cuda)
+    first, other = cuda.current, cuda.Stream(name="other")
+    streams.after("gather", "compute")
+    with cuda.stream(other):
+        streams.after("gather", "compute")  # the step runs on `other`
+        with streams.on("reduce"):
+            streams.wait("compute", streams.record("reduce"))  # compute, from inside the reduce stream
+    assert [k for k, _ in first.log] == ["record"]
+    assert [k for k, _ in other.log] == ["record", "wait"]
