@@ -5,6 +5,7 @@ from memfit._shard._checkpoint_files import load_checkpoint, save_checkpoint
 from memfit._shard._deferred import load_full_state_dict, materialize
 from memfit._shard._export import export_safetensors
 from memfit._shard._fully_shard import fully_shard
+from memfit._shard._host_step import host_optimizer
 from memfit._shard._mixed import MixedPrecision
 from memfit._shard._options import ShardOptions
 from memfit._shard._utils import clip_grad_norm_, summon_full_params
@@ -16,6 +17,7 @@ __all__ = [
     "clip_grad_norm_",
     "export_safetensors",
     "fully_shard",
+    "host_optimizer",
     "load_checkpoint",
     "load_full_state_dict",
     "materialize",

@@ -14,6 +14,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit._checkpoint import is_recomputing
 from memfit._instrument import HOOKS
+from memfit._shard import _host_step
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
@@ -192,6 +193,8 @@ class RootState:
         if unit.grad_sync.syncs:
             self.finish_pending_reduce()
             self.pending_reduce = unit.start_reduce()
+            if self.pending_reduce is None:  # on the chunks (one rank): final now (See [Note: The host step])
+                _host_step.grads_landed(unit, self.streams, "compute")
             if unit.grad_sync is GradSync.HELD:
                 unit.grad_sync = GradSync.SYNC
         else:
@@ -203,6 +206,8 @@ class RootState:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
             pending.finish()
+            post = "reduce" if pending.unit.layout.replicate is None else "all_reduce"
+            _host_step.grads_landed(pending.unit, self.streams, post)  # See [Note: The host step]
 
     def ensure_finish_queued(self) -> None:
         """Make sure `finish_backward` runs when the current backward pass ends."""
@@ -231,6 +236,7 @@ class RootState:
             for name, buffer in self.outputs_held:
                 release(self.streams, name, "reduce", buffer)
             self.outputs_held.clear()
+        _host_step.backward_ended(self.units)  # the host shards' steps in flight: joined
         for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next
             self.streams.note("use", f"{unit.name}:grad-shards", "compute")  # (the optimizer)
             self.streams.note("use", unit.tail_name, "compute")  # (the step's checks)

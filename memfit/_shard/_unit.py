@@ -24,6 +24,7 @@ from memfit._shard._param import ShardedParam
 from memfit._shard._streams import Streams
 
 if TYPE_CHECKING:
+    from memfit._shard._host_step import HostStep
     from memfit._shard._runtime import RootState
 
 
@@ -171,6 +172,7 @@ class Unit:
         self.backward_prefetch: list[Unit] | None = None  # None: the unit before it in that order
         self.divide_factor: float | None = None  # None: the gradients are averaged over the ranks
         self.root_state: RootState | None = None  # shared under the root, set at its first forward
+        self.host_step: HostStep | None = None  # steps its host shards in backward (See [Note: The host step])
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {len(self.params)} params, {self.shard_state.name})"

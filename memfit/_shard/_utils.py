@@ -50,6 +50,9 @@ def clip_grads(
     when ``read``, or to clip gradients of offloaded shards, in host memory, on the host (None:
     not read; the meta test device's too)."""
     units = units_of(model)
+    for u in units:  # See [Note: The host step]
+        if u.host_step is not None:
+            u.host_step.check_clip(u)
     grads = [sp.sharded.grad for u in units for sp in u.params if sp.sharded.grad is not None]
     counted = [g for u in units if _counts(u) for sp in u.params if (g := sp.sharded.grad) is not None]
     group = _norm_group(units)
