@@ -103,6 +103,9 @@ class HostStep:
         self.steps_in_backward += 1
         ready = streams.record(stream)
         if HOOKS.trace is not None:  # traced: on this thread, so that the log is deterministic
+            # the main thread's earlier host work on these shards (the last step, zero_grad)
+            # precedes in program order: traced as a wait for compute, never waited for
+            HOOKS.trace.log.append(("wait", "host", streams.record("compute")))
             self._step(unit, ready)
             self._pending.append((None, self._done()))
             return

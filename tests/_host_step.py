@@ -1,0 +1,167 @@
+"""Cases of memfit.host_optimizer ([Note: The host step]), ``case(rank, world, root)``: run at
+two ranks by tests/distributed/test_host_step.py (one spawned group) and at one rank in this
+process by tests/unit/test_host_step.py. Each compares a model sharded with offload="cpu"
+whose host step runs in backward against the same model stepped after backward by the
+optimizer built with fused=True (the same arithmetic): losses and parameters bitwise."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import memfit
+from memfit.testing import sharded_units
+from tests._models import make_model
+
+ROWS = 8  # the global batch: divisible by 1 and 2 ranks
+LR = 1e-2
+
+
+def batch(i, rank, world):
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 3, generator=g)
+    per = ROWS // world
+    return x[rank * per : (rank + 1) * per], y[rank * per : (rank + 1) * per]
+
+
+def build():
+    return memfit.FullyShardedDataParallel(make_model("mlp"), auto_wrap_policy=nn.Sequential, offload="cpu")
+
+
+def train(model, opt, steps, rank, world, *, micro=1, no_sync=False, clip=None, first=0):
+    """``steps`` optimizer steps of ``micro`` backwards each; the losses (this rank's)."""
+    losses = []
+    for step in range(first, first + steps):
+        for m in range(micro):
+            x, y = batch(step * micro + m, rank, world)
+            ctx = model.no_sync() if no_sync and m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = nn.functional.mse_loss(model(x), y) / micro
+                loss.backward()
+            losses.append(loss.detach())
+        if clip is not None:
+            memfit.clip_grad_norm_(model, clip)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def host(model, make=torch.optim.AdamW, **kw):
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        opt = memfit.host_optimizer(model, make(model.parameters(), lr=LR), **kw)
+    return opt, [str(w.message) for w in said if "memfit.host_optimizer" in str(w.message)]
+
+
+def assert_bitwise(a_model, b_model, a_losses, b_losses):
+    assert all(torch.equal(a, b) for a, b in zip(a_losses, b_losses)), (a_losses, b_losses)
+    for (n, a), b in zip(a_model.named_parameters(), b_model.parameters()):
+        assert torch.equal(a, b), n
+
+
+def host_units(model):
+    return sum(any(sp.sharded.requires_grad for sp in u.params) for u in sharded_units(model))
+
+
+def case_adamw_steps_in_backward_bitwise(rank, world, root):
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, said = host(model)
+    assert said == ["memfit.host_optimizer: the host step runs AdamW with fused=True (torch's fused CPU kernels)"]
+    assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
+    assert_bitwise(ref, model, train(ref, ref_opt, 3, rank, world), train(model, opt, 3, rank, world))
+    assert opt._memfit_host_step.steps_in_backward == 3 * host_units(model) > 0  # every unit, every step
+
+
+def case_accumulation_without_no_sync_steps_in_the_last_backward(rank, world, root):
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, _ = host(model, accumulate=3)
+    a = train(ref, ref_opt, 2, rank, world, micro=3)
+    assert_bitwise(ref, model, a, train(model, opt, 2, rank, world, micro=3))
+    assert opt._memfit_host_step.steps_in_backward == 2 * host_units(model)
+
+
+def case_accumulation_with_no_sync(rank, world, root):
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, _ = host(model)  # the no_sync backwards reduce nothing: the synced one steps
+    a = train(ref, ref_opt, 2, rank, world, micro=2, no_sync=True)
+    assert_bitwise(ref, model, a, train(model, opt, 2, rank, world, micro=2, no_sync=True))
+    assert opt._memfit_host_step.steps_in_backward == 2 * host_units(model)
+
+
+def case_clipping_steps_after_the_norm(rank, world, root):
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, _ = host(model, max_norm=0.05)
+    for step in range(3):
+        x, y = batch(step, rank, world)
+        nn.functional.mse_loss(ref(x), y).backward()
+        norm = memfit.clip_grad_norm_(ref, 0.05)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        train(model, opt, 1, rank, world, first=step)
+        assert opt._memfit_host_step.last_norm == norm > 0.05  # clipped, by the same norm
+    assert opt._memfit_host_step.steps_in_backward == 0  # the norm needs every unit: after backward
+    for (n, p), q in zip(ref.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), n
+
+
+def case_sgd_fused_and_rmsprop_as_given(rank, world, root):
+    sgd = lambda ps, lr, **kw: torch.optim.SGD(ps, lr=lr, momentum=0.9, **kw)  # noqa: E731
+    for make, how in ((sgd, "SGD with fused=True"), (torch.optim.RMSprop, "RMSprop as given")):
+        ref, model = build(), build()
+        ref_opt = make(ref.parameters(), lr=LR, **({"fused": True} if make is sgd else {}))
+        opt, said = host(model, make)
+        assert len(said) == 1 and how in said[0], said
+        assert_bitwise(ref, model, train(ref, ref_opt, 2, rank, world), train(model, opt, 2, rank, world))
+        assert opt._memfit_host_step.steps_in_backward == 2 * host_units(model)
+
+
+def case_checkpoint_and_resume(rank, world, root):
+    path = os.path.join(root, f"host-step-{world}")
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, _ = host(model)
+    a, b = train(ref, ref_opt, 2, rank, world), train(model, opt, 2, rank, world)
+    memfit.save_checkpoint(path, model, opt)
+    a += train(ref, ref_opt, 2, rank, world, first=2)
+    dist.barrier()
+    resumed = build()
+    opt2, _ = host(resumed)
+    memfit.load_checkpoint(path, resumed, opt2)
+    b += train(resumed, opt2, 2, rank, world, first=2)
+    assert_bitwise(ref, resumed, a, b)
+
+
+def case_misuse_is_refused(rank, world, root):
+    model = build()
+    opt, _ = host(model)
+    x, y = batch(0, rank, world)
+    nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(RuntimeError, match=r"too late; pass max_norm= to memfit\.host_optimizer"):
+        memfit.clip_grad_norm_(model, 1.0)
+    with pytest.raises(RuntimeError, match=r"reduced again after its optimizer step ran in backward \(accumulate=1"):
+        nn.functional.mse_loss(model(x), y).backward()
+    with pytest.raises(ValueError, match="has a host step already"):
+        memfit.host_optimizer(model, opt)
+    with pytest.raises(ValueError, match="accumulate must be an int >= 1"):
+        memfit.host_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), accumulate=0)
+
+
+CASES = [
+    case_adamw_steps_in_backward_bitwise,
+    case_accumulation_without_no_sync_steps_in_the_last_backward,
+    case_accumulation_with_no_sync,
+    case_clipping_steps_after_the_norm,
+    case_sgd_fused_and_rmsprop_as_given,
+    case_checkpoint_and_resume,
+    case_misuse_is_refused,
+]
