@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import warnings
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch import nn
 
 from memfit._instrument import HOOKS
+from memfit._shard._disk_units import DiskUnits, disk_units_of
 from memfit._shard._streams import Streams
 from memfit._shard._unit import Unit, units_of
 
@@ -63,7 +65,13 @@ class HostStep:
     """What :func:`host_optimizer` attaches to an optimizer (``optimizer._memfit_host_step``)."""
 
     def __init__(
-        self, model: nn.Module, optimizer: torch.optim.Optimizer, accumulate: int, max_norm: float | None, overlap: bool
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        accumulate: int,
+        max_norm: float | None,
+        overlap: bool,
+        disk: tuple[str, set[nn.Module] | None] | None = None,
     ) -> None:
         self.model, self.optimizer = model, optimizer
         self.accumulate, self.max_norm = accumulate, max_norm
@@ -84,6 +92,11 @@ class HostStep:
         self._raw = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)  # without the hooks
         self._user_step = optimizer.step
         self.how = _use_fused(optimizer)
+        self.disk: DiskUnits | None = None  # See [Note: The disk tier]
+        if disk is not None:
+            directory, modules = disk
+            chosen = [u for u in self.params if modules is None or u.module in modules]
+            self.disk = DiskUnits(directory, chosen, optimizer, self.params)
 
     # -- in backward ------------------------------------------------------------------------
 
@@ -121,6 +134,8 @@ class HostStep:
             HOOKS.trace.log.append(("wait", "host", ready))
             HOOKS.trace.log.append(("use", f"{unit.name}:grad-shards", "host"))
         self._narrowed(self.params[unit], self._raw_step)
+        if self.disk is not None:
+            self.disk.stepped(unit)  # written behind the step
 
     def _raw_step(self) -> None:
         with torch.no_grad():
@@ -162,7 +177,11 @@ class HostStep:
         done = {id(p) for u in self.stepped for p in self.params[u]}
         rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in done]
         try:
-            return self._narrowed(rest, lambda: self._user_step(closure) if closure else self._user_step())
+            out = self._narrowed(rest, lambda: self._user_step(closure) if closure else self._user_step())
+            for unit in self.params:
+                if self.disk is not None and unit not in self.stepped:
+                    self.disk.stepped(unit)
+            return out
         finally:
             self.stepped.clear()
             self.backwards = 0
@@ -216,6 +235,8 @@ def host_optimizer(
     accumulate: int = 1,
     max_norm: float | None = None,
     overlap: bool = True,
+    disk: str | None = None,
+    disk_modules: Iterable[nn.Module] | None = None,
 ) -> torch.optim.Optimizer:
     """Run ``optimizer``'s step over the sharded ``model``'s host shards at the CPU's speed.
 
@@ -235,6 +256,13 @@ def host_optimizer(
             clips; do not call ``clip_grad_norm_`` yourself); the steps then run after backward.
         overlap: False: never step in backward (with a ``GradScaler``, or an optimizer whose
             update of a parameter reads others').
+        disk: a directory on a local disk: the disk tier. The host units' parameter shards and
+            optimizer state live in files there (scratch: unlinked at once, nothing survives the
+            process; resume from checkpoints), read ahead of each unit's forward and backward
+            and written back behind its step (See [Note: The disk tier]). Refused up front,
+            naming the path and the bytes, where the disk has no room. Gradients stay in host
+            memory between backward and step.
+        disk_modules: which sharded modules' units go to disk (default: every host unit).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"memfit.host_optimizer: optimizer must be a torch.optim.Optimizer, got {optimizer!r}")
@@ -246,7 +274,8 @@ def host_optimizer(
         raise ValueError(f"memfit.host_optimizer: max_norm must be > 0 or None, got {max_norm!r}")
     if getattr(optimizer, "_memfit_host_step", None) is not None:
         raise ValueError(f"memfit.host_optimizer: {type(optimizer).__name__} has a host step already")
-    host = HostStep(model, optimizer, accumulate, max_norm, overlap)
+    tier = (disk, disk_units_of(model, disk_modules)) if disk is not None else None
+    host = HostStep(model, optimizer, accumulate, max_norm, overlap, tier)
     optimizer._memfit_host_step = host  # type: ignore[attr-defined]
     optimizer.step = host.step  # type: ignore[method-assign]  # an LR scheduler made later wraps this
     return optimizer
