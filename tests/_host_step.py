@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import warnings
 
 import pytest
@@ -156,6 +157,82 @@ def case_misuse_is_refused(rank, world, root):
         memfit.host_optimizer(model, torch.optim.SGD(model.parameters(), lr=LR), accumulate=0)
 
 
+def on_disk(model, opt):
+    """Every host shard this optimizer steps, and its AdamW moments, are in the tier's files."""
+    tier = opt._memfit_host_step.disk
+    assert tier is not None and tier.units
+    for u in tier.units:
+        for p in opt._memfit_host_step.params[u]:
+            assert tier.param_files[u].holds(p)
+            state = opt.state[p]
+            assert all(tier.state_files[u].holds(state[k]) for k in ("exp_avg", "exp_avg_sq")), u.name
+    return True
+
+
+def disk_dir(root, rank, name):
+    path = os.path.join(root, f"disk-{name}-rank{rank}")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def case_disk_tier_bitwise_with_accumulation_and_nothing_left_on_disk(rank, world, root):
+    for micro, no_sync in ((1, False), (2, False), (2, True)):
+        ref, model = build(), build()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+        path = disk_dir(root, rank, f"acc{micro}{no_sync}")
+        opt, _ = host(model, disk=path, accumulate=1 if no_sync else micro)
+        a = train(ref, ref_opt, 2, rank, world, micro=micro, no_sync=no_sync)
+        assert_bitwise(ref, model, a, train(model, opt, 2, rank, world, micro=micro, no_sync=no_sync))
+        assert on_disk(model, opt) and os.listdir(path) == []  # scratch: unlinked once mapped
+        assert opt._memfit_host_step.steps_in_backward == 2 * host_units(model)
+
+
+def case_disk_tier_clipping(rank, world, root):
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, _ = host(model, max_norm=0.05, disk=disk_dir(root, rank, "clip"))
+    a = train(ref, ref_opt, 3, rank, world, clip=0.05)
+    assert_bitwise(ref, model, a, train(model, opt, 3, rank, world))
+    assert on_disk(model, opt)
+
+
+def case_disk_tier_checkpoint_and_resume(rank, world, root):
+    path = os.path.join(root, f"disk-ckpt-{world}")
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, _ = host(model, disk=disk_dir(root, rank, "ckpt"))
+    a, b = train(ref, ref_opt, 2, rank, world), train(model, opt, 2, rank, world)
+    memfit.save_checkpoint(path, model, opt)
+    a += train(ref, ref_opt, 2, rank, world, first=2)
+    dist.barrier()
+    resumed = build()
+    opt2, _ = host(resumed, disk=disk_dir(root, rank, "resumed"))
+    memfit.load_checkpoint(path, resumed, opt2)
+    b += train(resumed, opt2, 2, rank, world, first=2)
+    assert_bitwise(ref, resumed, a, b)
+    assert on_disk(resumed, opt2)
+
+
+def case_disk_tier_chosen_units_and_a_full_disk(rank, world, root):
+    from unittest import mock
+
+    model = build()
+    blocks = list(model.blocks)
+    opt, _ = host(model, disk=disk_dir(root, rank, "some"), disk_modules=blocks[:2])
+    tier = opt._memfit_host_step.disk
+    assert [u.module for u in tier.units] == blocks[:2]
+    need = tier.bytes
+    usage = mock.Mock(free=need - 1)
+    path = disk_dir(root, rank, "full")
+    with mock.patch("memfit._tiers._disk.shutil.disk_usage", return_value=usage):
+        with pytest.raises(ValueError, match=rf"{re.escape(path)} has {need - 1} bytes free .* needs {need} bytes"):
+            m2 = build()
+            host(m2, disk=path, disk_modules=list(m2.blocks)[:2])
+    assert os.listdir(path) == []  # refused before anything was written
+    with pytest.raises(ValueError, match="disk_modules must be sharded modules"):
+        host(build(), disk=path, disk_modules=[nn.Linear(1, 1)])
+
+
 CASES = [
     case_adamw_steps_in_backward_bitwise,
     case_accumulation_without_no_sync_steps_in_the_last_backward,
@@ -164,4 +241,8 @@ CASES = [
     case_sgd_fused_and_rmsprop_as_given,
     case_checkpoint_and_resume,
     case_misuse_is_refused,
+    case_disk_tier_bitwise_with_accumulation_and_nothing_left_on_disk,
+    case_disk_tier_clipping,
+    case_disk_tier_checkpoint_and_resume,
+    case_disk_tier_chosen_units_and_a_full_disk,
 ]
