@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from memfit._instrument import HOOKS
+from memfit._shard._device import host_empty
 from memfit._shard._disk_units import DiskUnits, disk_units_of
 from memfit._shard._streams import Streams
 from memfit._shard._unit import Unit, units_of
@@ -54,9 +55,15 @@ __all__ = ["HostStep", "host_optimizer"]
 #   memfit.clip_grad_norm_ after a step in backward is refused (the clip would come too late).
 # - overlap=False: never in backward (a GradScaler, which unscales between backward and step,
 #   or an optimizer whose update reads more than one parameter).
+# On an accelerator the step also packs the stepped shards of the next forward's first units
+# (STAGED) into pinned memory laid out as their send slots (Unit.staged), so that their gathers
+# copy across at once instead of packing on the host first; later units' packs overlap the
+# compute of the units before them. A unit whose shards changed since (a load) packs again.
 # What cannot be tested here (no GPU): the worker's event wait and its overlap with device
 # compute; the CPU suite runs the worker for real (gloo parity, bitwise) and, when the streams
 # are traced, on the calling thread so that the trace is deterministic (tests/unit/test_stream_rules.py).
+
+STAGED = 2  # units packed ahead into pinned memory for the next forward: its first ones
 
 _FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 
@@ -87,6 +94,7 @@ class HostStep:
         self.backwards = 0  # backwards ended since the last optimizer.step()
         self.stepped: set[Unit] = set()  # units stepped in backward since the last optimizer.step()
         self.steps_in_backward = 0  # unit steps run in backward, in all (tests and benchmarks read it)
+        self.staged_units = 0  # units packed ahead for their next gather, in all
         self._pending: list[tuple[concurrent.futures.Future | None, object]] = []  # (work, host event)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         self._raw = getattr(type(optimizer).step, "__wrapped__", type(optimizer).step)  # without the hooks
@@ -134,8 +142,27 @@ class HostStep:
             HOOKS.trace.log.append(("wait", "host", ready))
             HOOKS.trace.log.append(("use", f"{unit.name}:grad-shards", "host"))
         self._narrowed(self.params[unit], self._raw_step)
+        self._stage(unit)
         if self.disk is not None:
             self.disk.stepped(unit)  # written behind the step
+
+    def _stage(self, unit: Unit) -> None:
+        """Accelerators: pack the stepped shards of one of the first units of the next forward
+        into pinned memory laid out as its send slot, so that its gather only copies it across."""
+        layout = unit._gather_plan
+        order = self._first_in_forward(unit)
+        if layout is None or layout.device.type == "cpu" or unit not in order:
+            return
+        staging = host_empty((layout.slot,), layout.wire)
+        views = layout.send_views(staging)[:-1]
+        torch._foreach_copy_(views, [p.sharded.detach() for p in layout.order])
+        unit.staged = (staging, [p.sharded._version for p in layout.order])
+        self.staged_units += 1
+
+    def _first_in_forward(self, unit: Unit) -> list[Unit]:
+        state = unit.root_state
+        order = state.forward_order if state is not None else []
+        return [u for u in order if u in self.params][:STAGED]
 
     def _raw_step(self) -> None:
         with torch.no_grad():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import memfit
-from memfit.testing import meta_accelerator, trace_streams
+from memfit.testing import meta_accelerator, sharded_units, trace_streams
 from tests._dist import case_id
 from tests._host_step import CASES
 from tests.unit.test_stream_rules import backward, sharded_net
@@ -58,3 +58,30 @@ def test_warns_once_and_refuses_what_it_cannot_step(one_rank):
         memfit.host_optimizer(model, torch.optim.LBFGS(model.parameters()))
     with pytest.raises(TypeError, match=r"must be a torch\.optim\.Optimizer"):
         memfit.host_optimizer(model, object())  # type: ignore[arg-type]
+
+
+@pytest.mark.filterwarnings("ignore:memfit.host_optimizer")
+def test_the_first_units_of_the_next_forward_are_packed_ahead():
+    """On an accelerator (the meta test device here) the host step packs the stepped shards of
+    the next forward's first two units into host memory laid out as their send slots (pinned
+    on a GPU): their gathers then copy across without packing (copy_in is not called)."""
+    from unittest import mock
+
+    from memfit._shard import _unit
+
+    with meta_accelerator(2):
+        model = sharded_net(offload="cpu")
+        opt = memfit.host_optimizer(model, torch.optim.AdamW(model.parameters(), lr=0.1))
+        packs = []
+        for _ in range(3):
+            with mock.patch.object(_unit, "copy_in", side_effect=_unit.copy_in) as spy:
+                out = model(torch.randn(3, 4, device="meta"))
+            packs.append(spy.call_count)
+            out.sum().backward()
+            opt.step()
+            opt.zero_grad()
+        host = opt._memfit_host_step
+        assert host.staged_units == 3 * 2
+        assert packs == [3, 1, 1]  # three units gather in forward; after a step two are packed already
+        root = sharded_units(model)[0]
+        assert root.staged is not None and root.staged[0].shape == (root._gather_plan.slot,)
