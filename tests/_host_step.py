@@ -142,6 +142,28 @@ def case_checkpoint_and_resume(rank, world, root):
     assert_bitwise(ref, resumed, a, b)
 
 
+def case_lr_schedulers_made_before_and_after(rank, world, root):
+    lam = lambda step: 0.5**step  # noqa: E731
+    ref, model, model2 = build(), build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    sched = [torch.optim.lr_scheduler.LambdaLR(ref_opt, lam)]
+    opt, _ = host(model)
+    sched.append(torch.optim.lr_scheduler.LambdaLR(opt, lam))  # after: it wraps host_optimizer's step
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=LR)
+    sched.append(torch.optim.lr_scheduler.LambdaLR(opt2, lam))  # before: host_optimizer wraps its step
+    opt2, _ = host(model2, lambda ps, lr: opt2)
+    losses = [[], [], []]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", "Seems like `optimizer.step()` has been overridden")
+        for step in range(3):
+            for i, (m, o) in enumerate(((ref, ref_opt), (model, opt), (model2, opt2))):
+                losses[i] += train(m, o, 1, rank, world, first=step)
+                sched[i].step()
+    assert_bitwise(ref, model, losses[0], losses[1])
+    assert_bitwise(ref, model2, losses[0], losses[2])
+    assert opt.param_groups[0]["lr"] == opt2.param_groups[0]["lr"] == LR * 0.5**3
+
+
 def case_misuse_is_refused(rank, world, root):
     model = build()
     opt, _ = host(model)
@@ -240,6 +262,7 @@ CASES = [
     case_clipping_steps_after_the_norm,
     case_sgd_fused_and_rmsprop_as_given,
     case_checkpoint_and_resume,
+    case_lr_schedulers_made_before_and_after,
     case_misuse_is_refused,
     case_disk_tier_bitwise_with_accumulation_and_nothing_left_on_disk,
     case_disk_tier_clipping,

@@ -4,6 +4,7 @@ per unit, while the rest of backward runs (See [Note: The host step])."""
 from __future__ import annotations
 
 import concurrent.futures
+import types
 import warnings
 from collections.abc import Iterable
 from typing import Any
@@ -304,8 +305,29 @@ def host_optimizer(
     tier = (disk, disk_units_of(model, disk_modules)) if disk is not None else None
     host = HostStep(model, optimizer, accumulate, max_norm, overlap, tier)
     optimizer._memfit_host_step = host  # type: ignore[attr-defined]
-    optimizer.step = host.step  # type: ignore[method-assign]  # an LR scheduler made later wraps this
+    # a method of the optimizer, not of the host step: an LR scheduler made later rebinds its
+    # function to it; one made before marked its wrapper, and so is ours (it keeps counting)
+    if getattr(optimizer.step, "_wrapped_by_lr_sched", False):
+        optimizer.step = _scheduled(optimizer)  # type: ignore[method-assign]
+    else:
+        optimizer.step = types.MethodType(_step, optimizer)  # type: ignore[method-assign]
     return optimizer
+
+
+def _scheduled(optimizer: torch.optim.Optimizer):
+    """``optimizer.step`` under :func:`host_optimizer`, where an LR scheduler wrapped it before:
+    marked as its wrapper is (the host step calls that wrapper, which records the call)."""
+
+    def step(closure: Any = None) -> Any:
+        return _step(optimizer, closure)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step
+
+
+def _step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
+    """``optimizer.step`` under :func:`host_optimizer`."""
+    return optimizer._memfit_host_step.step(closure)  # type: ignore[attr-defined]
 
 
 def grads_landed(unit: Unit, streams: Streams, stream: str) -> None:
