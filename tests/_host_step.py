@@ -78,6 +78,7 @@ def case_adamw_steps_in_backward_bitwise(rank, world, root):
     assert all(g["fused"] and not g["foreach"] for g in opt.param_groups)
     assert_bitwise(ref, model, train(ref, ref_opt, 3, rank, world), train(model, opt, 3, rank, world))
     assert opt._memfit_host_step.steps_in_backward == 3 * host_units(model) > 0  # every unit, every step
+    assert opt._memfit_host_step._worker is not None  # on memfit's worker thread
 
 
 def case_accumulation_without_no_sync_steps_in_the_last_backward(rank, world, root):

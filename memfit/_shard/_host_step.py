@@ -23,8 +23,8 @@ __all__ = ["HostStep", "host_optimizer"]
 # [Note: The host step]
 # With the shards in host memory (offload="cpu", or any sharded model computing on the CPU)
 # the optimizer steps on the CPU, and torch's CPU default for Adam, AdamW and SGD is the
-# for-loop implementation: on 50M parameters about 5x slower than the fused one
-# (benchmarks/results/offload_tiers.md). memfit.host_optimizer(model, optimizer) does two things:
+# for-loop implementation: on 50M parameters about 6x slower than the fused one
+# (benchmarks/results/offload_tiers_cpu.md). memfit.host_optimizer(model, optimizer) does two things:
 # - It turns the groups whose parameters are all in host memory to torch's fused CPU
 #   implementation (fused=True, foreach=False) where the optimizer has one (Adam, AdamW, SGD,
 #   Adagrad) and the group allows it (not differentiable, not capturable); every other
