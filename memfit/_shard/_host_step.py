@@ -206,9 +206,11 @@ class HostStep:
         rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in done]
         try:
             out = self._narrowed(rest, lambda: self._user_step(closure) if closure else self._user_step())
-            for unit in self.params:
-                if self.disk is not None and unit not in self.stepped:
-                    self.disk.stepped(unit)
+            for unit in self.params:  # (those that did not step in backward)
+                if unit not in self.stepped:
+                    self._stage(unit)
+                    if self.disk is not None:
+                        self.disk.stepped(unit)
             return out
         finally:
             self.stepped.clear()

@@ -85,3 +85,9 @@ def test_the_first_units_of_the_next_forward_are_packed_ahead():
         assert packs == [3, 1, 1]  # three units gather in forward; after a step two are packed already
         root = sharded_units(model)[0]
         assert root.staged is not None and root.staged[0].shape == (root._gather_plan.slot,)
+        clipped = sharded_net(offload="cpu")  # steps after backward (max_norm): packed at optimizer.step()
+        opt = memfit.host_optimizer(clipped, torch.optim.AdamW(clipped.parameters(), lr=0.1), max_norm=1.0)
+        for _ in range(2):
+            backward(clipped)
+            opt.step()
+        assert (opt._memfit_host_step.staged_units, opt._memfit_host_step.steps_in_backward) == (2 * 2, 0)
