@@ -34,7 +34,7 @@ from _common import MIB, command, emit, progress_log
 
 import memfit
 from memfit._plan._calibrate import calibrate
-from memfit._plan._profile import BlockProfile, ModelProfile
+from memfit._plan._profile_types import BlockProfile, ModelProfile
 from memfit._plan._solve import forecast, solve
 from memfit._plan._validate import measured_sharded_peak
 from memfit.models import PRESETS, Preset, Shape, lm_batch, mlm_batch

@@ -19,6 +19,7 @@ from memfit._checkpoint import (
     is_recomputing,
     remove_checkpointing,
 )
+from memfit._persist import export_safetensors, load_checkpoint, save_checkpoint
 from memfit._plan import (
     AutoConfig,
     DeviceProfile,
@@ -34,13 +35,14 @@ from memfit._shard import (
     MixedPrecision,
     ShardOptions,
     clip_grad_norm_,
-    export_safetensors,
     fully_shard,
+<<<<<<< HEAD
     host_optimizer,
     load_checkpoint,
+=======
+>>>>>>> seams
     load_full_state_dict,
     materialize,
-    save_checkpoint,
     shard,
     summon_full_params,
 )

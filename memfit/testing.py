@@ -23,7 +23,7 @@ from memfit._checkpoint._host import offloadable
 from memfit._checkpoint._pinned import STATS as _OFFLOAD_STATS
 from memfit._checkpoint._pinned import OffloadStats
 from memfit._instrument import Hooks, Trace, switched
-from memfit._shard import _checkpoint_files
+from memfit._persist import _checkpoint_files
 from memfit._shard._collectives import STATS, CommStats
 from memfit._shard._counters import HostSyncCounter, OpCounter
 from memfit._shard._device import audit as device_audit

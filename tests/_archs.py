@@ -367,7 +367,7 @@ def step(model: torch.nn.Module, batch: dict, seed: int = 3) -> tuple[torch.Tens
 
 def blocks(model: torch.nn.Module) -> list[str]:
     """The repeated blocks the planner would decide for (its candidates)."""
-    from memfit._plan._profile import find_candidates
+    from memfit._plan._candidates import find_candidates
 
     return [p for p, _ in find_candidates(model)]
 

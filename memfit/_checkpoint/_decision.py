@@ -35,8 +35,45 @@ class DecisionKind(str, Enum):
         except ValueError:
             raise ValueError(f"memfit.Decision: unknown kind {name!r}; choose from {KINDS}") from None
 
+    @property
+    def spec(self) -> KindSpec:
+        """What this kind accepts and how it is applied, traced and priced (see [Note: Decision
+        kinds as data])."""
+        return SPECS[self]
 
+
+# [Note: Decision kinds as data]
+# Each kind is declared once: its DecisionKind member (the name, cheapest in time first) and its
+# KindSpec here, which says what else the library does with it. Decision takes the option the
+# spec names (with its default) and refuses the others; memfit train applies the kinds whose
+# train_applies is set (--checkpointing's choices, the kinds --auto and --plan plan with, the
+# uniform kind memfit plan suggests: all three read TRAIN_KINDS' members through .spec); the
+# planner's block profile runs the block under each kind whose traced_as is None and derives the
+# others from the kind they name: a kind that moves_input keeps what that kind keeps less the
+# block's input, which costs two transfers of it at the device profile's offload bandwidth.
+# Adding a kind is this file (a member and its KindSpec; its behaviour in checkpoint_module
+# through the option it takes) plus its cases in tests/unit/test_decision.py.
+@dataclass(frozen=True)
+class KindSpec:
+    """What one decision kind accepts and how it is applied, traced and priced."""
+
+    option: str | None = None  # the Decision field it takes ("save", "offload"); None: none
+    default: str | None = None  # that field's value when not given
+    train_applies: bool = True  # memfit train applies it (--checkpointing, --plan, --auto)
+    traced_as: str | None = None  # None: the profile runs the block under it; else the kind it derives from
+    moves_input: bool = False  # its block's input waits off the device until backward (out and back)
+
+
+SPECS: dict[DecisionKind, KindSpec] = {  # one per DecisionKind, read through DecisionKind.spec
+    DecisionKind.KEEP: KindSpec(),
+    DecisionKind.SELECTIVE: KindSpec(option="save", default="linear"),
+    DecisionKind.FULL: KindSpec(),
+    DecisionKind.OFFLOAD: KindSpec(option="offload", default="disk", train_applies=False, traced_as="full",
+                                   moves_input=True),
+}  # fmt: skip
 KINDS = tuple(k.value for k in DecisionKind)  # the kinds' names, in DecisionKind's order
+TRAIN_KINDS = tuple(k.value for k in DecisionKind if k.spec.train_applies)  # the kinds memfit train applies
+_OPTIONS = {s.option: k.value for k, s in SPECS.items() if s.option}  # each option -> the kind that takes it
 
 
 @dataclass(frozen=True)
@@ -64,14 +101,12 @@ class Decision:
         if self.kind not in KINDS:
             raise ValueError(f"memfit.Decision: unknown kind {self.kind!r}; choose from {KINDS}")
         object.__setattr__(self, "kind", DecisionKind(self.kind))
-        if self.kind == "selective" and self.save is None:
-            object.__setattr__(self, "save", "linear")
-        if self.kind == "offload" and self.offload is None:
-            object.__setattr__(self, "offload", "disk")
-        if self.save is not None and self.kind != "selective":
-            raise ValueError(f"memfit.Decision: save= is only for kind 'selective', not {self.kind.value!r}")
-        if self.offload is not None and self.kind != "offload":
-            raise ValueError(f"memfit.Decision: offload= is only for kind 'offload', not {self.kind.value!r}")
+        spec = self.kind.spec
+        for option, kind in _OPTIONS.items():
+            if option == spec.option and getattr(self, option) is None:
+                object.__setattr__(self, option, spec.default)
+            elif getattr(self, option) is not None and option != spec.option:
+                raise ValueError(f"memfit.Decision: {option}= is only for kind {kind!r}, not {self.kind.value!r}")
 
     @classmethod
     def parse(cls, spec: str | Decision, **options) -> Decision:
@@ -80,8 +115,8 @@ class Decision:
         if isinstance(spec, Decision):
             return spec
         kind = DecisionKind.parse(spec)
-        wanted = {"selective": ("save",), "offload": ("offload",)}.get(kind, ())
-        return cls(kind, **{k: v for k, v in options.items() if k in wanted and v is not None})
+        wanted = kind.spec.option
+        return cls(kind, **{k: v for k, v in options.items() if k == wanted and v is not None})
 
     @property
     def checkpointed(self) -> bool:

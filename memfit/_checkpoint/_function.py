@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ from memfit._checkpoint._cache import snapshot_caches
 from memfit._checkpoint._offload import Offload, offload_hooks, resolve_offload
 from memfit._checkpoint._replay import Replay
 from memfit._checkpoint._selective import resolve_save, selective_context_fn, selective_contexts
+from memfit._recompute import checkpointing_disabled, disable_checkpointing, is_recomputing, recomputing
 
 __all__ = ["CheckpointError", "checkpoint", "disable_checkpointing", "is_recomputing"]
 
@@ -30,37 +30,7 @@ class _StopRecompute(Exception):  # noqa: N818 (control flow, not an error)
     """Raised inside recompute once every saved tensor the backward needs is rebuilt."""
 
 
-class _Local(threading.local):
-    recompute_depth = 0
-    disabled_depth = 0
-
-
-_local = _Local()
 _anonymous_backward = itertools.count(-2, -1)  # graph ids for unpacks outside backward
-
-
-def is_recomputing() -> bool:
-    """True while memfit re-runs a checkpointed block during backward (in this thread)."""
-    return _local.recompute_depth > 0
-
-
-@contextlib.contextmanager
-def disable_checkpointing() -> Iterator[None]:
-    """Inside this context checkpointed functions and modules run plainly, keeping activations."""
-    _local.disabled_depth += 1
-    try:
-        yield
-    finally:
-        _local.disabled_depth -= 1
-
-
-@contextlib.contextmanager
-def _recomputing() -> Iterator[None]:
-    _local.recompute_depth += 1
-    try:
-        yield
-    finally:
-        _local.recompute_depth -= 1
 
 
 def describe(fn: Callable) -> str:
@@ -209,7 +179,7 @@ class _Frame:
         args, kwargs = self.inputs()
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack_recomputed(gid, t), _identity)
         try:
-            with torch.enable_grad(), self.replay.context(), _recomputing(), hooks, self.recompute_ctx:
+            with torch.enable_grad(), self.replay.context(), recomputing(), hooks, self.recompute_ctx:
                 self.fn(*args, **kwargs)
         except _StopRecompute:
             pass
@@ -332,7 +302,7 @@ def _eager_checkpoint(
     save = resolve_save(save)
     if context_fn is not None and save is not None:
         raise ValueError("memfit.checkpoint: pass save= or context_fn=, not both (both choose what to keep)")
-    if _local.disabled_depth > 0 or not torch.is_grad_enabled():
+    if checkpointing_disabled() or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     module = module or _module_of(fn)
     if save == "all":  # nothing recomputed: only offload applies, to everything saved

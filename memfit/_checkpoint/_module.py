@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import cast
 
 from torch import nn
 
@@ -13,6 +11,7 @@ from memfit._checkpoint._cache import cache_type
 from memfit._checkpoint._function import _checkpoint
 from memfit._checkpoint._offload import Offload, resolve_offload
 from memfit._checkpoint._selective import resolve_save
+from memfit._select import check, every_nth, resolve, select
 
 # [Note: In-place module checkpointing]
 # `checkpoint_module` sets an instance attribute `forward` on the module, a `_CheckpointedForward`
@@ -125,46 +124,10 @@ def remove_checkpointing(module: nn.Module) -> int:
     return undone
 
 
-@dataclass(frozen=True)
-class every_nth:  # noqa: N801 (a policy that reads as a function call)
-    """Policy for :func:`apply_activation_checkpointing`: every n-th module of ``classes``.
-
-    Counts the matching modules in ``named_modules()`` order and selects the 0th, n-th,
-    2n-th, ... (``every_nth(1, BertLayer)`` selects all of them).
-    """
-
-    n: int
-    classes: type[nn.Module] | tuple[type[nn.Module], ...]
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"memfit.every_nth: n must be an integer >= 1, got {self.n!r}")
-        _check_classes(self.classes, "every_nth")
-
-    def select(self, model: nn.Module) -> list[tuple[str, nn.Module]]:
-        matches = [(n, m) for n, m in model.named_modules() if isinstance(m, self.classes)]
-        return matches[:: self.n]
-
-
-def _check_classes(classes, where: str) -> None:
-    items = classes if isinstance(classes, tuple) else (classes,)
-    if not items or not all(isinstance(c, type) for c in items):
-        raise TypeError(f"memfit.{where}: expected a module class or a tuple of module classes, got {classes!r}")
-
-
 def _selector(policy) -> Callable[[nn.Module], list[tuple[str, nn.Module]]]:
-    if isinstance(policy, every_nth):
-        return policy.select
-    if isinstance(policy, type) or isinstance(policy, tuple):
-        _check_classes(policy, "apply_activation_checkpointing")
-        classes = cast("type[nn.Module] | tuple[type[nn.Module], ...]", policy)
-        return lambda model: [(n, m) for n, m in model.named_modules() if isinstance(m, classes)]
-    if callable(policy):
-        return lambda model: [(n, m) for n, m in model.named_modules() if policy(m)]
-    raise TypeError(
-        "memfit.apply_activation_checkpointing: policy must be a module class, a tuple of "
-        f"classes, memfit.every_nth(n, classes) or a callable(module) -> bool; got {policy!r}"
-    )
+    """The modules ``policy`` selects (see [Note: One module-selection policy])."""
+    check(policy, "memfit.apply_activation_checkpointing", "policy")
+    return lambda model: select(policy, model, "memfit.apply_activation_checkpointing", "policy")
 
 
 def apply_activation_checkpointing(
@@ -179,8 +142,9 @@ def apply_activation_checkpointing(
 ) -> list[str]:
     """Checkpoint, in place, the submodules of ``model`` that ``policy`` selects.
 
-    ``policy``: a module class, a tuple of classes, ``every_nth(n, classes)`` or a
-    ``callable(module) -> bool``; or, in torch's spelling, ``check_fn=callable(module) ->
+    ``policy``: a module class, a tuple (or set, list) of classes, ``every_nth(n, classes)``, a
+    ``callable(module) -> bool`` or an int (modules with at least that many parameters): the
+    same policy as sharding's ``auto_wrap_policy``; or, in torch's spelling, ``check_fn=callable(module) ->
     bool`` or ``auto_wrap_policy=`` (torch's wrap policies). When a selected module contains
     other selected modules only the outermost is checkpointed (a nested checkpoint would
     recompute the same work twice). ``offload`` and ``save`` are passed to
@@ -195,9 +159,7 @@ def apply_activation_checkpointing(
     module, and a module it returns in its place replaces it in its parent, as torch does.
     """
     if policy is None and check_fn is None and auto_wrap_policy is not None:
-        from memfit._shard._compat import wrap_policy_of  # torch's policy objects and callables
-
-        policy = wrap_policy_of(auto_wrap_policy, model)
+        policy = resolve(auto_wrap_policy, model)  # torch's policy objects and callables
     elif auto_wrap_policy is not None:
         raise TypeError("memfit.apply_activation_checkpointing: pass auto_wrap_policy= alone, without policy/check_fn")
     if (policy is None) == (check_fn is None):

@@ -18,18 +18,13 @@ from memfit._plan import _trial
 from memfit._plan._budget import format_bytes, parse_bytes
 from memfit._plan._calibrate import check_ranks
 from memfit._plan._calibrate import device_profile as _device_profile
+from memfit._plan._candidates import find_candidates
 from memfit._plan._comm import Units, micro_batch_comm
 from memfit._plan._plan import Plan, PlanError, _device_type, _solve_with_heads, replicas_forecast
-from memfit._plan._profile import (
-    DECISIONS,
-    Inputs,
-    ModelProfile,
-    _fake_copy,
-    _make_optimizer,
-    find_candidates,
-    profile_model,
-)
+from memfit._plan._profile import DECISIONS, _fake_copy, profile_model
+from memfit._plan._profile_types import ModelProfile
 from memfit._plan._solve import Sharding, smallest_budget
+from memfit._plan._step import Inputs, _make_optimizer
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
 from memfit._shard._mixed import MixedPrecision
 

@@ -18,16 +18,10 @@ from memfit._plan._budget import describe_bytes, format_bytes, parse_bytes
 from memfit._plan._calibrate import check_ranks
 from memfit._plan._calibrate import device_profile as _device_profile
 from memfit._plan._head import chunk_head, unchunk_head
-from memfit._plan._profile import (
-    DECISIONS,
-    Inputs,
-    ModelProfile,
-    _make_optimizer,
-    block_names,
-    profile_model,
-    step_loss,
-)
+from memfit._plan._profile import DECISIONS, profile_model
+from memfit._plan._profile_types import ModelProfile, block_names
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, timeline
+from memfit._plan._step import Inputs, _make_optimizer, step_loss
 from memfit._plan._time import DeviceProfile
 from memfit._shard._mixed import MixedPrecision
 from memfit.memory import MemoryMeter

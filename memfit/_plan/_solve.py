@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from memfit._plan._profile import DECISIONS, ModelProfile, block_names
+from memfit._checkpoint._decision import KINDS as DECISIONS
+from memfit._plan._profile_types import ModelProfile, block_names
 
 BINS = 8192
 
@@ -179,7 +180,7 @@ class _Moments:
         t = terms(profile, sharding)
         s = sharding.shards if sharding else 1
         units = gathered(profile, s)
-        shard, send = profile.grad_shard_scale / s, profile.reduce_scale  # per byte of a computed gradient
+        shard = profile.grad_shard_scale / s  # per byte of a computed gradient
         gradients, grads_after = [0.0] * len(profile.blocks), 0.0
         in_flight = [0.0] * len(profile.blocks)
         # The root's gradients stay whole until its reduce-scatter, the last of the step.
@@ -204,40 +205,7 @@ class _Moments:
             in_flight[i] = sum(b.param_bytes for b in profile.blocks[: i + 1]) if kept_whole else t["unit_buffers"]
             # in its forward: the same blocks whole (kept gathered: 0..i; else it and the next)
             grads_after += profile.blocks[i].grad_bytes * shard
-        # The root's reduce-scatter, after its parameters were freed: its whole gradients, the
-        # send buffer they are copied into (as large, in the reduce dtype) and the shard it
-        # receives. Under mixed precision ([Note: Forecasts under mixed precision]) the copy-in
-        # casts: one rank casts into the shard's gradient, staged in the compute dtype
-        # (_chunk_cat's own buffer); more ranks stage the cast in a buffer of the reduce dtype
-        # beside the send buffer, before the shard exists.
-        # Where the copy-in casts, every trainable parameter of the root is in it (one without a
-        # gradient sends zero rows in the compute dtype: 0.78x the measured peak without them);
-        # with accumulation the root's shard of the micro-batches before is alive beside
-        local, cast = s == 1, profile.reduce_scale != 1.0
-        whole = rest if profile.root_grad_bytes is None else profile.root_grad_bytes
-        reduced = rest * send if profile.root_reduce_bytes is None else profile.root_reduce_bytes
-        # (the blocks' reduce outputs are freed once added, [Note: Releasing the reduce output];
-        # with replicas they are held to the end of backward, as large as the blocks' shards)
-        root_shard = reduced / s if cast and not local else rest * shard  # the whole reduce output, views held
-        held = root_shard + grads_after * after_at if profile.accumulating and units else 0.0
-        root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + send)
-        if local:
-            root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + cast)
-        elif cast:
-            root_grads, root_reduce = grads_after + held, whole + 2 * reduced
-        eob = {"state": t["state"], "gradients": root_grads, "root_reduce": root_reduce}
-        eob["workspace"] = t["workspace"]
-        # a cast's staging buffer carries the send buffer's padding (16-byte slots per rank) too:
-        # under mixed precision 2 KiB per unit and rank (measured beyond the other terms: 3.6 KB
-        # for BERT's 3 units at W = 4; 2.5 KB for GPT-2's at W = 2 accumulating)
-        eob["bookkeeping"] = _BOOKKEEPING * (len(gradients) + 1) * (2 * s if cast and not local else 1)
-        # The embeddings' backward: the first block's reduce-scatter still in flight (its send
-        # buffer and shard; one rank: the shard's gradient alone), the root's full parameters.
-        first = profile.blocks[0].grad_bytes * (shard if local else send + shard) if units else 0.0
-        tail = {"state": t["state"], "gather_buffers": t["gather_buffers"]}
-        tail["gradients"] = grads_after * after_at + first
-        tail["workspace"] = t["workspace"]
-        tail["tail_transient"] = t["tail_transient"]
+        eob, tail = _after_the_blocks(profile, t, s, units, grads_after, after_at)
         between = [float(d) for d in profile.between] or [0.0] * len(profile.blocks)
         outside = [float(r) for r in profile.backward_outside] or [0.0] * len(profile.blocks)
         # the code's backward after block i: block i's gradients made (sharded: whole until
@@ -339,6 +307,50 @@ class _Moments:
             "kept_activations": sum(kept[:i]),
             "block_backward": b.peak[decisions[i]],
         }
+
+
+def _after_the_blocks(
+    profile: ModelProfile, t: dict[str, float], s: int, units: bool, grads_after: float, after_at: float
+) -> tuple[dict[str, float], dict[str, float]]:
+    """_Moments' parts of the end of backward (the root's reduce-scatter) and of the backward
+    before the blocks: what is alive once the blocks' backward is done (``grads_after``: the
+    blocks' gradient shards, counted at ``after_at``)."""
+    rest, shard, send = profile.grad_rest_bytes, profile.grad_shard_scale / s, profile.reduce_scale
+    # The root's reduce-scatter, after its parameters were freed: its whole gradients, the
+    # send buffer they are copied into (as large, in the reduce dtype) and the shard it
+    # receives. Under mixed precision ([Note: Forecasts under mixed precision]) the copy-in
+    # casts: one rank casts into the shard's gradient, staged in the compute dtype
+    # (_chunk_cat's own buffer); more ranks stage the cast in a buffer of the reduce dtype
+    # beside the send buffer, before the shard exists.
+    # Where the copy-in casts, every trainable parameter of the root is in it (one without a
+    # gradient sends zero rows in the compute dtype: 0.78x the measured peak without them);
+    # with accumulation the root's shard of the micro-batches before is alive beside
+    local, cast = s == 1, profile.reduce_scale != 1.0
+    whole = rest if profile.root_grad_bytes is None else profile.root_grad_bytes
+    reduced = rest * send if profile.root_reduce_bytes is None else profile.root_reduce_bytes
+    # (the blocks' reduce outputs are freed once added, [Note: Releasing the reduce output];
+    # with replicas they are held to the end of backward, as large as the blocks' shards)
+    root_shard = reduced / s if cast and not local else rest * shard  # the whole reduce output, views held
+    held = root_shard + grads_after * after_at if profile.accumulating and units else 0.0
+    root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + send)
+    if local:
+        root_grads, root_reduce = grads_after + rest * shard + held, rest * (1 + cast)
+    elif cast:
+        root_grads, root_reduce = grads_after + held, whole + 2 * reduced
+    eob = {"state": t["state"], "gradients": root_grads, "root_reduce": root_reduce}
+    eob["workspace"] = t["workspace"]
+    # a cast's staging buffer carries the send buffer's padding (16-byte slots per rank) too:
+    # under mixed precision 2 KiB per unit and rank (measured beyond the other terms: 3.6 KB
+    # for BERT's 3 units at W = 4; 2.5 KB for GPT-2's at W = 2 accumulating)
+    eob["bookkeeping"] = _BOOKKEEPING * (len(profile.blocks) + 1) * (2 * s if cast and not local else 1)
+    # The embeddings' backward: the first block's reduce-scatter still in flight (its send
+    # buffer and shard; one rank: the shard's gradient alone), the root's full parameters.
+    first = profile.blocks[0].grad_bytes * (shard if local else send + shard) if units else 0.0
+    tail = {"state": t["state"], "gather_buffers": t["gather_buffers"]}
+    tail["gradients"] = grads_after * after_at + first
+    tail["workspace"] = t["workspace"]
+    tail["tail_transient"] = t["tail_transient"]
+    return eob, tail
 
 
 def held_inputs(profile: ModelProfile, decisions: Sequence[str] | None) -> list[float]:

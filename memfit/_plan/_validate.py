@@ -10,19 +10,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import memfit
-from memfit._plan._profile import Inputs, _make_optimizer, step_loss
+from memfit._plan._plan import Plan
+from memfit._plan._step import Inputs, _make_optimizer, step_loss
+from memfit._shard._api import FullyShardedDataParallel
+from memfit._shard._mixed import MixedPrecision
+from memfit.memory import MemoryMeter
 
 
 def measured_sharded_peak(
-    plan: memfit.Plan,
+    plan: Plan,
     model: nn.Module,
     inputs: Inputs,
     layer: type,
     *,
     loss_fn=None,
     steps: int = 2,
-    mixed_precision: memfit.MixedPrecision | None = None,
+    mixed_precision: MixedPrecision | None = None,
     accumulate: int = 1,
 ) -> int:
     """Train a copy of ``model`` under ``plan``, sharded over the process group (each block of
@@ -32,7 +35,7 @@ def measured_sharded_peak(
     model = plan.apply(copy.deepcopy(model))
     model.train()
     wrap = {"auto_wrap_policy": {layer}, "mixed_precision": mixed_precision}
-    model = cast(nn.Module, memfit.FullyShardedDataParallel(model, **wrap))
+    model = cast(nn.Module, FullyShardedDataParallel(model, **wrap))
     opt = _make_optimizer("adamw", model)
     for _ in range(steps):
         # Garbage in reference cycles is freed when Python's collector runs, which other threads
@@ -40,7 +43,7 @@ def measured_sharded_peak(
         gc.collect()
         gc.disable()
         try:
-            with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
+            with MemoryMeter(model=model, optimizer=opt) as meter:
                 for _ in range(accumulate):
                     step_loss(model, inputs, loss_fn).backward()
                 opt.step()

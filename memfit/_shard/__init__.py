@@ -1,9 +1,7 @@
 """Fully sharded data parallel (ZeRO-3) on torch.distributed collectives."""
 
 from memfit._shard._api import FullyShardedDataParallel, shard
-from memfit._shard._checkpoint_files import load_checkpoint, save_checkpoint
 from memfit._shard._deferred import load_full_state_dict, materialize
-from memfit._shard._export import export_safetensors
 from memfit._shard._fully_shard import fully_shard
 from memfit._shard._host_step import host_optimizer
 from memfit._shard._mixed import MixedPrecision
@@ -15,13 +13,10 @@ __all__ = [
     "MixedPrecision",
     "ShardOptions",
     "clip_grad_norm_",
-    "export_safetensors",
     "fully_shard",
     "host_optimizer",
-    "load_checkpoint",
     "load_full_state_dict",
     "materialize",
-    "save_checkpoint",
     "shard",
     "summon_full_params",
 ]

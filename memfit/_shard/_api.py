@@ -9,11 +9,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from memfit._persist._export import SavePretrained
+from memfit._select import resolve
 from memfit._shard import _runtime
-from memfit._shard._compat import wrap_policy_of
 from memfit._shard._deferred import materialize
 from memfit._shard._device import compute_device, resolved
-from memfit._shard._export import SavePretrained
 from memfit._shard._fsdp1 import FSDP1API
 from memfit._shard._init import (
     broadcast_buffers,
@@ -67,7 +67,7 @@ class FullyShardedDataParallel(FSDP1API, ShardedModule):
         """Shard ``module`` as described in the class docstring and return it."""
         options = ShardOptions.from_kwargs(options, **kwargs)  # once: one mesh for every unit
         unit = dataclasses.replace(options, auto_wrap_policy=None, param_init_fn=None)
-        select = wrap_selector(wrap_policy_of(options.auto_wrap_policy, module))
+        select = wrap_selector(resolve(options.auto_wrap_policy, module))
         for sub in post_order(module):
             if sub is not module and select(sub):
                 shard(sub, options=unit)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import inspect
 import os
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import cast
 
 import torch
@@ -18,8 +17,8 @@ from memfit._shard._mixed import MixedPrecision
 # `FullyShardedDataParallel(module, ...)` is meant to replace `torch.distributed.fsdp.
 # FullyShardedDataParallel(module, ...)` or FairScale's in a training script with only the
 # import changed. Each spelling maps onto memfit's own arguments here:
-#   auto_wrap_policy: torch's policy objects (ModuleWrapPolicy, CustomPolicy, any _Policy) are
-#     run once on the model for the set of modules they wrap; the old-style callables and
+#   auto_wrap_policy (memfit/_select.py's resolve): torch's policy objects (ModuleWrapPolicy,
+#     CustomPolicy, any _Policy) are run once on the model for the set of modules they wrap; the old-style callables and
 #     their partials (transformer_auto_wrap_policy, size_based_auto_wrap_policy,
 #     lambda_auto_wrap_policy, `fn(module, recurse, nonwrapped_numel)`) are walked top-down
 #     as torch's own recursive wrap walks them.
@@ -221,52 +220,3 @@ def device_of(device_id) -> torch.device:
             )
         return torch.device(acc.type, device_id)
     return torch.device(device_id)
-
-
-def wrap_policy_of(policy, module: nn.Module):
-    """memfit's auto_wrap_policy for torch's policy objects and old-style policy callables."""
-    if _is_torch_policy_object(policy):
-        targets = set(policy._run_policy(module, set(), {}))
-        targets.discard(module)
-        return targets.__contains__
-    if callable(policy) and not isinstance(policy, type) and _takes_recurse(policy):
-        return set(_walk_old_style(module, policy)).__contains__
-    return policy
-
-
-def _is_torch_policy_object(policy) -> bool:
-    try:
-        from torch.distributed.fsdp.wrap import _Policy
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(policy, _Policy)
-
-
-def _takes_recurse(fn: Callable) -> bool:
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-    return "recurse" in params and "nonwrapped_numel" in params
-
-
-def _walk_old_style(root: nn.Module, policy: Callable) -> list[nn.Module]:
-    """The modules torch's ``_recursive_wrap`` would wrap with ``policy``, children first."""
-    targets: list[nn.Module] = []
-
-    def numel(m: nn.Module, wrapped: set) -> int:
-        return sum(p.numel() for p in m.parameters() if p not in wrapped)
-
-    wrapped: set[nn.Parameter] = set()
-
-    def visit(m: nn.Module) -> None:
-        if not policy(module=m, recurse=True, nonwrapped_numel=numel(m, wrapped)):
-            return
-        for child in m.children():
-            visit(child)
-        if m is not root and policy(module=m, recurse=False, nonwrapped_numel=numel(m, wrapped)):
-            targets.append(m)
-            wrapped.update(m.parameters())
-
-    visit(root)
-    return targets

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from memfit._select import predicate
 from memfit._shard import _runtime
 from memfit._shard._device import moved, same_device
 from memfit._shard._layout import Layout
@@ -52,29 +53,13 @@ def post_order(module: nn.Module) -> list[nn.Module]:
 
 
 def wrap_selector(policy) -> Callable[[nn.Module], bool]:
-    """The predicate an ``auto_wrap_policy`` stands for: does this submodule become a unit?"""
-    if policy is None:
-        return lambda m: False
-    if isinstance(policy, bool):
-        raise TypeError("memfit.FullyShardedDataParallel: auto_wrap_policy must not be a bool")
-    if isinstance(policy, int):
-        min_params = policy
+    """The predicate an ``auto_wrap_policy`` stands for: does this submodule become a unit? (See
+    [Note: One module-selection policy]; an int counts the parameters no unit below has taken.)"""
 
-        def big_enough(m: nn.Module) -> bool:
-            return sum(p.numel() for p in m.parameters() if sharded_as(p) is None and shard_of(p) is None) >= min_params
+    def unsharded(m: nn.Module) -> int:
+        return sum(p.numel() for p in m.parameters() if sharded_as(p) is None and shard_of(p) is None)
 
-        return big_enough
-    if isinstance(policy, type):
-        return lambda m: isinstance(m, policy)
-    if isinstance(policy, (set, frozenset, tuple, list)) and all(isinstance(c, type) for c in policy):
-        classes = tuple(policy)
-        return lambda m: isinstance(m, classes)
-    if callable(policy):
-        return policy
-    raise TypeError(
-        "memfit.FullyShardedDataParallel: auto_wrap_policy must be a module class, a set of classes, "
-        f"a callable(module) -> bool or a minimum parameter count; got {policy!r}"
-    )
+    return predicate(policy, "memfit.FullyShardedDataParallel", "auto_wrap_policy", numel=unsharded)
 
 
 # -- managed modules and tied parameters ----------------------------------------------------

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from memfit._select import check
 from memfit._shard._compat import (
     check_prefetch,
     device_of,
@@ -64,9 +65,10 @@ class ShardOptions:
     Attributes:
         auto_wrap_policy: which submodules ``FullyShardedDataParallel`` shards as their own unit
             (innermost first; the root takes the parameters left): a module class, a set or
-            tuple of classes, a ``callable(module) -> bool``, an int (the minimum number of not
-            yet wrapped parameters, FairScale's size-based policy), or torch's policy objects and
-            old-style policy callables. None: the whole model is one unit. ``memfit.shard``
+            tuple of classes, ``memfit.every_nth(n, classes)``, a ``callable(module) -> bool``, an
+            int (the minimum number of not yet wrapped parameters, FairScale's size-based policy),
+            or torch's policy objects and old-style policy callables: the same policy
+            :func:`memfit.apply_activation_checkpointing` takes. None: the whole model is one unit. ``memfit.shard``
             shards one module and takes none.
         group: the data-parallel process group (default: the default group).
         mesh: instead of ``group``, a ``DeviceMesh`` (``torch.distributed.device_mesh.
@@ -157,7 +159,7 @@ class ShardOptions:
                 raise ValueError(f"{where}: device={self.device!r} is not a device (e.g. 'cuda:0', 'cpu')") from None
         object.__setattr__(self, "mixed_precision", mixed_precision_of(self.mixed_precision, where))
         object.__setattr__(self, "ignored_params", _ignored(self.ignored_params, where))
-        _check_policy(self.auto_wrap_policy, where)
+        check(self.auto_wrap_policy, where, "auto_wrap_policy")
         if self.param_init_fn is not None and not callable(self.param_init_fn):
             raise TypeError(f"{where}: param_init_fn must be a callable(module), got {self.param_init_fn!r}")
 
@@ -265,25 +267,3 @@ def _ignored(params: Any, where: str) -> frozenset[nn.Parameter]:
     if odd:
         raise TypeError(f"{where}: ignored_params must hold nn.Parameters only, got {odd[:3]}")
     return frozenset(params)
-
-
-def _check_policy(policy: Any, where: str) -> None:
-    """Refuse what no ``auto_wrap_policy`` spelling is (``wrap_selector`` reads the rest)."""
-    if isinstance(policy, bool):
-        raise TypeError(f"{where}: auto_wrap_policy must not be a bool; pass a module class, or None for one unit")
-    if isinstance(policy, int) and policy < 0:
-        raise ValueError(f"{where}: auto_wrap_policy={policy}; an int is a minimum parameter count per unit (>= 0)")
-    collection = isinstance(policy, (set, frozenset, tuple, list)) and all(isinstance(c, type) for c in policy)
-    if not (policy is None or isinstance(policy, int) or callable(policy) or collection or _is_torch_policy(policy)):
-        raise TypeError(
-            f"{where}: auto_wrap_policy must be a module class, a set or tuple of classes, a callable(module) -> "
-            f"bool, an int (minimum parameters per unit), torch's wrap policy, or None; got {policy!r}"
-        )
-
-
-def _is_torch_policy(policy: Any) -> bool:
-    try:
-        from torch.distributed.fsdp.wrap import _Policy
-    except ImportError:  # torch built without distributed
-        return False
-    return isinstance(policy, _Policy)

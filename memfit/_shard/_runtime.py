@@ -12,8 +12,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from memfit._checkpoint import is_recomputing
 from memfit._instrument import HOOKS
+from memfit._recompute import is_recomputing
 from memfit._shard import _host_step
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies

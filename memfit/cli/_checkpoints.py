@@ -2,7 +2,7 @@
 each recording the run it belongs to.
 
 Each is written atomically by memfit.save_checkpoint (See [Note: Atomic directory replacement]
-in memfit/_shard/_atomic.py), so a directory named ``step-N`` holding memfit.json is a whole
+in memfit/_persist/_atomic.py), so a directory named ``step-N`` holding memfit.json is a whole
 checkpoint and anything else (a save a killed rank left half-written) is never picked to resume
 from. A checkpoint's memfit.json records, under ``extra``, its step, its run (``run``: an id,
 the config's SHA-256 and the model) and when it was saved (``saved_at``): a fresh run refuses a
@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import memfit
-from memfit._shard import _atomic
-from memfit._shard._checkpoint_files import _whole, whole_copy
+from memfit._persist import _atomic
+from memfit._persist._checkpoint_files import is_whole, whole_copy
 
 if TYPE_CHECKING:
     from memfit.cli._log import RunLog
@@ -111,7 +111,7 @@ def _remove_unfinished(root: str) -> None:
     if not os.path.isdir(root):
         return
     for _, path in complete(root):
-        _atomic.recover(path, _whole, _JSON)
+        _atomic.recover(path, is_whole, _JSON)
     for name in os.listdir(root):
         if re.fullmatch(r"step-\d+\.tmp-[0-9a-f]+", name):
             _atomic.remove_dir(os.path.join(root, name), _JSON)

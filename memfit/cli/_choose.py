@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 # bf16 both plan the step as memfit's units compute it (bf16 copies and activations beside fp32
 # shards and optimizer state, gradients summed in fp32: [Note: Forecasts under mixed
 # precision]), replicated layouts too.
-PLANNED_KINDS = ("keep", "selective", "full")
+PLANNED_KINDS = tuple(k.value for k in memfit.DecisionKind if k.spec.train_applies)
 _TRAIN_ADVICE = "a smaller --batch, more ranks (torchrun --nproc-per-node), or a larger --budget."
 
 

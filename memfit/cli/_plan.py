@@ -231,7 +231,7 @@ def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[s
 def _uniform_kind(plan: memfit.Plan) -> tuple[str, memfit.Plan]:
     """The kind `memfit train --checkpointing` takes of least predicted extra time that fits."""
     options = []
-    for kind in ("keep", "selective", "full"):
+    for kind in (k.value for k in memfit.DecisionKind if k.spec.train_applies):
         if kind in plan.profile.blocks[0].kept:
             options.append((kind, memfit.Plan.fixed(dict.fromkeys(plan.decisions, kind), plan.profile, plan.sharding)))
     assert plan.budget is not None

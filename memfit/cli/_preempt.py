@@ -26,7 +26,7 @@ ECHO_S = 1.0  # a repeat within this many seconds is the same preemption deliver
 # `_agree`), so a signal that reached one node only stops every rank after the same step.
 # A second signal stops at once (the process ends by that signal, without saving): the save
 # is atomic, so the previous checkpoint stays whole (See [Note: Atomic directory replacement]
-# in memfit/_shard/_atomic.py). One preemption often arrives twice within milliseconds (SLURM
+# in memfit/_persist/_atomic.py). One preemption often arrives twice within milliseconds (SLURM
 # signals every process of the job, and torchrun's agent forwards its own copy), so a repeat
 # within ECHO_S seconds of the first counts as the same signal. A stop agreed after the last
 # step changes nothing: the run ends as usual (its export included) with status 0.

@@ -43,7 +43,7 @@ from memfit.models import PRESETS
 from memfit.models._spec import ModelSpec, layer_class, loss_of, resolve, settle_loss_type, vocab_size
 
 # Not OFFLOAD: a block's input offloaded to disk under sharded training is untested
-CHECKPOINTING = tuple(k.value for k in memfit.DecisionKind if k is not memfit.DecisionKind.OFFLOAD)
+CHECKPOINTING = tuple(k.value for k in memfit.DecisionKind if k.spec.train_applies)
 _SHAPE = "override the preset's {} (default: the preset's)"
 
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 import memfit
-from memfit._shard import _atomic
+from memfit._persist import _atomic
 from memfit.testing import save_steps
 from tests._models import make_model
 

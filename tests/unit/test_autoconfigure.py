@@ -14,7 +14,8 @@ import torch
 import memfit
 from memfit._plan import _comm as comm
 from memfit._plan._autoconfig import Layout, Search, held_gradients, micro_batch_sizes
-from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
+from memfit._plan._profile import DECISIONS
+from memfit._plan._profile_types import BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, _Moments, forecast, smallest_budget
 from memfit._plan._time import PROFILES as NAMED
 from memfit._plan._time import OpCost

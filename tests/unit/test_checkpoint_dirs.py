@@ -94,7 +94,7 @@ def test_save_checkpoint_takes_extra_explicitly():
 
 
 def test_replacing_a_symlinked_checkpoint_keeps_its_target(tmp_path):
-    from memfit._shard import _atomic
+    from memfit._persist import _atomic
 
     target = fake(str(tmp_path), "elsewhere", "a", step=1)
     os.symlink(target, tmp_path / "ckpt")

@@ -108,3 +108,27 @@ def test_every_nth_counts_matches_in_named_modules_order():
 def test_every_nth_validation(n, classes, error, message):
     with pytest.raises(error, match=message):
         memfit.every_nth(n, classes)
+
+
+def test_each_kind_is_declared_once_and_the_lists_derive_from_it():
+    """See [Note: Decision kinds as data]: every DecisionKind has its KindSpec; the kinds memfit
+    train applies, the options Decision takes and the kinds the profile derives read it."""
+    from memfit._checkpoint._decision import SPECS, TRAIN_KINDS
+    from memfit.cli._choose import PLANNED_KINDS
+    from memfit.cli._train import CHECKPOINTING
+
+    assert list(SPECS) == list(memfit.DecisionKind)
+    assert TRAIN_KINDS == PLANNED_KINDS == CHECKPOINTING == ("keep", "selective", "full")
+    assert [k.spec.train_applies for k in memfit.DecisionKind] == [True, True, True, False]
+    for kind, spec in SPECS.items():
+        d = Decision(kind)
+        assert {"save": d.save, "offload": d.offload} == {o: spec.default if o == spec.option else None
+                                                         for o in ("save", "offload")}  # fmt: skip
+        if spec.traced_as is not None:  # derived from a kind the profile runs itself
+            assert SPECS[memfit.DecisionKind(spec.traced_as)].traced_as is None
+    assert [k for k, s in SPECS.items() if s.traced_as] == ["offload"]
+    with pytest.raises(ValueError, match="save= is only for kind 'selective', not 'full'"):
+        Decision("full", save="linear")
+    with pytest.raises(ValueError, match="offload= is only for kind 'offload', not 'selective'"):
+        Decision("selective", offload="cpu")
+    assert Decision.parse("offload", save="all", offload="cpu") == Decision("offload", offload="cpu")

@@ -5,7 +5,11 @@
 - module-level mutable state only where it must be process-wide, listed here, each with a
   comment on its line (or the line above) saying why;
 - no module assigns another module's globals (tests switch instrumentation through
-  memfit._instrument.HOOKS; See [Note: Instrumentation switches]).
+  memfit._instrument.HOOKS; See [Note: Instrumentation switches]);
+- no import cycles counting type-only imports too, but those listed as still to be broken;
+- no module of the private rooms (memfit/_*) imports the package face, ``memfit``;
+- no file over 800 lines, no function over 80 (its docstring not counted);
+- memfit/_shard/ does no file I/O (memfit/_persist/ does).
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ ALLOWED = {
     "memfit._shard._runtime._IN_FLIGHT": "steps between forward and backward hold their root state",
     "memfit._shard._init._optimizer_hook": "torch's optimizer hook is global: installed once",
     "memfit._shard._api._CLASSES": "one mixin class per user class, as FSDP2 makes",
-    "memfit._shard._async_save.SAVES": "at most one checkpoint save in flight per process",
+    "memfit._persist._async_save.SAVES": "at most one checkpoint save in flight per process",
     "memfit._shard._compat._WARNED": "each FSDP1 warning once per process",
     "memfit._shard._fully_shard._NO_MIXED_PRECISION": "FSDP2's default policy object, never changed",
     "memfit._checkpoint._selective._ALWAYS_RECOMPUTE": "a cache of a pure function of each aten op",
@@ -246,3 +250,117 @@ def test_no_module_assigns_another_modules_globals():
                 if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id in aliases:
                     bad.append(f"{m}:{node.lineno} assigns {aliases[t.value.id]}.{t.attr}")
     assert bad == []
+
+
+def all_imports(tree: ast.Module):
+    """Every import statement at any depth, those under ``if TYPE_CHECKING:`` included."""
+    return [node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))]
+
+
+# Cycles closed only by type-only imports, still to be broken (issue 51): the sharding runtime's
+# unit, parameter, checks and root state name each other's types; autoconfigure's trials name its
+# candidates; the CLI's train, choose and checkpoints modules (the cli-config work replaces them).
+TYPE_ONLY_CYCLES = [
+    ["memfit._plan._autoconfig", "memfit._plan._trial"],
+    ["memfit._shard._checks", "memfit._shard._param", "memfit._shard._runtime", "memfit._shard._unit"],
+    ["memfit.cli._checkpoints", "memfit.cli._choose", "memfit.cli._train"],
+]
+
+
+def test_import_cycles_counting_type_only_imports():
+    graph = {
+        m: {t for node in all_imports(tree) for t in imported(m, node) if t != m} for m, (_, tree) in MODULES.items()
+    }
+    found = cycles(graph)
+    assert [c for c in found if c not in TYPE_ONLY_CYCLES] == [], (
+        "import cycles through type-only imports: "
+        + "; ".join(
+            " -> ".join(f"{m} imports {sorted(graph[m] & set(c))}" for m in c)
+            for c in found
+            if c not in TYPE_ONLY_CYCLES
+        )
+    )
+    assert [c for c in TYPE_ONLY_CYCLES if c not in found] == [], "a listed cycle is gone: take it off TYPE_ONLY_CYCLES"
+
+
+def test_no_private_room_imports_the_package_face():
+    """memfit/_*/ and memfit/_*.py are below memfit/__init__.py: none imports ``memfit`` itself
+    (``import memfit``, ``from memfit import X``), at any depth, type-only imports included."""
+    bad = []
+    for m, (_, tree) in MODULES.items():
+        if not m.split(".")[1:2] or not m.split(".")[1].startswith("_"):
+            continue
+        for node in all_imports(tree):
+            if isinstance(node, ast.Import) and any(a.name == "memfit" for a in node.names):
+                bad.append(f"{m}:{node.lineno} import memfit")
+            elif isinstance(node, ast.ImportFrom) and node.module == "memfit" and not node.level:
+                bad.append(f"{m}:{node.lineno} from memfit import {', '.join(a.name for a in node.names)}")
+    assert bad == [], "import the module that defines the name instead: " + "; ".join(bad)
+
+
+def test_no_file_over_800_lines():
+    long = {m: n for m, (p, _) in MODULES.items() if (n := len(p.read_text().splitlines())) > 800}
+    assert long == {}, f"split these by concept (at most 800 lines a file): {long}"
+
+
+# Functions still over the limit (issue 51 item 1 replaces the hand-written parser).
+LONG_FUNCTIONS = {"memfit.cli._parser"}
+
+
+def function_lengths() -> dict[str, int]:
+    """Lines of every function and method (nested ones too), its docstring not counted:
+    {module.qualified.name: lines}."""
+    out = {}
+    for m, (_, tree) in MODULES.items():
+        stack: list[tuple[str, ast.AST]] = [(m, tree)]
+        while stack:
+            prefix, node = stack.pop()
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    name = f"{prefix}.{child.name}"
+                    if not isinstance(child, ast.ClassDef):
+                        lines = child.end_lineno - child.lineno + 1
+                        if ast.get_docstring(child) is not None:
+                            doc = child.body[0]
+                            lines -= doc.end_lineno - doc.lineno + 1
+                        out[name] = lines
+                    stack.append((name, child))
+                else:
+                    stack.append((prefix, child))
+    return out
+
+
+def test_no_function_over_80_lines():
+    lengths = function_lengths()
+    assert lengths["memfit._plan._step_profile._measure_step"] > 20  # the scan sees functions
+    long = {f: n for f, n in lengths.items() if n > 80 and f not in LONG_FUNCTIONS}
+    assert long == {}, f"split these (at most 80 lines a function, its docstring not counted): {long}"
+    fixed = {f for f in LONG_FUNCTIONS if lengths.get(f, 0) <= 80}
+    assert fixed == set(), f"take these off LONG_FUNCTIONS: {fixed}"
+
+
+FILE_IO_MODULES = {"io", "mmap", "pathlib", "shutil", "tempfile", "safetensors", "torch.distributed.checkpoint"}
+FILE_IO_CALLS = {"open", "torch.save", "torch.load", "os.replace", "os.rename", "os.remove", "os.makedirs", "os.fsync"}
+
+
+def file_io(tree: ast.Module) -> list[str]:
+    """Imports of file I/O modules and calls that read or write files (os.environ is no file)."""
+    found = []
+    for node in all_imports(tree):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+        found += [
+            f"{node.lineno}: import {n}" for n in names if n.split(".")[0] in FILE_IO_MODULES or n in FILE_IO_MODULES
+        ]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in FILE_IO_CALLS or name.startswith(("os.path.", "dcp.")):
+                found.append(f"{node.lineno}: {name}()")
+    return found
+
+
+def test_sharding_does_no_file_io():
+    """memfit/_shard/ holds the shards; memfit/_persist/ reads and writes them."""
+    assert file_io(MODULES["memfit._persist._checkpoint_files"][1])  # the scan sees file I/O
+    bad = {m: io for m, (_, tree) in MODULES.items() if m.startswith("memfit._shard") and (io := file_io(tree))}
+    assert bad == {}, f"file I/O in memfit/_shard/ (move it to memfit/_persist/): {bad}"

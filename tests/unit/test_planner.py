@@ -8,7 +8,8 @@ import torch
 
 import memfit
 from memfit._plan._budget import format_bytes
-from memfit._plan._profile import DECISIONS, BlockProfile, ModelProfile
+from memfit._plan._profile import DECISIONS
+from memfit._plan._profile_types import BlockProfile, ModelProfile
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, terms
 from memfit._plan._time import PROFILES
 

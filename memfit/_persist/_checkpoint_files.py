@@ -25,9 +25,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from memfit._instrument import HOOKS
-from memfit._shard import _atomic
-from memfit._shard._async_save import SAVES
-from memfit._shard._dcp_files import is_dcp_checkpoint, load_dcp_checkpoint
+from memfit._persist import _atomic
+from memfit._persist._async_save import SAVES
+from memfit._persist._dcp_files import is_dcp_checkpoint, load_dcp_checkpoint
 from memfit._shard._device import device_of_units, moved
 from memfit._shard._optim_state import install_optimizer_state_hooks
 from memfit._shard._param import ShardedParam
@@ -197,7 +197,7 @@ def _begin(path: str, group) -> str:
             if os.path.lexists(path) and not os.path.isdir(path):
                 raise OSError(errno.ENOTDIR, "it exists and is not a directory")
             os.makedirs(os.path.dirname(path), exist_ok=True)
-            _atomic.recover(path, _whole, _JSON)
+            _atomic.recover(path, is_whole, _JSON)
             box[0] = _atomic.temporary(path)
             _atomic.step("save:tmp-created")
         except OSError as e:
@@ -233,7 +233,7 @@ def _finish(path: str, tmp: str, state: dict[str, Any], info: dict[str, Any], gr
                 os.fsync(f.fileno())
             _atomic.step("save:info-written")
             _atomic.replace(tmp, path, _JSON)
-            _atomic.recover(path, _whole, _JSON)  # what earlier saves killed midway left
+            _atomic.recover(path, is_whole, _JSON)  # what earlier saves killed midway left
             _atomic.step("save:done")
         except OSError as e:
             shutil.rmtree(tmp, ignore_errors=True)  # unfinished, or the previous one after an exchange
@@ -243,7 +243,7 @@ def _finish(path: str, tmp: str, state: dict[str, Any], info: dict[str, Any], gr
         raise box[0]
 
 
-def _whole(path: str) -> bool:
+def is_whole(path: str) -> bool:
     """Whether ``path`` holds a checkpoint whose save finished (memfit.json is written last)."""
     return os.path.isfile(os.path.join(path, ".metadata")) and os.path.isfile(os.path.join(path, _JSON))
 
@@ -256,7 +256,7 @@ def whole_copy(path: str) -> str:
     if os.path.lexists(path) or not os.path.isdir(parent):
         return path
     olds = sorted(n for n in os.listdir(parent) if n.startswith(f"{base}.old-"))
-    return next((os.path.join(parent, n) for n in reversed(olds) if _whole(os.path.join(parent, n))), path)
+    return next((os.path.join(parent, n) for n in reversed(olds) if is_whole(os.path.join(parent, n))), path)
 
 
 def _not_a_checkpoint(path: str) -> str:
@@ -267,7 +267,7 @@ def _not_a_checkpoint(path: str) -> str:
     if not os.path.isdir(path):
         return f"{path!r} is a file; a memfit checkpoint is a directory (what memfit.save_checkpoint wrote)"
     names = sorted(os.listdir(path))
-    inside = [n for n in names if _whole(os.path.join(path, n))]
+    inside = [n for n in names if is_whole(os.path.join(path, n))]
     if "trainer_state.json" in names:
         within = f"; the memfit checkpoint in it is {os.path.join(path, inside[0])!r}" if inside else ""
         return (
@@ -291,7 +291,7 @@ def _nbytes(state: dict[str, Any]) -> int:
 
 def _write_error(e: BaseException, path: str, needed: int | None) -> OSError:
     """The error a save that could not write raises: a full disk says so, with what it needed."""
-    kept = f"the checkpoint at {path!r} is untouched" if _whole(path) else f"nothing was at {path!r}"
+    kept = f"the checkpoint at {path!r} is untouched" if is_whole(path) else f"nothing was at {path!r}"
     if _atomic.is_no_space(e):
         return _atomic.no_space("memfit.save_checkpoint", path, needed, kept)
     code = getattr(e, "errno", None) or errno.EIO
@@ -492,7 +492,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     path = whole_copy(os.path.abspath(path))
     if is_dcp_checkpoint(path):  # See [Note: memfit's checkpoint files and DCP's]
         return load_dcp_checkpoint(path, model, optimizer)
-    if not _whole(path):
+    if not is_whole(path):
         raise FileNotFoundError(f"memfit.load_checkpoint: {_not_a_checkpoint(path)}")
     shards, group = _shard_params(model)
     meta = _read_metadata(path)

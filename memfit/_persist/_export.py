@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from memfit._shard import _atomic
+from memfit._persist import _atomic
 from memfit._shard._unit import ShardedModule, Unit, units_of, user_class
 
 __all__ = ["SavePretrained", "export_safetensors"]
