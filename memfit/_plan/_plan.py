@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,7 +167,8 @@ class Plan:
 
     def _verdict(self) -> list[str]:
         f, shard = self.forecast, self.sharding
-        floor = min(smallest_budget(p, shard, self._allowed()) for p in _head_variants(self.profile, None).values())
+        floors = {h: smallest_budget(p, shard, self._allowed()) for h, p in _head_variants(self.profile, None).items()}
+        floor = min(floors.values())
         keep_all = _forecast(self.profile, ["keep"] * len(self.profile.blocks), shard, self.head)["peak"]
         where = f"per rank ({shard.describe()})" if shard and shard.world_size > 1 else "in one process"
         if self.profile.compute:  # mixed precision: [Note: Forecasts under mixed precision]
@@ -182,11 +183,12 @@ class Plan:
                 f"at {f['at']} ({format_bytes(self.budget - f['peak'])} to spare)"
             )
         source = f" ({self.profile.device_source})" if self.profile.device_source else ""
+        chunked = self.head == "chunked"
         return [
             head,
             *self._head_line(),
-            f"smallest budget any plan fits: {format_bytes(floor, up=True)}; keeping every activation: "
-            f"{format_bytes(keep_all, up=True)}",
+            f"smallest budget any plan fits: {format_bytes(floor, up=True)}{_whole_head(floors)}; keeping every "
+            f"activation: {format_bytes(keep_all, up=True)}{' (head and loss chunked, as planned)' * chunked}",
             f"what to change: {self._change(keep_all)}",
             f"time on {self.profile.device or 'the device profile'}{source}: predicted step "
             f"{f['step_time'] * 1e3:.1f} ms, of which recompute and offload {f['extra_time'] * 1e3:.1f} ms "
@@ -265,9 +267,10 @@ class Plan:
         useful = sorted((lever for lever in levers if lever[1] > 0), key=lambda lever: lever[2] / lever[1])
         if not levers:
             return []
+        whole = " with the head and loss whole" if self.head == "chunked" else ""  # the verdict's is chunked
         lines = [
             "levers that lower the peak, cheapest first (ms added a step per GiB off the keep-everything "
-            f"peak, {format_bytes(base)}):"
+            f"peak{whole}, {format_bytes(base, up=True)}):"
         ]
         width = max(len(name) for name, _, _ in levers) + 2
         for name, saved, seconds in useful:
@@ -507,6 +510,14 @@ def _solve_with_heads(
         least = min(_head_variants(profile, chunk_head).values(), key=lambda p: p.head_transient)
         raise _no_fit(least, budget, shard, decisions)
     return best[1], best[2]
+
+
+def _whole_head(floors: Mapping[str, float]) -> str:
+    """What the smallest budget of a chunked head leaves out: the one with the head whole (the
+    loss `memfit train` computes), when it is larger."""
+    if "chunked" not in floors or floors["chunked"] >= floors["plain"]:
+        return ""
+    return f" (with the head and loss chunked; {format_bytes(floors['plain'], up=True)} with them whole)"
 
 
 def _head_variants(profile: ModelProfile, chunk_head: bool | None) -> dict[str, ModelProfile]:

@@ -12,66 +12,22 @@ from __future__ import annotations
 
 import copy
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 
 import torch
 from torch import nn
 
 import memfit
 from memfit.cli._bench_dist import run_distributed
-from memfit.cli._data import batch_at
-from memfit.cli._flags import decision_kind
+from memfit.cli._config import STRATEGIES, BenchConfig
+from memfit.cli._data import batch_at, check_first_batch
 from memfit.cli._launch import choose_device, warn_world_size
 from memfit.cli._measure import Result, run
 from memfit.cli._output import Output, plot, write_json
-from memfit.models._spec import ModelSpec, layer_class, resolve
+from memfit.models._spec import layer_class
 
-STRATEGIES = (*(k.value for k in memfit.DecisionKind), "planned")  # each DecisionKind on every block, or planned
 COMPARE = ("torch.utils.checkpoint",)
-
-
-@dataclass
-class BenchConfig:
-    """What `memfit bench` runs (each field is a command-line flag)."""
-
-    model: str = "bert"  # a preset, a config.json or pkg.module:function (memfit.models._spec.resolve)
-    strategies: tuple[str, ...] | None = None  # one process only; None: all of STRATEGIES
-    budget: str | None = None  # for "planned" (one process); default: halfway between "full" and "keep"
-    compare: bool = False  # add torch.utils.checkpoint (with --world-size: torch FSDP2)
-    world_size: int = 1  # > 1: DDP vs memfit sharding on spawned ranks
-    device: str = "auto"  # auto (CUDA when there is a GPU), cpu or cuda
-    layers: int | None = None  # shape overrides
-    hidden: int | None = None
-    seq: int | None = None
-    batch: int | None = None
-    warmup: int = 2
-    repeats: int = 5
-    json: str | None = None
-    plot: str | None = None
-    spec: ModelSpec = field(init=False)
-
-    def __post_init__(self) -> None:
-        if self.world_size > 1 and (self.strategies is not None or self.budget is not None):
-            raise ValueError(
-                f"memfit bench: --strategies and --budget apply to one process; --world-size {self.world_size} "
-                "compares DDP with memfit sharding (add --compare for torch FSDP2). Drop them, or drop --world-size"
-            )
-        self.strategies = tuple(STRATEGIES if self.strategies is None else map(decision_kind, self.strategies))
-        self.spec = resolve(
-            self.model, layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch, command="memfit bench"
-        )
-        bad = [s for s in self.strategies if s not in STRATEGIES]
-        if bad:
-            raise ValueError(f"memfit bench: unknown strategies {bad}; choose from {list(STRATEGIES)}")
-        if self.world_size < 1:
-            raise ValueError("memfit bench: --world-size must be >= 1")
-        # --device cuda without a GPU, or more ranks than GPUs, fails here
-        spawned = self.world_size if self.world_size > 1 else None
-        choose_device(self.device, env={"LOCAL_RANK": str(self.world_size - 1)}, spawned=spawned, where="memfit bench")
-        if self.warmup < 1 or self.repeats < 1:
-            raise ValueError("memfit bench: --warmup and --repeats must be >= 1")
-        if self.budget is not None:
-            memfit.parse_bytes(self.budget)  # validates
+__all__ = ["STRATEGIES", "BenchConfig", "bench"]
 
 
 def bench(cfg: BenchConfig, console=None) -> list[dict]:
@@ -105,6 +61,7 @@ def _single_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     device = choose_device(cfg.device, where="memfit bench").device
     batch = {k: v.to(device) for k, v in batch_at(spec.arch, spec.batch, spec.seq, step=0).items()}
     base = spec.build(0).to(device)
+    check_first_batch(cfg.COMMAND, base, batch)
     assert cfg.strategies is not None  # __post_init__ fills it
     names = [x for x in cfg.strategies if x != "planned"] + (list(COMPARE) if cfg.compare else [])
     if "keep" not in names:
@@ -160,6 +117,8 @@ def _plan(cfg: BenchConfig, base: nn.Module, batch: dict, out: Output) -> memfit
 def _distributed_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     """N spawned ranks: DDP (the baseline), memfit sharding and, with --compare, torch FSDP2."""
     warn_world_size(cfg.world_size)
+    with torch.device("meta"):  # shapes only: the ranks would each fail on a batch the model cannot take
+        check_first_batch(cfg.COMMAND, cfg.spec.build(0), batch_at(cfg.spec.arch, cfg.spec.batch, cfg.spec.seq, 0))
     strategies = ("DDP", "memfit", *(("torch FSDP2",) if cfg.compare else ()))
     out.say(f"{cfg.world_size} spawned ranks: {', '.join(strategies)}")
     results = run_distributed(_spec_args(cfg), cfg.world_size, strategies, cfg.warmup, cfg.repeats, cfg.device)

@@ -24,15 +24,27 @@ import torch
 import torch.distributed as dist
 
 import memfit
+<<<<<<< HEAD
 from memfit._persist import _atomic
 from memfit._persist._checkpoint_files import is_whole, whole_copy
+=======
+from memfit._shard import _atomic
+from memfit._shard._checkpoint_files import whole_copy
+>>>>>>> cli-config
 
 if TYPE_CHECKING:
+    from memfit.cli._config import TrainConfig
     from memfit.cli._log import RunLog
-    from memfit.cli._train import TrainConfig
 
 _STEP = re.compile(r"step-(\d+)(\.old-[0-9a-f]+)?")
-_JSON = "memfit.json"
+_JSON = "memfit.json"  # written last by memfit.save_checkpoint: a directory holding it is whole
+_DCP = ".metadata"  # torch.distributed.checkpoint's index, written before it
+
+
+def _whole(path: str) -> bool:
+    """Whether ``path`` holds a checkpoint whose save finished: its index and, written last, its
+    memfit.json (the test memfit.save_checkpoint's own recovery makes)."""
+    return os.path.isfile(os.path.join(path, _DCP)) and os.path.isfile(os.path.join(path, _JSON))
 
 
 def path_at(root: str, step: int) -> str:
@@ -101,7 +113,7 @@ def remove_all(root: str) -> None:
             _atomic.remove_dir(os.path.join(root, name), _JSON)
     if os.path.isfile(os.path.join(root, _JSON)):  # memfit 0.1: a checkpoint straight in root
         for name in os.listdir(root):
-            if name in (_JSON, ".metadata") or name.endswith(".distcp"):
+            if name in (_JSON, _DCP) or name.endswith(".distcp"):
                 os.remove(os.path.join(root, name))
 
 

@@ -17,11 +17,12 @@ import memfit
 from memfit._plan._autoconfig import AutoConfig, Candidate, Layout, held_gradients
 from memfit._plan._budget import format_bytes
 from memfit._plan._time import default_profile
+from memfit.cli._config import MIXED
 from memfit.cli._data import window_batch
 
 if TYPE_CHECKING:
+    from memfit.cli._config import TrainConfig
     from memfit.cli._data import Tokens
-    from memfit.cli._train import TrainConfig
 
 # [Note: Choosing a run's configuration]
 # `memfit train` builds the model in host memory, then decides before sharding it:
@@ -100,7 +101,10 @@ def choose(
             held = held_gradients(plan.profile, Layout(world, cfg.hybrid_shards or world), accumulate)
             plan = memfit.plan(model, example, budget=cfg.budget, profile=held, **opts)
     except memfit.PlanError as e:
-        raise memfit.PlanError(f"{e} For memfit train: {_TRAIN_ADVICE}") from None
+        raise memfit.PlanError(
+            f"{e} memfit train computes the head and loss whole (`memfit plan`'s smallest budget may chunk them: "
+            f"its line says so); for memfit train: {_TRAIN_ADVICE}"
+        ) from None
     about = f"planned for {cfg.budget} per rank: {_counts(plan.decisions)}, forecast peak {_gib(plan.predicted_peak)}"
     return Choice(dict(plan.decisions), batch, None, *layout, about, plan.predicted_peak)
 
@@ -248,9 +252,6 @@ def _counts(decisions: dict[str, str]) -> str:
 
 def _gib(n: float) -> str:
     return format_bytes(int(n))
-
-
-MIXED = {"no": None, "bf16": torch.bfloat16}
 
 
 def mixed_precision(name: str) -> memfit.MixedPrecision | None:

@@ -121,3 +121,18 @@ def _labelled(ids: torch.Tensor, arch: str, step: int, seed: int, mask_id: int) 
     masked = torch.rand(ids.shape, generator=g) < 0.15
     labels = torch.where(masked, ids, torch.full_like(ids, -100))
     return {"input_ids": torch.where(masked, torch.full_like(ids, mask_id), ids), "labels": labels}
+
+
+def check_first_batch(command: str, model: torch.nn.Module, batch: dict[str, torch.Tensor]) -> None:
+    """Refuse a batch the model cannot take (a sequence longer than the positions it learned,
+    ids beyond its vocabulary) before the first step, naming the flags, whether or not a planner
+    runs: memfit.plan's check (See [Note: Checking the batch before planning]), in the command's
+    words."""
+    from memfit._plan._batch import check_batch
+
+    try:
+        check_batch(model, batch)
+    except ValueError as e:
+        rows, seq = batch["input_ids"].shape
+        detail = str(e).removeprefix("memfit.plan: ")
+        raise ValueError(f"{command}: --batch {rows} x --seq {seq} cannot run through the model: {detail}") from None

@@ -335,3 +335,16 @@ def warn_world_size(world_size: int) -> None:
             f"memfit: --world-size {world_size} is more than the {cores} CPU cores here; ranks will share cores",
             stacklevel=2,
         )
+
+
+def relaunched(command: str, env: Mapping[str, str] | None = None) -> str:
+    """``command`` (a ``memfit ...`` line) as this process was launched: under torchrun, with
+    torchrun's process counts in front (``torchrun --nproc-per-node 2 -m memfit train ...``), so
+    that a line printed to run again is the job's, not one process's."""
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env or "LOCAL_WORLD_SIZE" not in env or not command.startswith("memfit"):
+        return command
+    nodes = int(env.get("GROUP_WORLD_SIZE", "1"))
+    launcher = f"torchrun {f'--nnodes {nodes} ' * (nodes > 1)}--nproc-per-node {env['LOCAL_WORLD_SIZE']} -m memfit"
+    rendezvous = " (with this job's rendezvous flags)" if nodes > 1 else ""
+    return launcher + command.removeprefix("memfit") + rendezvous

@@ -5,85 +5,31 @@ command that runs it; `memfit calibrate`."""
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 
 import memfit
 from memfit._plan._budget import describe_bytes, format_bytes
 from memfit._plan._calibrate import cache_path, calibrate, save_profile
-from memfit._plan._time import PROFILES, default_profile
-from memfit.cli._choose import MIXED, PLANNED_KINDS, mixed_precision
-from memfit.cli._data import batch_at
+from memfit._plan._time import default_profile
+from memfit.cli._choose import PLANNED_KINDS, mixed_precision
+from memfit.cli._config import DTYPES, CalibrateConfig, PlanConfig
+from memfit.cli._data import batch_at, check_first_batch
 from memfit.cli._output import plot_timeline, write_json
-from memfit.models._spec import ModelSpec, resolve
+from memfit.cli._progress import phase
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@dataclass
-class PlanConfig:
-    model: str = "bert"
-    budget: str = "1GB"
-    world_size: int = 1
-    shard_size: int | None = None  # hybrid sharding: ranks per shard group (None: all ranks)
-    dtype: str = "fp32"  # parameters, gradients and optimizer state all in this dtype
-    mixed_precision: str = "no"  # bf16: computed in bf16 from fp32 master weights, as memfit train's flag
-    device_profile: str | None = None  # a name from PROFILES, "calibrated", or None (this machine's device's named one)
-    layers: int | None = None
-    hidden: int | None = None
-    seq: int | None = None
-    batch: int | None = None
-    json: str | None = None
-    auto: bool = False  # search the configuration (memfit.autoconfigure) instead of planning one
-    global_batch: int | None = None  # with auto: samples per optimizer step (None: free)
-    emit: str | None = None  # write the `memfit train --config` TOML that runs the plan here
-    plot: str | None = None  # draw the predicted memory over one step here (a PNG)
-
-    def __post_init__(self) -> None:
-        self.spec()  # an unknown model fails here
-        if self.plot is not None and not self.plot.endswith(".png"):
-            raise ValueError(f"memfit plan: --plot {self.plot!r}: name a .png file")
-        if self.emit is not None and not self.emit.endswith(".toml"):
-            raise ValueError(f"memfit plan: --emit {self.emit!r}: name a .toml file (memfit train --config reads it)")
-        memfit.parse_bytes(self.budget)
-        if self.world_size < 1:
-            raise ValueError("memfit plan: --world-size must be >= 1")
-        if self.shard_size is not None and (self.shard_size < 1 or self.world_size % self.shard_size):
-            raise ValueError(
-                f"memfit plan: --shard-size {self.shard_size} must divide --world-size {self.world_size} "
-                "(hybrid sharding: world size = replicas x shard size)"
-            )
-        if self.global_batch is not None and not self.auto:
-            raise ValueError("memfit plan: --global-batch is for --auto (the search over micro-batches)")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"memfit plan: unknown --dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
-        if self.mixed_precision not in MIXED:
-            raise ValueError(f"memfit plan: --mixed-precision takes {list(MIXED)}, got {self.mixed_precision!r}")
-        if self.mixed_precision != "no" and self.dtype != "fp32":
-            raise ValueError(
-                f"memfit plan: --mixed-precision {self.mixed_precision} keeps fp32 master weights and computes in "
-                f"{self.mixed_precision}: drop --dtype {self.dtype}"
-            )
-        if self.device_profile not in (None, "calibrated", *PROFILES):
-            raise ValueError(
-                f"memfit plan: unknown --device-profile {self.device_profile!r}; choose one of "
-                f"{sorted(PROFILES)} or 'calibrated'"
-            )
-
-    def spec(self) -> ModelSpec:
-        return resolve(
-            self.model, layers=self.layers, hidden=self.hidden, seq=self.seq, batch=self.batch, command="memfit plan"
-        )
+__all__ = ["DTYPES", "CalibrateConfig", "PlanConfig", "calibrate_command", "plan_command", "run_lines"]
 
 
 def plan_command(cfg: PlanConfig) -> memfit.Plan:
     spec = cfg.spec()
     seq, rows = spec.seq, spec.batch
-    print(f"plan: building {cfg.model} on the meta device", flush=True)
-    with torch.device("meta"):  # planning needs shapes only: nothing is allocated, no weights are read
+    # planning needs shapes only: nothing is allocated, no weights are read
+    with phase("plan", f"building {cfg.model} on the meta device"), torch.device("meta"):
         model = spec.build(0).to(DTYPES[cfg.dtype])
     batch = batch_at(spec.arch, rows, seq, step=0)
+    check_first_batch(cfg.COMMAND, model, batch)
     params = sum(p.numel() for p in model.parameters())
     device, why = _device_profile(cfg.device_profile)
     mixed = mixed_precision(cfg.mixed_precision)
@@ -100,16 +46,16 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     )
     if cfg.auto:
         return auto_command(cfg, model, batch, device)
-    print(f"plan: profiling one batch on fake tensors and solving for {cfg.budget}", flush=True)
-    plan = memfit.plan(
-        model,
-        batch,
-        budget=cfg.budget,
-        world_size=cfg.world_size,
-        shard_size=cfg.shard_size,
-        device_profile=device,
-        mixed_precision=mixed,
-    )
+    with phase("plan", f"profiling one batch on fake tensors and solving for {cfg.budget}"):
+        plan = memfit.plan(
+            model,
+            batch,
+            budget=cfg.budget,
+            world_size=cfg.world_size,
+            shard_size=cfg.shard_size,
+            device_profile=device,
+            mixed_precision=mixed,
+        )
     print(plan.table())
     if cfg.json:
         write_json(cfg.json, plan.to_dict())
@@ -131,20 +77,20 @@ def _plot(cfg: PlanConfig, plan: memfit.Plan) -> None:
 def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.DeviceProfile) -> memfit.Plan:
     """`memfit plan --auto`: the configurations searched, why each lost, and the chosen one's plan."""
     global_batch = f"global batch {cfg.global_batch}" if cfg.global_batch else "no global batch (accumulation 1)"
-    print(f"plan: searching configurations for {cfg.budget} per rank, {global_batch}", flush=True)
-    result = memfit.autoconfigure(
-        model,
-        batch,
-        budget=cfg.budget,
-        world_size=cfg.world_size,
-        global_batch=cfg.global_batch,
-        device_profile=device,
-        shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
-        mixed_precision=mixed_precision(cfg.mixed_precision),
-    )
+    with phase("plan", f"searching configurations for {cfg.budget} per rank, {global_batch}"):
+        result = memfit.autoconfigure(
+            model,
+            batch,
+            budget=cfg.budget,
+            world_size=cfg.world_size,
+            global_batch=cfg.global_batch,
+            device_profile=device,
+            shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
+            mixed_precision=mixed_precision(cfg.mixed_precision),
+        )
     print(result.table(limit=20))
     print()
-    print(result.plan.table())
+    print(chosen_plan_table(result))
     if cfg.json:
         write_json(cfg.json, {"auto": result.to_dict(), "plan": result.plan.to_dict()})
     _plot(cfg, result.plan)
@@ -156,6 +102,23 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
     print("\nthe times above are priced, not measured: with --trials K, memfit train times the top K first")
     print(f"run it: {launcher} train --auto {args}")
     return result.plan
+
+
+def chosen_plan_table(result: memfit.AutoConfig) -> str:
+    """The chosen configuration's plan table; where its predicted step differs from the
+    configuration's (the table above), its line says why: the plan prices one micro-batch's
+    step, the search the whole optimizer step at its layout."""
+    best, lines = result.best, result.plan.table().splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("time on ") and ": predicted step " in line:
+            said = line.split(": predicted step ", 1)[1].split(" ms", 1)[0]
+            if said != f"{best.step_time * 1e3:.1f}":
+                lines[i] = (
+                    f"{line}; the plan's own step (micro-batch {best.micro_batch}, as memfit.plan prices it), not the "
+                    f"configuration's {best.step_time * 1e3:.1f} ms above ({best.accumulation} micro-batches, the "
+                    f"optimizer and the communication of {best.layout.describe()})"
+                )
+    return "\n".join(lines)
 
 
 def _count(n: int) -> str:
@@ -237,27 +200,6 @@ def _uniform_kind(plan: memfit.Plan) -> tuple[str, memfit.Plan]:
     assert plan.budget is not None
     fitting = [o for o in options if o[1].predicted_peak <= plan.budget]
     return min(fitting, key=lambda o: o[1].predicted_overhead) if fitting else options[-1]
-
-
-@dataclass
-class CalibrateConfig:
-    device: str = "cpu"
-    cpu_time: bool = False  # one thread, timed in process CPU time (steady on a shared machine)
-    world_size: int = 1  # >1: that many spawned ranks calibrate together, links included
-
-    def __post_init__(self) -> None:
-        if self.world_size < 1:
-            raise ValueError(f"memfit calibrate: --world-size must be >= 1, got {self.world_size}")
-        if self.world_size > 1 and self.device not in ("cpu", "cuda"):
-            raise ValueError(
-                f"memfit calibrate: --world-size {self.world_size} runs on --device cpu (gloo) or cuda (rank r on "
-                f"GPU r, NCCL), got {self.device!r}"
-            )
-        if self.world_size > 1 and self.cpu_time:
-            raise ValueError(
-                "memfit calibrate: --cpu-time measures one thread alone, --world-size the ranks sharing the "
-                "machine: choose one"
-            )
 
 
 def _calibrate_rank(rank: int, world_size: int) -> memfit.DeviceProfile:

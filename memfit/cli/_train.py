@@ -15,14 +15,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import math
 import os
 import shutil
 import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import NoReturn, cast
 
 import torch
@@ -32,189 +31,17 @@ import memfit
 from memfit._shard._layout import end_mesh
 from memfit._shard._utils import clip_grads
 from memfit.cli import _checkpoints
-from memfit.cli._choose import MIXED, Choice, choose, mixed_precision, picked_before, trials_record, tried
-from memfit.cli._data import Tokens, load_tokens, window_batch
-from memfit.cli._flags import DEVICE_HELP, DEVICES, decision_kind, flag
-from memfit.cli._launch import choose_device, init_process_group, pg_timeout
+from memfit.cli._choose import Choice, choose, mixed_precision, picked_before, trials_record, tried
+from memfit.cli._config import CHECKPOINTING, TrainConfig
+from memfit.cli._data import Tokens, check_first_batch, load_tokens, window_batch
+from memfit.cli._launch import init_process_group, pg_timeout, relaunched
 from memfit.cli._log import RunLog, plural
 from memfit.cli._output import write_json
 from memfit.cli._preempt import Preempted, StopRequests, agreed_signal, resume_command
-from memfit.models import PRESETS
-from memfit.models._spec import ModelSpec, layer_class, loss_of, resolve, settle_loss_type, vocab_size
+from memfit.cli._progress import phase
+from memfit.models._spec import ModelSpec, layer_class, loss_of, settle_loss_type, vocab_size
 
-# Not OFFLOAD: a block's input offloaded to disk under sharded training is untested
-CHECKPOINTING = tuple(k.value for k in memfit.DecisionKind if k.spec.train_applies)
-_SHAPE = "override the preset's {} (default: the preset's)"
-
-
-@dataclass
-class TrainConfig:
-    """What `memfit train` runs: each field is a command-line flag (its metadata the flag's help
-    and argparse keywords; See [Note: Flags from the config]) and a config-file key."""
-
-    model: str = field(
-        default="bert",
-        metadata=flag(f"a preset ({', '.join(sorted(PRESETS))}), a config.json path, or pkg.module:function"),
-    )
-    data: str | None = field(
-        default=None, metadata=flag("text file or directory, or .npy/.bin token ids (default: stdlib sources)")
-    )
-    tokenizer: str | None = field(default=None, metadata=flag("a local tokenizer.json for text data (default: bytes)"))
-    val_fraction: float = field(default=0.05, metadata=flag("tail of the tokens held out for evaluation"))
-    eval_every: int = field(default=0, metadata=flag("evaluate every K steps and at the end (0: never)"))
-    eval_batches: int = field(default=4, metadata=flag("micro-batches per evaluation"))
-    steps: int = field(default=20, metadata=flag("optimizer steps in all"))
-    lr: float = field(default=3e-4, metadata=flag("peak learning rate"))
-    warmup: int = field(default=2, metadata=flag("linear warm-up steps, then cosine decay"))
-    accumulate: int = field(default=1, metadata=flag("micro-batches per step"))  # each of --batch rows per rank
-    global_batch: int | None = field(
-        default=None,
-        metadata=flag(
-            "sequences per step over all ranks: sets --accumulate to N / (--batch x world size) (default: "
-            "--batch x --accumulate x world size; a run resumed at another world size keeps its checkpoint's)",
-            metavar="N",
-        ),
-    )
-    clip: float = field(default=1.0, metadata=flag("max global gradient norm"))
-    checkpointing: str | None = field(
-        default=None, metadata=flag("per block (default: full)", choices=CHECKPOINTING, type=decision_kind)
-    )
-    budget: str | None = field(
-        default=None,
-        metadata=flag("plan checkpointing per block to fit SIZE per rank (e.g. 70GiB; memfit.plan)", metavar="SIZE"),
-    )
-    plan: str | None = field(
-        default=None, metadata=flag("apply the per-block checkpointing of a saved plan (memfit plan --json FILE)")
-    )
-    auto: bool = field(
-        default=False,
-        metadata=flag(
-            "with --budget: choose --batch, the accumulation, the sharding layout and per-block checkpointing "
-            "for the most predicted tokens/s (memfit.autoconfigure; --global-batch, or a resumed checkpoint's, "
-            "fixes the global batch)"
-        ),
-    )
-    trials: int = field(
-        default=0,
-        metadata=flag(
-            "with --auto: build each of the K fastest-predicted configurations afresh, time 5 steps after 2 "
-            "warm-up, and train the fastest expected: the measured steps blended with the predictions rescaled "
-            "to this machine (AutoConfig.measure, docs/planning.md; on a GPU, one over --budget there is "
-            "refused); 0: the fastest predicted",
-            metavar="K",
-        ),
-    )
-    mixed_precision: str = field(
-        default="no",
-        metadata=flag(
-            "bf16: gather and compute in bf16, reduce gradients in fp32, fp32 master weights", choices=list(MIXED)
-        ),
-    )
-    hybrid_shards: int = field(
-        default=0,
-        metadata=flag(
-            "hybrid sharding: shard over groups of N consecutive ranks (a node), replicate across them (0: over all)",
-            metavar="N",
-        ),
-    )
-    layers: int | None = field(default=None, metadata=flag(_SHAPE.format("layers")))
-    hidden: int | None = field(default=None, metadata=flag(_SHAPE.format("hidden")))
-    seq: int | None = field(default=None, metadata=flag(_SHAPE.format("seq")))
-    batch: int | None = field(  # a step: batch x accumulate x world
-        default=None, metadata=flag(_SHAPE.format("batch (rows per rank per micro-batch)"))
-    )
-    seed: int = field(default=0, metadata=flag("initialisation, dropout and masking"))
-    checkpoint_dir: str | None = field(
-        default=None, metadata=flag("checkpoints go to DIR/step-N: at the end, on SIGTERM/SIGINT and --save-every")
-    )
-    save_every: int = field(default=0, metadata=flag("also save a checkpoint every K steps (0: at the end only)"))
-    keep_last: int = field(default=0, metadata=flag("keep only the newest N checkpoints (0: all)"))
-    async_save: bool = field(
-        default=False,
-        metadata=flag(
-            "write --save-every checkpoints in the background while training goes on (the last one is waited for)"
-        ),
-    )
-    resume: str = field(
-        default="no",
-        metadata=flag(
-            "continue from the newest checkpoint in --checkpoint-dir (auto: only if there is one)",
-            nargs="?",
-            const="yes",
-            choices=["no", "yes", "auto"],
-        ),
-    )
-    overwrite: bool = field(
-        default=False,
-        metadata=flag("start afresh in a --checkpoint-dir that holds another run's checkpoints, deleting them"),
-    )
-    export: str | None = field(
-        default=None, metadata=flag("write a safetensors export (from_pretrained loads it) here at the end")
-    )
-    log_every: int = field(default=1, metadata=flag("print and record metrics every N steps"))
-    metrics: str | None = field(default=None, metadata=flag("append metrics here as JSON lines, as the run goes"))
-    tensorboard: str | None = field(
-        default=None, metadata=flag("TensorBoard log directory (needs the tensorboard package)")
-    )
-    json: str | None = field(default=None, metadata=flag("write the log and a digest of the final parameters here"))
-    device: str = field(default="auto", metadata=flag(DEVICE_HELP, choices=DEVICES))
-
-    def __post_init__(self) -> None:
-        choose_device(self.device, where="memfit train")  # --device cuda without a GPU fails here
-        # None: not given (full, unless --budget or --plan chooses); "none": the old spelling of "keep"
-        self.checkpointing = None if self.checkpointing is None else decision_kind(self.checkpointing)
-        if self.checkpointing is not None and self.checkpointing not in CHECKPOINTING:
-            raise ValueError(f"memfit train: unknown checkpointing {self.checkpointing!r}; choose from {CHECKPOINTING}")
-        if self.resume not in ("no", "yes", "auto"):
-            raise ValueError("memfit train: --resume takes no, yes or auto")
-        if (self.resume != "no" or self.save_every or self.overwrite) and not self.checkpoint_dir:
-            raise ValueError("memfit train: --resume, --save-every and --overwrite need --checkpoint-dir")
-        if self.overwrite and self.resume != "no":
-            raise ValueError(
-                "memfit train: --overwrite starts afresh, deleting the checkpoints; --resume continues from them: "
-                "pass one of the two"
-            )
-        if min(self.steps, self.accumulate, self.log_every, self.eval_batches) < 1 or self.warmup < 0:
-            raise ValueError("memfit train: --steps, --accumulate, --log-every, --eval-batches >= 1, --warmup >= 0")
-        if self.global_batch is not None and (self.global_batch < 1 or self.accumulate != 1):
-            raise ValueError("memfit train: --global-batch must be >= 1, and sets --accumulate: pass one of the two")
-        self._check_choice()
-        if min(self.save_every, self.keep_last, self.eval_every, self.hybrid_shards) < 0:
-            raise ValueError("memfit train: --save-every, --keep-last, --eval-every and --hybrid-shards must be >= 0")
-        self.spec()  # an unknown model fails here, before any process group forms
-
-    def _check_choice(self) -> None:
-        """--checkpointing, --budget and --plan each choose the checkpointing: one at most."""
-        chosen = [f for f, on in (("--budget", self.budget), ("--plan", self.plan)) if on]
-        chosen += ["--checkpointing"] * (self.checkpointing is not None)
-        if len(chosen) > 1:
-            raise ValueError(f"memfit train: {' and '.join(chosen)} each choose the checkpointing: pass one")
-        if self.budget:
-            memfit.parse_bytes(self.budget)  # a bad size fails here
-        if self.auto and not self.budget:
-            raise ValueError("memfit train: --auto searches configurations that fit a --budget: pass one")
-        if self.auto and (self.batch or self.accumulate != 1 or self.hybrid_shards):
-            raise ValueError("memfit train: --auto chooses --batch, --accumulate and --hybrid-shards: leave them out")
-        if self.trials < 0:
-            raise ValueError(f"memfit train: --trials takes 0 (none) or more configurations to try, not {self.trials}")
-        if self.trials and not self.auto:
-            raise ValueError("memfit train: --trials K tries --auto's top configurations: pass --auto (and --budget)")
-        if self.mixed_precision not in MIXED:
-            raise ValueError(f"memfit train: --mixed-precision takes {list(MIXED)}")
-
-    @property
-    def kind(self) -> str:
-        """The checkpointing kind for every block when neither --budget nor --plan chooses."""
-        return self.checkpointing or "full"
-
-    def spec(self) -> ModelSpec:
-        return resolve(self.model, layers=self.layers, hidden=self.hidden)
-
-    def lr_at(self, step: int) -> float:
-        if step < self.warmup:
-            return self.lr * (step + 1) / self.warmup
-        progress = (step - self.warmup) / max(1, self.steps - self.warmup)
-        return self.lr * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+__all__ = ["CHECKPOINTING", "TrainConfig", "accumulation", "train"]
 
 
 def _digest(model: torch.nn.Module) -> str:
@@ -264,6 +91,8 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
             f"memfit train: the data needs token ids up to {needed - 1} but {cfg.model} embeds {vocab}; "
             "use a model with a larger vocabulary (or a smaller tokenizer)"
         )
+    first = window_batch(tokens.train, spec.arch, batch, seq, 0, cfg.seed, tokens.mask_id)
+    check_first_batch(cfg.COMMAND, model, first)  # a sequence longer than its positions: refused here
     n_params = sum(p.numel() for p in model.parameters())
     block = layer_class(model)
     wanted = cfg.global_batch or cfg.accumulate * batch * world
@@ -293,7 +122,9 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
         trial.sharded = (c.hybrid_shards or world) > 1
         return lambda: _descend(trial, _micro_batches(trial, 0))
 
-    chosen = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
+    searching = f"{'searching configurations' if cfg.auto else 'planning'} for {cfg.budget} per rank"
+    with phase(cfg.COMMAND, searching, shown=bool(cfg.budget) and rank == 0):
+        chosen = choose(cfg, model, block, data, world, device.type, planned, global_batch=cfg.global_batch or resumed)
     picked = None
     timed = {"mixed_precision": cfg.mixed_precision, "seq": seq, "device": device.type}  # what --trials times under
     if cfg.trials and chosen.search is not None:  # See [Note: Trying configurations]
@@ -301,7 +132,8 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     if cfg.trials and chosen.search is not None and picked is None:
         del model  # each trial builds its own: one whole model in host memory at a time
         gc.collect()
-        picked = tried(cfg, chosen.search, list(chosen.decisions), world, step_of, device)
+        with phase(cfg.COMMAND, f"timing the {cfg.trials} fastest-predicted configurations", shown=rank == 0):
+            picked = tried(cfg, chosen.search, list(chosen.decisions), world, step_of, device)
         model = spec.build(cfg.seed)
         settle_loss_type(model)
     chosen = picked or chosen
@@ -662,7 +494,7 @@ def _stop(run: _Run, signum: int, done: int, path: str | None, log: list[dict], 
     if path:
         run.log.say(
             f"memfit train: stopped by {name} after step {done} of {run.cfg.steps}; saved checkpoint {path}; "
-            f"continue with: {resume_command(sys.argv)}"
+            f"continue with: {relaunched(resume_command(sys.argv))}"
         )
     else:
         run.log.say(

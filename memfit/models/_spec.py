@@ -77,6 +77,14 @@ def _from_config(path: str, command: str) -> ModelSpec:
         raise ValueError(f"{command}: --model {path!r} is not a transformers config.json ({e})") from None
     masked = config.model_type in MASKED
     auto = AutoModelForMaskedLM if masked else AutoModelForCausalLM
+    if type(config) not in auto._model_mapping:  # a vision or audio config: refused here, in one line
+        head = "masked" if masked else "causal"
+        raise ValueError(
+            f"{command}: --model {path!r} is a {config.model_type} config ({type(config).__name__}), which "
+            f"transformers builds no {head} language model for; memfit trains language models: pass a causal LM "
+            "config (gpt2, llama, qwen2, mistral, ...), a masked LM config (bert, roberta, ...), a preset, or a "
+            "factory pkg.module:function that returns your model"
+        )
     if hasattr(config, "use_cache"):
         config.use_cache = False
 

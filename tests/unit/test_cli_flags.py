@@ -8,8 +8,9 @@ import json
 import pytest
 
 import memfit
-from memfit.cli import BenchConfig, TrainConfig, _parser, main, parse_config
+from memfit.cli import BenchConfig, PlanConfig, TrainConfig, _parser, main, parse_config
 from memfit.cli._bench import STRATEGIES
+from memfit.cli._config import CalibrateConfig
 from memfit.cli._flags import add_flags, flag, flag_name
 
 
@@ -145,3 +146,76 @@ def test_add_flags_reads_types_and_metadata():
 
     with pytest.raises(TypeError, match=r"the flag of Bad\.names needs a str, int, float or bool field"):
         add_flags(argparse.ArgumentParser(), Bad)
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_every_commands_parser_is_its_config_read_back():
+    """Each subcommand's flags are its config's fields and nothing else: the flag's name, default
+    (a field without one is a required flag), help and choices are the field's, so every default
+    is declared once, in memfit/cli/_config.py."""
+    from memfit.cli import COMMANDS
+
+    parsers = _subparsers()
+    assert set(parsers) == set(COMMANDS)
+    for name, (config, _) in COMMANDS.items():
+        fields = {f.name: f for f in dataclasses.fields(config) if f.init}
+        actions = {a.dest: a for a in parsers[name]._actions if a.dest not in ("help", "config")}
+        assert set(actions) == set(fields), name
+        for dest, f in fields.items():
+            action, where = actions[dest], f"{name} {flag_name(dest)}"
+            assert action.option_strings == [flag_name(dest)], where
+            assert action.help == f.metadata["help"], where
+            required = f.default is dataclasses.MISSING
+            assert action.required is required, where
+            assert required or action.default == f.default, where
+            assert action.choices == f.metadata.get("choices"), where
+    plan = parse_config(["plan", "--budget", "2GB"])
+    assert plan == PlanConfig(budget="2GB")  # the parser's defaults are the fields'
+    assert parse_config(["bench"]) == BenchConfig() and parse_config(["calibrate"]) == CalibrateConfig()
+    assert parse_config(["bench", "--strategies", "keep", "full"]).strategies == ("keep", "full")
+
+
+def test_the_parser_declares_no_flag_of_its_own():
+    """memfit/cli/__init__.py calls add_flags only: no add_argument, no literal default."""
+    import ast
+    import pathlib
+
+    import memfit.cli
+
+    tree = ast.parse(pathlib.Path(memfit.cli.__file__).read_text())
+    calls = [ast.unparse(n.func).rsplit(".", 1)[-1] for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    assert "add_argument" not in calls and "add_flags" in calls
+
+
+def test_no_import_cycle_in_the_cli_counting_type_only_imports():
+    """The commands import their configs from memfit/cli/_config.py, which imports no command:
+    no cycle among memfit.cli's modules even with the imports under TYPE_CHECKING (train ->
+    choose -> train and train -> checkpoints -> train closed two)."""
+    import ast
+    import pathlib
+
+    import memfit.cli
+
+    root = pathlib.Path(memfit.cli.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.glob("*.py"):
+        name = f"memfit.cli.{path.stem}" if path.stem != "__init__" else "memfit.cli"
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):  # every import, TYPE_CHECKING ones too
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("memfit.cli"):
+                for a in node.names:  # `from memfit.cli import _checkpoints` imports the submodule
+                    sub = f"{node.module}.{a.name}"
+                    targets.add(sub if (root / f"{a.name}.py").exists() else node.module)
+        graph[name] = {t for t in targets if t != name}
+    graph = {m: {t for t in ts if t in graph} for m, ts in graph.items()}
+    assert "memfit.cli._config" in graph["memfit.cli._train"]  # the scan sees imports
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(t == goal or (t not in seen and not seen.add(t) and reaches(t, goal, seen)) for t in graph[start])
+
+    cyclic = sorted(m for m in graph if m != "memfit.cli" and reaches(m, m, set()))
+    assert cyclic == [], cyclic
