@@ -36,11 +36,7 @@ from memfit._shard import (
     ShardOptions,
     clip_grad_norm_,
     fully_shard,
-<<<<<<< HEAD
     host_optimizer,
-    load_checkpoint,
-=======
->>>>>>> seams
     load_full_state_dict,
     materialize,
     shard,

@@ -24,13 +24,8 @@ import torch
 import torch.distributed as dist
 
 import memfit
-<<<<<<< HEAD
 from memfit._persist import _atomic
 from memfit._persist._checkpoint_files import is_whole, whole_copy
-=======
-from memfit._shard import _atomic
-from memfit._shard._checkpoint_files import whole_copy
->>>>>>> cli-config
 
 if TYPE_CHECKING:
     from memfit.cli._config import TrainConfig
