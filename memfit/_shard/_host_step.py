@@ -330,15 +330,3 @@ def _scheduled(optimizer: torch.optim.Optimizer):
 def _step(optimizer: torch.optim.Optimizer, closure: Any = None) -> Any:
     """``optimizer.step`` under :func:`host_optimizer`."""
     return optimizer._memfit_host_step.step(closure)  # type: ignore[attr-defined]
-
-
-def grads_landed(unit: Unit, streams: Streams, stream: str) -> None:
-    """Hook of the runtime: ``unit``'s gradients for this backward are final on ``stream``."""
-    if unit.host_step is not None:
-        unit.host_step.landed(unit, streams, stream)
-
-
-def backward_ended(units: list[Unit]) -> None:
-    """Hook of the runtime's end of backward: join each host step of these units."""
-    for host in dict.fromkeys(u.host_step for u in units if u.host_step is not None):
-        host.backward_ended()

@@ -14,11 +14,31 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from memfit._instrument import HOOKS
 from memfit._recompute import is_recomputing
-from memfit._shard import _host_step
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
-from memfit._shard._unit import GradSync, PendingReduce, ShardState, TrainingState, Unit, release
+from memfit._shard._unit import (
+    GradSync,
+    PendingReduce,
+    ShardState,
+    TrainingState,
+    Unit,
+    release,
+)
+
+
+def grads_landed(unit: Unit, streams: Streams, stream: str) -> None:
+    """Hook of the runtime: ``unit``'s gradients for this backward are final on ``stream``
+    (See [Note: The host step])."""
+    if unit.host_step is not None:
+        unit.host_step.landed(unit, streams, stream)
+
+
+def backward_ended(units: list[Unit]) -> None:
+    """Hook of the runtime's end of backward: join each host step of these units."""
+    for host in dict.fromkeys(u.host_step for u in units if u.host_step is not None):
+        host.backward_ended()
+
 
 # [Note: One sharded training step]
 # Forward, per unit: the pre-forward hook finishes the unit's all-gather (started early by
@@ -194,7 +214,7 @@ class RootState:
             self.finish_pending_reduce()
             self.pending_reduce = unit.start_reduce()
             if self.pending_reduce is None:  # on the chunks (one rank): final now (See [Note: The host step])
-                _host_step.grads_landed(unit, self.streams, "compute")
+                grads_landed(unit, self.streams, "compute")
             if unit.grad_sync is GradSync.HELD:
                 unit.grad_sync = GradSync.SYNC
         else:
@@ -207,7 +227,7 @@ class RootState:
             pending, self.pending_reduce = self.pending_reduce, None
             pending.finish()
             post = "reduce" if pending.unit.layout.replicate is None else "all_reduce"
-            _host_step.grads_landed(pending.unit, self.streams, post)  # See [Note: The host step]
+            grads_landed(pending.unit, self.streams, post)  # See [Note: The host step]
 
     def ensure_finish_queued(self) -> None:
         """Make sure `finish_backward` runs when the current backward pass ends."""
@@ -236,7 +256,7 @@ class RootState:
             for name, buffer in self.outputs_held:
                 release(self.streams, name, "reduce", buffer)
             self.outputs_held.clear()
-        _host_step.backward_ended(self.units)  # the host shards' steps in flight: joined
+        backward_ended(self.units)  # the host shards' steps in flight: joined
         for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next
             self.streams.note("use", f"{unit.name}:grad-shards", "compute")  # (the optimizer)
             self.streams.note("use", unit.tail_name, "compute")  # (the step's checks)

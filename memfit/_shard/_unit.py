@@ -9,7 +9,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from enum import Enum, auto
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -24,8 +24,18 @@ from memfit._shard._param import ShardedParam
 from memfit._shard._streams import Streams
 
 if TYPE_CHECKING:
-    from memfit._shard._host_step import HostStep
     from memfit._shard._runtime import RootState
+
+
+class HostHooks(Protocol):
+    """What the runtime calls on a unit's host step (memfit._shard._host_step.HostStep; a
+    protocol here so that the unit need not import it)."""
+
+    def landed(self, unit: Unit, streams: Streams, stream: str) -> None: ...
+
+    def backward_ended(self) -> None: ...
+
+    def check_clip(self, unit: Unit) -> None: ...
 
 
 class ShardState(Enum):
@@ -172,7 +182,7 @@ class Unit:
         self.backward_prefetch: list[Unit] | None = None  # None: the unit before it in that order
         self.divide_factor: float | None = None  # None: the gradients are averaged over the ranks
         self.root_state: RootState | None = None  # shared under the root, set at its first forward
-        self.host_step: HostStep | None = None  # steps its host shards in backward (See [Note: The host step])
+        self.host_step: HostHooks | None = None  # steps its host shards in backward (See [Note: The host step])
         self.staged: tuple[torch.Tensor, list[int]] | None = None  # its next send slot, packed by the host step
 
     def __repr__(self) -> str:
