@@ -48,6 +48,8 @@ class DiskFile:
             os.unlink(self.path)  # See [Note: The disk tier]: scratch, gone with the process
         self._fd = fd
         self._used = 0
+        self.written = 0  # bytes written back by release(dirty=True) (tests and the planner's check read these)
+        self.dropped = 0  # bytes dropped from memory by release: read again at their next use
 
     def tensor(self, like: torch.Tensor) -> torch.Tensor:
         """A new tensor in the file, shaped and typed as ``like``, holding ``like``'s values."""
@@ -85,6 +87,8 @@ class DiskFile:
         """Write back (``dirty``) and drop the file's pages from memory."""
         if dirty:
             self._map.flush()
+            self.written += self._used
+        self.dropped += self._used
         self._map.madvise(mmap.MADV_DONTNEED)
         os.posix_fadvise(self._fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
