@@ -487,7 +487,7 @@ def plan(
         )
     offload = offload or ("disk" if device.name in ("cpu", "calibrated-cpu") else "cpu")
     t0 = time.perf_counter()
-    tier = None
+    tiers = None  # See [Note: Planned tiers]
     if host_budget is not None or disk is not None:
         tiers = Tiers(
             host=None if host_budget is None else parse_bytes(host_budget),
@@ -495,16 +495,7 @@ def plan(
             disk_budget=None if disk_budget is None else parse_bytes(disk_budget),
             disk_bandwidth=disk_bandwidth or DISK_BANDWIDTH,
         )
-        accelerator = device.name not in ("cpu", "calibrated-cpu")
-        tier, (head, chosen) = choose_tiers(
-            profile,
-            shard,
-            tiers,
-            accelerator,
-            lambda freed: _solved(profile, budget_bytes + freed, shard, decisions, chunk_head),
-        )
-    else:
-        head, chosen = _solve_with_heads(profile, budget_bytes, shard, decisions, chunk_head)
+    tier, head, chosen = _solve_tiers(profile, budget_bytes, shard, decisions, chunk_head, tiers, device.name)
     return Plan(
         budget=budget_bytes,
         decisions={b.path: d for b, d in zip(profile.blocks, chosen)},
@@ -515,6 +506,19 @@ def plan(
         head=head,
         tiers=tier,
     )
+
+
+def _solve_tiers(
+    profile: ModelProfile, budget: int, shard: Sharding | None, decisions, chunk_head, tiers: Tiers | None, device: str
+) -> tuple[TierChoice | None, str, list[str]]:
+    """The tiers (None: not asked), the head and the blocks' decisions."""
+    if tiers is None:
+        return (None, *_solve_with_heads(profile, budget, shard, decisions, chunk_head))
+    accelerator = device not in ("cpu", "calibrated-cpu")
+    tier, (head, chosen) = choose_tiers(
+        profile, shard, tiers, accelerator, lambda freed: _solved(profile, budget + freed, shard, decisions, chunk_head)
+    )
+    return tier, head, chosen
 
 
 def _solved(profile: ModelProfile, budget: int, shard: Sharding | None, decisions, chunk_head: bool | None):

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
+from memfit._plan._budget import format_bytes
 from memfit._plan._profile_types import ModelProfile
 from memfit._plan._solve import Sharding, state_offload
 
@@ -85,15 +86,13 @@ class TierChoice:
         return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
 
     def line(self) -> str:
-        gib = 2**30
-        where = "on the device" if self.state == "device" else f"in host memory ({self.host_bytes / gib:.2f} GiB)"
+        where = "on the device" if self.state == "device" else f"in host memory ({format_bytes(self.host_bytes)})"
         disk = ""
         if self.disk_blocks:
-            disk = (
-                f"; {len(self.disk_blocks)} blocks on disk ({self.disk_bytes / gib:.2f} GiB held, "
-                f"{(self.disk_read_bytes + self.disk_write_bytes) / gib:.2f} GiB moved a step)"
-            )
-        return f"model state {where}{disk}, +{self.extra_time * 1e3:.1f} ms a step"
+            moved = format_bytes(self.disk_read_bytes + self.disk_write_bytes)
+            disk = f"; {len(self.disk_blocks)} blocks on disk ({format_bytes(self.disk_bytes)} held, {moved} a step)"
+        off = f", {format_bytes(self.device_saved)} off the device's peak" if self.device_saved else ""
+        return f"model state {where}{disk}{off}, +{self.extra_time * 1e3:.1f} ms a step"
 
 
 def unit_state(profile: ModelProfile, shards: int) -> tuple[tuple[int, int, int], list[tuple[int, int, int]]]:

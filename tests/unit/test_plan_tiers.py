@@ -4,6 +4,7 @@ holds and moves, on a GPT-2 and a BERT preset at one rank; and the choice of tie
 budgets change. Counts of bytes only: no timing."""
 
 import functools
+import math
 import warnings
 
 import pytest
@@ -124,3 +125,49 @@ def test_the_choice_follows_the_budgets(tmp_path, preset):
     offloaded = _plan(preset, budget=floor - block, host_budget="1TB", device_profile="h100")
     assert offloaded.tiers.state == "host" and offloaded.tiers.host_bytes == total
     assert offloaded.predicted_peak <= floor - block < offloaded.predicted_peak + offloaded.tiers.device_saved
+
+
+def test_memfit_train_applies_the_planned_tiers(one_rank, tmp_path):
+    """`memfit train --budget --host-budget --disk` plans the tiers on its first micro-batch and
+    applies them: the host step with --accumulate and --clip, the planned blocks' units on the
+    disk tier, writing what the plan forecast a step."""
+    from memfit.cli._config import TrainConfig
+    from memfit.cli._data import window_batch
+    from memfit.cli._preempt import StopRequests
+    from memfit.cli._train import _build, _step
+
+    shape = {"model": "gpt2", "layers": 3, "hidden": 32, "seq": 16, "batch": 2, "accumulate": 2, "device": "cpu"}
+    plain = _build(TrainConfig(**shape), torch.device("cpu"))
+    assert getattr(plain.opt, "_memfit_host_step", None) is None  # no tiers asked: the optimizer as built
+    micro = window_batch(plain.tokens.train, plain.spec.arch, plain.batch, plain.seq, 0, 0, plain.tokens.mask_id)
+    kinds = ("keep", "selective", "full")
+    planned = memfit.plan(plain.spec.build(0), micro, budget="1TB", decisions=kinds, chunk_head=False)
+    root, blocks = unit_state(planned.profile, 1)
+    total, block = sum(map(sum, [root, *blocks])), blocks[0][0] + blocks[0][2]
+    tiers = {"host_budget": str(total - int(1.5 * block)), "disk": str(tmp_path)}
+    run = _build(TrainConfig(budget="1TB", clip=0.5, **shape, **tiers), torch.device("cpu"))
+    host = run.opt._memfit_host_step
+    assert (host.accumulate, host.max_norm) == (2, 0.5)
+    assert len(host.disk.units) == 2 and host.disk.directory == str(tmp_path)
+    stop = StopRequests(rank=0)
+    _step(run, 0, False, stop)
+    files = [*host.disk.param_files.values(), *host.disk.state_files.values()]
+    for f in files:
+        f.written = 0
+    entry, _ = _step(run, 1, False, stop)
+    assert math.isfinite(entry["loss"]) and entry["grad_norm"] == pytest.approx(host.last_norm)
+    forecast = 2 * block  # the two disk blocks' shards and optimizer state, written behind the step
+    assert abs(sum(f.written for f in files) - forecast) <= 0.03 * forecast
+
+
+def test_the_tier_flags_are_refused_without_what_they_need(tmp_path):
+    from memfit.cli._config import TrainConfig
+
+    with pytest.raises(ValueError, match="--host-budget plan the tiers of the model state for a --budget"):
+        TrainConfig(host_budget="1GB")
+    with pytest.raises(ValueError, match="--disk-budget is the room of the disk tier: pass --disk DIR"):
+        TrainConfig(budget="1GB", disk_budget="1GB")
+    with pytest.raises(ValueError, match="not a directory"):
+        TrainConfig(budget="1GB", disk=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="not yet by --auto"):
+        TrainConfig(budget="1GB", auto=True, disk=str(tmp_path))
