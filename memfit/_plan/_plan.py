@@ -22,7 +22,7 @@ from memfit._plan._profile import DECISIONS, profile_model
 from memfit._plan._profile_types import ModelProfile, block_names
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, timeline
 from memfit._plan._step import Inputs, _make_optimizer, step_loss
-from memfit._plan._tiers import DISK_BANDWIDTH, TierChoice, Tiers, choose_tiers
+from memfit._plan._tiers import TierChoice, Tiers, choose_tiers, tiers_of
 from memfit._plan._time import DeviceProfile
 from memfit._shard._mixed import MixedPrecision
 from memfit.memory import MemoryMeter
@@ -487,14 +487,7 @@ def plan(
         )
     offload = offload or ("disk" if device.name in ("cpu", "calibrated-cpu") else "cpu")
     t0 = time.perf_counter()
-    tiers = None  # See [Note: Planned tiers]
-    if host_budget is not None or disk is not None:
-        tiers = Tiers(
-            host=None if host_budget is None else parse_bytes(host_budget),
-            disk=disk,
-            disk_budget=None if disk_budget is None else parse_bytes(disk_budget),
-            disk_bandwidth=disk_bandwidth or DISK_BANDWIDTH,
-        )
+    tiers = tiers_of(host_budget, disk, disk_budget, disk_bandwidth)  # See [Note: Planned tiers]
     tier, head, chosen = _solve_tiers(profile, budget_bytes, shard, decisions, chunk_head, tiers, device.name)
     return Plan(
         budget=budget_bytes,

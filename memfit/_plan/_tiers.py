@@ -9,11 +9,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
 
-from memfit._plan._budget import format_bytes
+from memfit._plan._budget import format_bytes, parse_bytes
 from memfit._plan._profile_types import ModelProfile
 from memfit._plan._solve import Sharding, state_offload
 
-__all__ = ["TierChoice", "Tiers", "choose_tiers", "unit_state"]
+__all__ = ["TierChoice", "Tiers", "TiersError", "choose_tiers", "tiers_of", "unit_state"]
 
 # [Note: Planned tiers]
 # memfit.plan(..., host_budget=, disk=, disk_budget=) chooses, besides the blocks' checkpointing,
@@ -37,6 +37,10 @@ __all__ = ["TierChoice", "Tiers", "choose_tiers", "unit_state"]
 # Forecast against what the tier holds and moves: tests/unit/test_plan_tiers.py.
 
 DISK_BANDWIDTH = 1e9  # bytes/s assumed for a local disk when none is given (a SATA SSD; NVMe is faster)
+
+
+class TiersError(ValueError):
+    """No option's tiers all fit their budgets."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +71,18 @@ class Tiers:
             return shutil.disk_usage(self.disk).free
         except OSError as e:
             raise ValueError(f"memfit.plan: disk={self.disk!r} cannot be read ({e}); pass a directory") from None
+
+
+def tiers_of(host_budget, disk: str | None, disk_budget, disk_bandwidth: float | None) -> Tiers | None:
+    """memfit.plan's and memfit.autoconfigure's tier keywords as :class:`Tiers` (None: none given)."""
+    if host_budget is None and disk is None and disk_budget is None:
+        return None
+    return Tiers(
+        host=None if host_budget is None else parse_bytes(host_budget),
+        disk=disk,
+        disk_budget=None if disk_budget is None else parse_bytes(disk_budget),
+        disk_bandwidth=disk_bandwidth or DISK_BANDWIDTH,
+    )
 
 
 @dataclass(frozen=True)
@@ -158,7 +174,7 @@ def choose_tiers(
         options.append((solved[0] + extra, choice, solved[1]))
     if not options:
         need = everything - sum(b[0] + b[2] for b in blocks) if tiers.disk is not None else everything
-        raise ValueError(
+        raise TiersError(
             f"memfit.plan: no tiers fit: the model state is {everything} bytes per rank; host_budget="
             f"{tiers.host}, disk {tiers.disk!r} with {room} bytes; host memory needs at least {need} bytes "
             "(every block on disk) beside a device plan that fits: raise host_budget, give disk= more room, "

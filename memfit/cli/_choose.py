@@ -128,7 +128,7 @@ def _auto(
     result = memfit.autoconfigure(
         model, example, budget=str(cfg.budget), world_size=world, global_batch=global_batch,
         device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
-        mixed_precision=mixed_precision(cfg.mixed_precision),
+        mixed_precision=mixed_precision(cfg.mixed_precision), **tier_options(cfg),
     )  # fmt: skip
     return dataclasses.replace(_choice(result.best, paths, world, cfg, result.device), search=result)
 
@@ -207,7 +207,9 @@ def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, pri
         f"{best.tokens_per_second:,.0f} tokens/s predicted on {priced_on}{measured}"
     )
     reshard = best.layout.reshard_after_forward
-    return Choice(decisions, best.micro_batch, best.accumulation, shards, reshard, about, best.peak)
+    tiers = best.plan.tiers
+    about += f"; {tiers.line()}" if tiers is not None else ""
+    return Choice(decisions, best.micro_batch, best.accumulation, shards, reshard, about, best.peak, tiers=tiers)
 
 
 def _saved_decisions(path: str, model: nn.Module, paths: list[str], world: int) -> tuple[dict[str, str], str]:

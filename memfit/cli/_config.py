@@ -121,8 +121,8 @@ def tier_options(cfg: PlanConfig | TrainConfig) -> dict:
     names = ", ".join(f"--{k.replace('_', '-')}" for k in given)
     if not getattr(cfg, "budget", None):
         raise ValueError(f"{cfg.COMMAND}: {names} plan the tiers of the model state for a --budget: pass one")
-    if getattr(cfg, "auto", False):
-        raise ValueError(f"{cfg.COMMAND}: {names} are planned by memfit.plan, not yet by --auto: drop one")
+    if getattr(cfg, "trials", 0):
+        raise ValueError(f"{cfg.COMMAND}: {names} with --trials: the trials time no tiers yet; drop one")
     if cfg.disk_budget is not None and cfg.disk is None:
         raise ValueError(f"{cfg.COMMAND}: --disk-budget is the room of the disk tier: pass --disk DIR too")
     for name in ("host_budget", "disk_budget", "disk_bandwidth"):

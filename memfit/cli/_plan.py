@@ -90,6 +90,7 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
             global_batch=cfg.global_batch,
             device_profile=device,
             shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
+            **tier_options(cfg),
             mixed_precision=mixed_precision(cfg.mixed_precision),
         )
     print(result.table(limit=20))

@@ -169,5 +169,23 @@ def test_the_tier_flags_are_refused_without_what_they_need(tmp_path):
         TrainConfig(budget="1GB", disk_budget="1GB")
     with pytest.raises(ValueError, match="not a directory"):
         TrainConfig(budget="1GB", disk=str(tmp_path / "nowhere"))
-    with pytest.raises(ValueError, match="not yet by --auto"):
-        TrainConfig(budget="1GB", auto=True, disk=str(tmp_path))
+    with pytest.raises(ValueError, match="the trials time no tiers yet"):
+        TrainConfig(budget="1GB", auto=True, trials=2, disk=str(tmp_path))
+    TrainConfig(budget="1GB", auto=True, disk=str(tmp_path))  # --auto plans the tiers of each configuration
+
+
+def test_autoconfigure_plans_the_tiers_of_each_configuration(tmp_path):
+    """autoconfigure's pick carries its plan's tiers; a host budget that only the disk meets puts
+    blocks on disk there too, and one that nothing meets leaves no configuration."""
+    _, batch, _, _, model = _built("gpt2")
+    total, block = _state("gpt2")
+    opts = {"budget": "100GB", "world_size": 1, "micro_batches": [2], "disk": str(tmp_path)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        free = memfit.autoconfigure(model, batch, **opts)
+        tight = memfit.autoconfigure(model, batch, host_budget=total - int(1.5 * block), **opts)
+        with pytest.raises(memfit.PlanError):
+            memfit.autoconfigure(model, batch, host_budget=total // 10, **opts)
+    assert free.plan.tiers is not None and free.plan.tiers.disk_blocks == ()
+    assert len(tight.plan.tiers.disk_blocks) == 2
+    assert tight.best.time["recompute"] == pytest.approx(tight.plan.predicted_overhead)  # accumulation 1
