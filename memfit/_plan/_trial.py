@@ -9,7 +9,7 @@ import math
 import statistics
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 
@@ -18,7 +18,9 @@ from memfit._plan._plan import PlanError
 from memfit.memory import allocator_of
 
 if TYPE_CHECKING:
-    from memfit._plan._autoconfig import AutoConfig, Candidate
+    from memfit._plan._candidate import Candidate, Searched
+
+S = TypeVar("S", bound="Searched")  # the search measured: memfit._plan._autoconfig.AutoConfig
 
 # [Note: Trying configurations]
 # The time model prices a step without running it; where it is off by more than the gap between
@@ -70,7 +72,7 @@ if TYPE_CHECKING:
 _clock = time.perf_counter  # the tests' fake clock replaces it
 
 
-def measure(result: AutoConfig, step_of: Callable, top: int, steps: int, warmup: int, group, device) -> AutoConfig:
+def measure(result: S, step_of: Callable, top: int, steps: int, warmup: int, group, device) -> S:
     """AutoConfig.measure's work (see its docstring and [Note: Trying configurations])."""
     if top < 1 or steps < 1 or warmup < 0:
         raise ValueError(f"AutoConfig.measure: top={top} and steps={steps} take 1 or more, warmup={warmup} 0 or more")

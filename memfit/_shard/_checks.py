@@ -13,7 +13,7 @@ from memfit._shard._device import host_empty, host_read
 
 if TYPE_CHECKING:
     from memfit._shard._param import ShardedParam
-    from memfit._shard._unit import Unit
+    from memfit._shard._roles import UnitRef
 
 # [Note: Divergence detection]
 # Every collective carries the unit's index: the all-gather slot ends with i = index mod 256
@@ -54,22 +54,22 @@ class StepChecks:
     def __init__(self, rank: int, eager: bool = False) -> None:
         self.rank = rank
         self.debug = HOOKS.debug_collectives or eager  # settle at once: debugging, or no step to wait for
-        self._gathers: list[tuple[Unit, torch.Tensor]] = []  # (unit, the W gathered indices)
-        self._reduces: list[tuple[Unit, list[ShardedParam], torch.Tensor, bool]] = []  # flags + check sums
+        self._gathers: list[tuple[UnitRef, torch.Tensor]] = []  # (unit, the W gathered indices)
+        self._reduces: list[tuple[UnitRef, list[ShardedParam], torch.Tensor, bool]] = []  # flags + check sums
         self._fresh: dict[ShardedParam, torch.Tensor | None] = {}  # gradients this step created: None if unused
         self._lacking: set[ShardedParam] = set()  # parameters with no gradient on this rank this step
         # Reads started at the end of backwards, oldest first: (gathers, reduces, host values
         # or the meta tensor, the copy's event or None); read at the next settles.
         self._started: list[tuple[list, list, torch.Tensor, Any]] = []
 
-    def gathered(self, unit: Unit, ids: torch.Tensor) -> None:
+    def gathered(self, unit: UnitRef, ids: torch.Tensor) -> None:
         """Check later that every rank sent ``unit``'s index (``ids``: one value per rank)."""
         self._gathers.append((unit, ids))
         if self.debug:
             self.settle()
 
     def reduced(
-        self, unit: Unit, params: list[ShardedParam], tail: torch.Tensor, exact: bool, have: tuple[bool, ...] = ()
+        self, unit: UnitRef, params: list[ShardedParam], tail: torch.Tensor, exact: bool, have: tuple[bool, ...] = ()
     ) -> None:
         """``tail``: the reduced has-gradient flags of ``params``, then the two check sums (after
         the division by W: i and i*i), checked when ``exact``; ``have``: which of ``params``

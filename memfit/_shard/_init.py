@@ -376,7 +376,7 @@ def install_outside_hooks(unit: Unit) -> None:
 def _outside(sp: ShardedParam) -> bool:
     """Whether ``sp``'s unit must be gathered for a call of one of its modules: not gathered,
     or kept gathered after a backward (reshard_after_backward=False) and stepped since."""
-    owner = sp.owner  # (a tie may have moved the parameter to a unit above since the hook was set)
+    owner = cast("Unit | None", sp.owner)  # (a tie may have moved the parameter to a unit above since the hook was set)
     # (a direct chunk is the full tensor; with replicas its gradient must still be reduced, so
     # the call runs as a call of the unit)
     if owner is None or (sp.direct and owner.layout.replicate is None):

@@ -12,7 +12,7 @@ from torch import nn
 from memfit._shard._device import fill, moved
 
 if TYPE_CHECKING:
-    from memfit._shard._unit import Unit
+    from memfit._shard._roles import UnitRef
 
 # [Note: Sharded parameter layout]
 # A parameter of shape (d0, ...) is split like torch.chunk(p, W, dim=0): every rank's chunk has
@@ -81,7 +81,7 @@ class ShardedParam:
             src = param.detach().reshape(self.rows, self.row_numel)
             local = moved(src[start : start + self.local_rows], home, copy=True).reshape(local_shape)
         self.sharded = nn.Parameter(local, requires_grad=param.requires_grad)
-        self.owner: Unit | None = None  # the Unit that gathers this parameter; set when a unit takes it
+        self.owner: UnitRef | None = None  # the Unit that gathers this parameter; set when a unit takes it
         param._memfit_sharded_as = self  # type: ignore[attr-defined]  # the replaced parameter knows what replaced it
         self.sharded._memfit_shard_of = weakref.ref(self)  # type: ignore[attr-defined]
         # Mixed precision: the full parameter computes in `compute_dtype`.

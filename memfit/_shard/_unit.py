@@ -24,7 +24,7 @@ from memfit._shard._param import ShardedParam
 from memfit._shard._streams import Streams
 
 if TYPE_CHECKING:
-    from memfit._shard._runtime import RootState
+    from memfit._shard._root_ref import RootStateRef
 
 
 class HostHooks(Protocol):
@@ -181,7 +181,7 @@ class Unit:
         self.forward_prefetch: list[Unit] | None = None  # None: the next unit in the recorded order
         self.backward_prefetch: list[Unit] | None = None  # None: the unit before it in that order
         self.divide_factor: float | None = None  # None: the gradients are averaged over the ranks
-        self.root_state: RootState | None = None  # shared under the root, set at its first forward
+        self.root_state: RootStateRef | None = None  # shared under the root, set at its first forward
         self.host_step: HostHooks | None = None  # steps its host shards in backward (See [Note: The host step])
         self.staged: tuple[torch.Tensor, list[int]] | None = None  # its next send slot, packed by the host step
 
