@@ -118,7 +118,8 @@ def _distributed_rows(cfg: BenchConfig, out: Output) -> list[dict]:
     """N spawned ranks: DDP (the baseline), memfit sharding and, with --compare, torch FSDP2."""
     warn_world_size(cfg.world_size)
     with torch.device("meta"):  # shapes only: the ranks would each fail on a batch the model cannot take
-        check_first_batch(cfg.COMMAND, cfg.spec.build(0), batch_at(cfg.spec.arch, cfg.spec.batch, cfg.spec.seq, 0))
+        shapes = cfg.spec.build(0)
+    check_first_batch(cfg.COMMAND, shapes, batch_at(cfg.spec.arch, cfg.spec.batch, cfg.spec.seq, 0))
     strategies = ("DDP", "memfit", *(("torch FSDP2",) if cfg.compare else ()))
     out.say(f"{cfg.world_size} spawned ranks: {', '.join(strategies)}")
     results = run_distributed(_spec_args(cfg), cfg.world_size, strategies, cfg.warmup, cfg.repeats, cfg.device)

@@ -37,11 +37,14 @@ def _gpt2_config(directory, positions: int = 64):
     return str(directory / "config.json")
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", [*COMMANDS, "bench --world-size 2"])
 def test_a_sequence_longer_than_the_learned_positions_is_refused_without_a_budget(command, tmp_path, capsys):
-    # train without --budget runs no planner: its check used to be the first step's IndexError
+    # train without --budget runs no planner: its check used to be the first step's IndexError;
+    # bench on ranks checks before it spawns them (on the meta device)
     config = _gpt2_config(tmp_path)
-    line = _refused([*COMMANDS[command], "--model", config, "--seq", "128", "--batch", "2"], capsys)
+    argv = ["bench", "--world-size", "2", "--device", "cpu"] if " " in command else COMMANDS[command]
+    command = command.split()[0]
+    line = _refused([*argv, "--model", config, "--seq", "128", "--batch", "2"], capsys)
     assert f"memfit {command}: --batch 2 x --seq 128 cannot run through the model" in line
     assert "has 128 positions" in line and "the model learned 64" in line and "at most 64 tokens" in line
 
