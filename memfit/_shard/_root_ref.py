@@ -28,3 +28,4 @@ class RootStateRef(Protocol):
     gather_held: tuple[str, torch.Tensor, Any] | None
     reduced_held: list[tuple[str, torch.Tensor]]
     outputs_held: list[tuple[str, torch.Tensor]]
+    forward_order: list[Any]  # the units in forward order, recorded in the first step (the host step reads it)

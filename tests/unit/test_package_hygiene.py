@@ -261,8 +261,7 @@ def all_imports(tree: ast.Module):
 # config module (cli-config). (The sharding runtime's lower modules name the unit and root state
 # through protocols, _shard/_roles.py and _root_ref.py, the unit its host step through HostHooks;
 # autoconfigure's trials name its candidates in _plan/_candidate.py.)
-TYPE_ONLY_CYCLES: list[list[str]] = [
-]
+TYPE_ONLY_CYCLES: list[list[str]] = []
 
 
 def test_import_cycles_counting_type_only_imports():
