@@ -106,7 +106,8 @@ class TierChoice:
         disk = ""
         if self.disk_blocks:
             moved = format_bytes(self.disk_read_bytes + self.disk_write_bytes)
-            disk = f"; {len(self.disk_blocks)} blocks on disk ({format_bytes(self.disk_bytes)} held, {moved} a step)"
+            n = len(self.disk_blocks)
+            disk = f"; {n} block{'s' * (n != 1)} on disk ({format_bytes(self.disk_bytes)} held, {moved} a step)"
         off = f", {format_bytes(self.device_saved)} off the device's peak" if self.device_saved else ""
         return f"model state {where}{disk}{off}, +{self.extra_time * 1e3:.1f} ms a step"
 

@@ -102,7 +102,7 @@ def test_the_forecast_of_host_and_disk_bytes_is_what_the_tier_holds_and_moves(on
         assert abs(value - got[what]) <= 0.03 * got[what], (preset, what, value, got[what])
     assert got["room"] == got["disk"]  # the room check asked for what the files take
     assert plan.to_dict()["tiers"]["disk_blocks"] == list(tiers.disk_blocks)
-    assert "blocks on disk" in plan.table()
+    assert "Tiers: model state in host memory" in plan.table() and "2 blocks on disk" in plan.table()
 
 
 @pytest.mark.parametrize("preset", PRESETS)
