@@ -26,7 +26,8 @@ from torch import nn
 # check() refuses anything else with one message naming the argument; a bool is refused apart
 # (True is an int). An empty collection selects nothing: sharding takes it as "no units below
 # the root" (empty_ok, as before the policies were joined); checkpointing refuses it, since
-# checkpointing nothing is never what a caller of apply_activation_checkpointing meant. Each caller keeps what it does with the modules: checkpointing takes the
+# checkpointing nothing is never what a caller of apply_activation_checkpointing meant.
+# Each caller keeps what it does with the modules: checkpointing takes the
 # outermost selected, sharding makes each a unit bottom-up.
 
 

@@ -21,11 +21,12 @@ from memfit._plan._calibrate import device_profile as _device_profile
 from memfit._plan._candidate import Candidate, Layout
 from memfit._plan._candidates import find_candidates
 from memfit._plan._comm import Units, micro_batch_comm
-from memfit._plan._plan import Plan, PlanError, _device_type, _solve_with_heads, replicas_forecast
+from memfit._plan._plan import Plan, PlanError, _device_type, _solve_tiers, replicas_forecast
 from memfit._plan._profile import DECISIONS, _fake_copy, profile_model
 from memfit._plan._profile_types import ModelProfile
 from memfit._plan._solve import smallest_budget
 from memfit._plan._step import Inputs, _make_optimizer
+from memfit._plan._tiers import Tiers, TiersError, tiers_of
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
 from memfit._shard._mixed import MixedPrecision
 
@@ -221,6 +222,10 @@ def autoconfigure(
     tokens_per_sample: int | None = None,
     max_micro_batch: int = 64,
     mixed_precision: MixedPrecision | None = None,
+    host_budget: int | float | str | None = None,
+    disk: str | None = None,
+    disk_budget: int | float | str | None = None,
+    disk_bandwidth: float | None = None,
 ) -> AutoConfig:
     """The configuration with the most predicted tokens per second whose forecast per-rank peak
     fits ``budget``: micro-batch size, gradient accumulation, sharding layout (replicated,
@@ -248,6 +253,9 @@ def autoconfigure(
         mixed_precision: as for memfit.plan; replicated layouts of more than one rank are
             searched under it where it sums gradients in fp32 (``reduce_dtype=torch.float32``),
             else left out ([Note: Forecasts under mixed precision]).
+        host_budget, disk, disk_budget, disk_bandwidth: as for memfit.plan: each configuration's
+            plan chooses the tiers of the model state too (its ``plan.tiers``); a configuration
+            whose tiers fit no budget does not fit. The tiers' time counts once a step.
 
     Raises:
         PlanError: no configuration fits; the message gives the smallest budget that does.
@@ -267,7 +275,8 @@ def autoconfigure(
 
     search = Search(budget_bytes, world_size, global_batch, device, optimizer_costs(model, optimizer), tokens)
     params = sum(1 for p in model.parameters() if p.requires_grad)
-    search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head, params=params)
+    tiers = tiers_of(host_budget, disk, disk_budget, disk_bandwidth)  # See [Note: Planned tiers]
+    search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head, params=params, tiers=tiers)
     sizes = micro_batch_sizes(world_size, global_batch, micro_batches, max_micro_batch)
     layouts = _layouts(world_size, shard_sizes)
     if mixed_precision is not None and world_size > 1 and not replicas_forecast(mixed_precision):
@@ -294,6 +303,7 @@ class Search:
     decisions: tuple[str, ...] = DECISIONS
     chunk_head: bool | None = None
     params: int = 0  # trainable parameters: the units' hooks cost per parameter ([Note: Host and device time])
+    tiers: Tiers | None = None  # the model state's tiers, planned per configuration (memfit.plan's)
 
     def run(self, profile_of: Callable[[int], ModelProfile], sizes: list[int], layouts: list[Layout]) -> AutoConfig:
         priced: list[Candidate] = []
@@ -313,8 +323,10 @@ class Search:
         shard = layout.sharding
         profile = held_gradients(profile, layout, accumulation)
         try:
-            head, chosen = _solve_with_heads(profile, self.budget, shard, self.decisions, self.chunk_head)
-        except PlanError:
+            tier, head, chosen = _solve_tiers(
+                profile, self.budget, shard, self.decisions, self.chunk_head, self.tiers, self.device.name
+            )
+        except (PlanError, TiersError):
             least = _least_head(profile, self.chunk_head)
             return Candidate(b, accumulation, layout, None, smallest_budget(least, shard, self.decisions))
         plan = Plan(
@@ -324,6 +336,7 @@ class Search:
             sharding=shard,
             offload=Offload("disk" if self.device.name in ("cpu", "calibrated-cpu") else "cpu"),
             head=head,
+            tiers=tier,
         )
         time = step_terms(plan, layout, accumulation, self.device, self.opt_costs, self.params)
         samples = b * accumulation * layout.world_size
@@ -373,6 +386,7 @@ def step_terms(
         compute = max(profile.step_time - whole_opt, 0.0) + hooks
     units = _units(plan, compute)
     reshard = layout.reshard_after_forward
+    tiers = plan.tiers.extra_time if plan.tiers is not None else 0.0
     comm = {k: 0.0 for k in ("all_gather_bytes", "reduce_scatter_bytes", "all_reduce_bytes")}
     comm |= {"communication": 0.0, "exposed_communication": 0.0, "collectives": 0.0}
     if w > 1:
@@ -381,7 +395,8 @@ def step_terms(
         comm = {k: last[k] + (accumulation - 1) * other[k] for k in last}
     t = {
         "compute": accumulation * compute,
-        "recompute": accumulation * plan.predicted_overhead,
+        # the tiers' time once a step (the state moves and steps once), the rest per micro-batch
+        "recompute": accumulation * (plan.predicted_overhead - tiers) + tiers,
         "optimizer": device.ops_time([_scaled(c, s) for c in opt_costs]) if s > 1 else whole_opt,
         **comm,
     }

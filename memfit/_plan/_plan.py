@@ -22,6 +22,7 @@ from memfit._plan._profile import DECISIONS, profile_model
 from memfit._plan._profile_types import ModelProfile, block_names
 from memfit._plan._solve import Sharding, forecast, smallest_budget, solve, state_offload, timeline
 from memfit._plan._step import Inputs, _make_optimizer, step_loss
+from memfit._plan._tiers import TierChoice, Tiers, choose_tiers, tiers_of
 from memfit._plan._time import DeviceProfile
 from memfit._shard._mixed import MixedPrecision
 from memfit.memory import MemoryMeter
@@ -74,6 +75,7 @@ class Plan:
     solve_seconds: float = 0.0
     head: str = "plain"  # the LM head and loss: "plain" or "chunked" (see [Note: The head as a decision])
     forecast: dict[str, float] = field(default_factory=dict)
+    tiers: TierChoice | None = None  # where the model state lives (See [Note: Planned tiers])
 
     def __post_init__(self) -> None:
         if self.head not in ("plain", "chunked") or (self.head == "chunked" and self.profile.head_chunked is None):
@@ -81,6 +83,10 @@ class Plan:
         self.forecast = _forecast(
             self.profile, [self.decisions[b.path] for b in self.profile.blocks], self.sharding, self.head
         )
+        if self.tiers is not None:  # the state off the device: its peak less, its step longer
+            self.forecast["peak"] -= self.tiers.device_saved
+            self.forecast["extra_time"] += self.tiers.extra_time
+            self.forecast["step_time"] += self.tiers.extra_time
 
     @classmethod
     def fixed(
@@ -154,7 +160,9 @@ class Plan:
                 lines.append(
                     f"{path:<{width}}{d:<11}{format_bytes(kept):>12}{format_bytes(keep - kept):>12}{extra * 1e3:>10.1f}"
                 )
-        return "\n".join([*lines, _LEGEND, *self._unavailable(), "", *self._verdict(), *self._terms(), *self._levers()])
+        tiers = [f"Tiers: {self.tiers.line()}"] if self.tiers is not None else []
+        verdict = [*self._verdict(), *tiers, *self._terms(), *self._levers()]
+        return "\n".join([*lines, _LEGEND, *self._unavailable(), "", *verdict])
 
     def _unavailable(self) -> list[str]:
         """A line per decision some blocks cannot take ([Note: A decision a block cannot take])."""
@@ -311,6 +319,7 @@ class Plan:
                 for b in self.profile.blocks
             ],
             "timeline": self.timeline(),
+            **({"tiers": self.tiers.to_dict()} if self.tiers is not None else {}),
         }
 
     def measure(
@@ -384,6 +393,10 @@ def plan(
     offload: str | Offload | None = None,
     chunk_head: bool | None = None,
     mixed_precision: MixedPrecision | None = None,
+    host_budget: int | float | str | None = None,
+    disk: str | None = None,
+    disk_budget: int | float | str | None = None,
+    disk_bandwidth: float | None = None,
 ) -> Plan:
     """Profile ``model``'s blocks on ``example_inputs`` and choose, per block, keep / selective
     / full checkpoint / offload so the step's predicted peak fits ``budget`` at the least
@@ -426,6 +439,12 @@ def plan(
             units compute (bf16 copies, activations and gradients beside fp32 shards and
             optimizer state) and priced at the compute dtype's rate, at any world size. See
             [Note: Forecasts under mixed precision].
+        host_budget, disk, disk_budget, disk_bandwidth: plan the tiers of the model state too
+            (any given): host memory per rank, a directory on a local disk with its bytes (default:
+            its free space) and bytes/s; the plan's ``tiers`` says where the state lives (device,
+            host memory, which blocks on disk) and what each tier holds and moves a step
+            (memfit.shard(offload="cpu"), memfit.host_optimizer(disk=, disk_modules=) apply it).
+            See [Note: Planned tiers].
 
     Raises:
         PlanError: no plan fits; the message gives the smallest budget that does.
@@ -468,7 +487,8 @@ def plan(
         )
     offload = offload or ("disk" if device.name in ("cpu", "calibrated-cpu") else "cpu")
     t0 = time.perf_counter()
-    head, chosen = _solve_with_heads(profile, budget_bytes, shard, decisions, chunk_head)
+    tiers = tiers_of(host_budget, disk, disk_budget, disk_bandwidth)  # See [Note: Planned tiers]
+    tier, head, chosen = _solve_tiers(profile, budget_bytes, shard, decisions, chunk_head, tiers, device.name)
     return Plan(
         budget=budget_bytes,
         decisions={b.path: d for b, d in zip(profile.blocks, chosen)},
@@ -477,7 +497,30 @@ def plan(
         offload=Offload(offload) if isinstance(offload, str) else offload,
         solve_seconds=time.perf_counter() - t0,
         head=head,
+        tiers=tier,
     )
+
+
+def _solve_tiers(
+    profile: ModelProfile, budget: int, shard: Sharding | None, decisions, chunk_head, tiers: Tiers | None, device: str
+) -> tuple[TierChoice | None, str, list[str]]:
+    """The tiers (None: not asked), the head and the blocks' decisions."""
+    if tiers is None:
+        return (None, *_solve_with_heads(profile, budget, shard, decisions, chunk_head))
+    accelerator = device not in ("cpu", "calibrated-cpu")
+    tier, (head, chosen) = choose_tiers(
+        profile, shard, tiers, accelerator, lambda freed: _solved(profile, budget + freed, shard, decisions, chunk_head)
+    )
+    return tier, head, chosen
+
+
+def _solved(profile: ModelProfile, budget: int, shard: Sharding | None, decisions, chunk_head: bool | None):
+    """(extra seconds, (head, decisions)) of the device's plan at ``budget``; None: none fits."""
+    try:
+        head, chosen = _solve_with_heads(profile, budget, shard, decisions, chunk_head)
+    except PlanError:
+        return None
+    return _forecast(profile, chosen, shard, head)["extra_time"], (head, chosen)
 
 
 def _sharding(world_size: int, shard_size: int | None, sharding: bool | None) -> Sharding | None:

@@ -28,3 +28,7 @@ class RootStateRef(Protocol):
     gather_held: tuple[str, torch.Tensor, Any] | None
     reduced_held: list[tuple[str, torch.Tensor]]
     outputs_held: list[tuple[str, torch.Tensor]]
+    forward_order: list[Any]  # the units in forward order, recorded in the first step (the host step reads it)
+    host_adds: list[tuple[list[torch.Tensor], list[torch.Tensor]]]  # offloaded accumulations, added after backward
+
+    def add_on_host(self) -> None: ...  # run host_adds after the one wait at the end of backward

@@ -17,7 +17,28 @@ from memfit._recompute import is_recomputing
 from memfit._shard._checks import StepChecks
 from memfit._shard._device import wait_host_copies
 from memfit._shard._streams import Streams
-from memfit._shard._unit import GradSync, PendingReduce, ShardState, TrainingState, Unit, release
+from memfit._shard._unit import (
+    GradSync,
+    PendingReduce,
+    ShardState,
+    TrainingState,
+    Unit,
+    release,
+)
+
+
+def grads_landed(unit: Unit, streams: Streams, stream: str) -> None:
+    """Hook of the runtime: ``unit``'s gradients for this backward are final on ``stream``
+    (See [Note: The host step])."""
+    if unit.host_step is not None:
+        unit.host_step.landed(unit, streams, stream)
+
+
+def backward_ended(units: list[Unit]) -> None:
+    """Hook of the runtime's end of backward: join each host step of these units."""
+    for host in dict.fromkeys(u.host_step for u in units if u.host_step is not None):
+        host.backward_ended()
+
 
 # [Note: One sharded training step]
 # Forward, per unit: the pre-forward hook finishes the unit's all-gather (started early by
@@ -195,6 +216,8 @@ class RootState:
         if unit.grad_sync.syncs:
             self.finish_pending_reduce()
             self.pending_reduce = unit.start_reduce()
+            if self.pending_reduce is None:  # on the chunks (one rank): final now (See [Note: The host step])
+                grads_landed(unit, self.streams, "compute")
             if unit.grad_sync is GradSync.HELD:
                 unit.grad_sync = GradSync.SYNC
         else:
@@ -214,6 +237,8 @@ class RootState:
         if self.pending_reduce is not None:
             pending, self.pending_reduce = self.pending_reduce, None
             pending.finish()
+            post = "reduce" if pending.unit.layout.replicate is None else "all_reduce"
+            grads_landed(pending.unit, self.streams, post)  # See [Note: The host step]
 
     def ensure_finish_queued(self) -> None:
         """Make sure `finish_backward` runs when the current backward pass ends."""
@@ -242,6 +267,7 @@ class RootState:
             for name, buffer in self.outputs_held:
                 release(self.streams, name, "reduce", buffer)
             self.outputs_held.clear()
+        backward_ended(self.units)  # the host shards' steps in flight: joined
         for unit in self.units if HOOKS.trace is not None else ():  # compute reads the shards' gradients next
             self.streams.note("use", f"{unit.name}:grad-shards", "compute")  # (the optimizer)
             self.streams.note("use", unit.tail_name, "compute")  # (the step's checks)

@@ -9,7 +9,7 @@ import contextlib
 import math
 from collections.abc import Iterator
 from enum import Enum, auto
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -26,6 +26,17 @@ from memfit._shard._streams import Streams
 
 if TYPE_CHECKING:
     from memfit._shard._root_ref import RootStateRef
+
+
+class HostHooks(Protocol):
+    """What the runtime calls on a unit's host step (memfit._shard._host_step.HostStep; a
+    protocol here so that the unit need not import it)."""
+
+    def landed(self, unit: Unit, streams: Streams, stream: str) -> None: ...
+
+    def backward_ended(self) -> None: ...
+
+    def check_clip(self, unit: Unit) -> None: ...
 
 
 class ShardState(Enum):
@@ -172,6 +183,8 @@ class Unit:
         self.backward_prefetch: list[Unit] | None = None  # None: the unit before it in that order
         self.divide_factor: float | None = None  # None: the gradients are averaged over the ranks
         self.root_state: RootStateRef | None = None  # shared under the root, set at its first forward
+        self.host_step: HostHooks | None = None  # steps its host shards in backward (See [Note: The host step])
+        self.staged: tuple[torch.Tensor, list[int]] | None = None  # its next send slot, packed by the host step
 
     def __repr__(self) -> str:
         return f"Unit({self.name!r}, {len(self.params)} params, {self.shard_state.name})"
@@ -237,11 +250,22 @@ class Unit:
                 streams.note("use", f"{self.name}:piece", "gather")  # written on compute, waited for above
             else:  # in place, as FSDP2: this rank's slot of the output is the input
                 send, group = out.view(self.world, -1)[self.rank], self.group
-                copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
+                if not self._take_staged(layout, send):  # See [Note: The host step]
+                    copy_in(send, layout.send_views, [*(p.sharded.detach() for p in layout.order), layout.tail])
             work = comm.all_gather(out, send, group) if self.world > 1 else None  # one rank: out is send
         self._gather = (work, out, send)
         self._gathered_versions = [p.sharded._version for p in self._copied()]
         self.shard_state = ShardState.GATHERING
+
+    def _take_staged(self, layout: GatherLayout, send: torch.Tensor) -> bool:
+        """Copy the shards the host step packed ahead into pinned memory (``self.staged``),
+        if they are still the shards' values; then the tail, on the device."""
+        staged, self.staged = self.staged, None
+        if staged is None or staged[1] != [p.sharded._version for p in layout.order]:
+            return False
+        to_device(staged[0], send)
+        layout.send_views(send)[-1].copy_(layout.tail)
+        return True
 
     def wait_unshard(self) -> None:
         """Finish the all-gather; the modules then compute with the full parameters."""

@@ -56,6 +56,9 @@ def clip_grads(
 
 def _clip_grads(model: nn.Module, max_norm: float, norm_type: float, read: bool) -> tuple[torch.Tensor, float | None]:
     units = units_of(model)
+    for u in units:  # See [Note: The host step]
+        if u.host_step is not None:
+            u.host_step.check_clip(u)
     grads = [sp.sharded.grad for u in units for sp in u.params if sp.sharded.grad is not None]
     counted = [g for u in units if _counts(u) for sp in u.params if (g := sp.sharded.grad) is not None]
     group = _norm_group(units)

@@ -16,8 +16,9 @@ from torch import nn
 import memfit
 from memfit._plan._autoconfig import AutoConfig, Candidate, Layout, held_gradients
 from memfit._plan._budget import format_bytes
+from memfit._plan._tiers import TierChoice
 from memfit._plan._time import default_profile
-from memfit.cli._config import MIXED
+from memfit.cli._config import MIXED, tier_options
 from memfit.cli._data import window_batch
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class Choice:
     about: str  # what the start line says of it
     forecast: float | None = None  # the planner's peak per rank, bytes (with --budget or --auto)
     search: AutoConfig | None = None  # --auto's (memfit train --trials measures its top)
+    tiers: TierChoice | None = None  # where the model state lives (--host-budget, --disk: memfit.plan's tiers)
 
     def apply(self, model: nn.Module, rule: str = "linear") -> None:
         for path, kind in self.decisions.items():
@@ -94,7 +96,7 @@ def choose(
         return _auto(cfg, model, example, world, profile, paths, global_batch)
     opts: dict[str, Any] = {"world_size": world, "shard_size": cfg.hybrid_shards or None}
     opts.update(decisions=PLANNED_KINDS, candidates=paths, chunk_head=False, device_profile=profile)
-    opts.update(mixed_precision=mixed_precision(cfg.mixed_precision))
+    opts.update(mixed_precision=mixed_precision(cfg.mixed_precision), **tier_options(cfg))
     try:
         plan = memfit.plan(model, example, budget=cfg.budget if accumulate == 1 else 2**62, **opts)
         if accumulate > 1:  # the gradients accumulated over the micro-batches: solved with them held
@@ -106,7 +108,9 @@ def choose(
             f"its line says so); for memfit train: {_TRAIN_ADVICE}"
         ) from None
     about = f"planned for {cfg.budget} per rank: {_counts(plan.decisions)}, forecast peak {_gib(plan.predicted_peak)}"
-    return Choice(dict(plan.decisions), batch, None, *layout, about, plan.predicted_peak)
+    if plan.tiers is not None:
+        about += f"; {plan.tiers.line()}"
+    return Choice(dict(plan.decisions), batch, None, *layout, about, plan.predicted_peak, tiers=plan.tiers)
 
 
 def _auto(
@@ -124,7 +128,7 @@ def _auto(
     result = memfit.autoconfigure(
         model, example, budget=str(cfg.budget), world_size=world, global_batch=global_batch,
         device_profile=device, decisions=PLANNED_KINDS, chunk_head=False,
-        mixed_precision=mixed_precision(cfg.mixed_precision),
+        mixed_precision=mixed_precision(cfg.mixed_precision), **tier_options(cfg),
     )  # fmt: skip
     return dataclasses.replace(_choice(result.best, paths, world, cfg, result.device), search=result)
 
@@ -203,7 +207,9 @@ def _choice(best: Candidate, paths: list[str], world: int, cfg: TrainConfig, pri
         f"{best.tokens_per_second:,.0f} tokens/s predicted on {priced_on}{measured}"
     )
     reshard = best.layout.reshard_after_forward
-    return Choice(decisions, best.micro_batch, best.accumulation, shards, reshard, about, best.peak)
+    tiers = best.plan.tiers
+    about += f"; {tiers.line()}" if tiers is not None else ""
+    return Choice(decisions, best.micro_batch, best.accumulation, shards, reshard, about, best.peak, tiers=tiers)
 
 
 def _saved_decisions(path: str, model: nn.Module, paths: list[str], world: int) -> tuple[dict[str, str], str]:

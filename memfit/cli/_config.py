@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -77,6 +78,61 @@ def check_budget(command: str, budget: str, name: str = "--budget") -> int:
         why = str(e).removeprefix("memfit: ")
         advice = "" if "write a whole number" in why else f"; pass a positive size, {_BUDGETS}"  # said once
         raise ValueError(f"{command}: {name} {budget}: {why}{advice}") from None
+
+
+# --host-budget, --disk, --disk-budget, --disk-bandwidth: the tiers of the model state (memfit.plan's
+# host_budget=, disk=, disk_budget=, disk_bandwidth=; See [Note: Planned tiers]), in plan and train
+def _host_budget_field():
+    return field(
+        default=None,
+        metadata=flag(
+            "with --budget: host memory per rank for the model state beyond the device (e.g. 200GB; "
+            "memfit.plan chooses the tiers)",
+            metavar="SIZE",
+        ),
+    )
+
+
+def _disk_field():
+    return field(
+        default=None,
+        metadata=flag("with --budget: a directory on a local disk for the disk tier of the model state", metavar="DIR"),
+    )
+
+
+def _disk_budget_field():
+    return field(
+        default=None, metadata=flag("bytes the disk tier may take (default: DIR's free space)", metavar="SIZE")
+    )
+
+
+def _disk_bandwidth_field():
+    return field(
+        default=None,
+        metadata=flag("the disk's bytes per second, e.g. 2GB (its dd figure; default: 1GB)", metavar="SIZE"),
+    )
+
+
+def tier_options(cfg: PlanConfig | TrainConfig) -> dict:
+    """memfit.plan's keywords for the tiers the flags ask for ({}: none); refused where bad."""
+    given = {k: v for k in ("host_budget", "disk", "disk_budget", "disk_bandwidth") if (v := getattr(cfg, k))}
+    if not given:
+        return {}
+    names = ", ".join(f"--{k.replace('_', '-')}" for k in given)
+    if not getattr(cfg, "budget", None):
+        raise ValueError(f"{cfg.COMMAND}: {names} plan the tiers of the model state for a --budget: pass one")
+    if getattr(cfg, "trials", 0):
+        raise ValueError(f"{cfg.COMMAND}: {names} with --trials: the trials time no tiers yet; drop one")
+    if cfg.disk_budget is not None and cfg.disk is None:
+        raise ValueError(f"{cfg.COMMAND}: --disk-budget is the room of the disk tier: pass --disk DIR too")
+    for name in ("host_budget", "disk_budget", "disk_bandwidth"):
+        if name in given:
+            given[name] = check_budget(cfg.COMMAND, given[name], f"--{name.replace('_', '-')}")
+    if cfg.disk is not None and not os.path.isdir(cfg.disk):
+        raise ValueError(f"{cfg.COMMAND}: --disk {cfg.disk!r} is not a directory; pass one on a local disk")
+    if "disk_bandwidth" in given:
+        given["disk_bandwidth"] = float(given["disk_bandwidth"])
+    return given
 
 
 def _at_least(command: str, minimum: int, **values: int) -> None:
@@ -193,6 +249,10 @@ class PlanConfig(ModelConfig):
         ),
     )
     json: str | None = field(default=None, metadata=flag("write the plan here"))
+    host_budget: str | None = _host_budget_field()
+    disk: str | None = _disk_field()
+    disk_budget: str | None = _disk_budget_field()
+    disk_bandwidth: str | None = _disk_bandwidth_field()
     auto: bool = field(
         default=False,
         metadata=flag(
@@ -218,6 +278,7 @@ class PlanConfig(ModelConfig):
         if self.emit is not None and not self.emit.endswith(".toml"):
             raise ValueError(f"memfit plan: --emit {self.emit!r}: name a .toml file (memfit train --config reads it)")
         check_budget(self.COMMAND, self.budget)
+        tier_options(self)
         if self.world_size < 1:
             raise ValueError("memfit plan: --world-size must be >= 1")
         if self.shard_size is not None and (self.shard_size < 1 or self.world_size % self.shard_size):
@@ -334,6 +395,10 @@ class TrainConfig(ModelConfig):
     plan: str | None = field(
         default=None, metadata=flag("apply the per-block checkpointing of a saved plan (memfit plan --json FILE)")
     )
+    host_budget: str | None = _host_budget_field()
+    disk: str | None = _disk_field()
+    disk_budget: str | None = _disk_budget_field()
+    disk_bandwidth: str | None = _disk_bandwidth_field()
     auto: bool = field(
         default=False,
         metadata=flag(
@@ -434,6 +499,7 @@ class TrainConfig(ModelConfig):
             raise ValueError(f"memfit train: {' and '.join(chosen)} each choose the checkpointing: pass one")
         if self.budget:
             check_budget(self.COMMAND, self.budget)  # a bad size fails here
+        tier_options(self)
         if self.auto and not self.budget:
             raise ValueError("memfit train: --auto searches configurations that fit a --budget: pass one")
         if self.auto and (self.batch or self.accumulate != 1 or self.hybrid_shards):

@@ -14,7 +14,7 @@ from memfit._plan._budget import describe_bytes, format_bytes
 from memfit._plan._calibrate import cache_path, calibrate, save_profile
 from memfit._plan._time import default_profile
 from memfit.cli._choose import PLANNED_KINDS, mixed_precision
-from memfit.cli._config import DTYPES, CalibrateConfig, PlanConfig
+from memfit.cli._config import DTYPES, CalibrateConfig, PlanConfig, tier_options
 from memfit.cli._data import batch_at, check_first_batch
 from memfit.cli._output import plot_timeline, write_json
 from memfit.cli._progress import phase
@@ -55,12 +55,16 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
             shard_size=cfg.shard_size,
             device_profile=device,
             mixed_precision=mixed,
+            **tier_options(cfg),
         )
     print(plan.table())
     if cfg.json:
         write_json(cfg.json, plan.to_dict())
     _plot(cfg, plan)
     print("\n".join(run_lines(cfg, plan, seq, rows)))
+    if plan.tiers is not None:  # memfit train plans the tiers on its own first batch, as here
+        given = " ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in tier_options(cfg))
+        print(f"the tiers: memfit train --model {cfg.model} --budget {cfg.budget} {given} plans and applies them")
     return plan
 
 
@@ -86,6 +90,7 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
             global_batch=cfg.global_batch,
             device_profile=device,
             shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
+            **tier_options(cfg),
             mixed_precision=mixed_precision(cfg.mixed_precision),
         )
     print(result.table(limit=20))

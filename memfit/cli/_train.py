@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import NoReturn, cast
@@ -28,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 import memfit
+from memfit._plan._tiers import TierChoice
 from memfit._shard._layout import end_mesh
 from memfit._shard._utils import clip_grads
 from memfit.cli import _checkpoints
@@ -142,6 +144,8 @@ def _build(cfg: TrainConfig, device: torch.device) -> _Run:
     log = RunLog(rank, cfg.metrics, cfg.tensorboard)
     batch = chosen.batch
     accumulate = chosen.accumulate or accumulation(cfg.global_batch or cfg.accumulate * batch * world, batch, world)
+    if chosen.tiers is not None and chosen.tiers.state == "host":  # See [Note: Planned tiers]
+        opt = _host_step(cfg, model, opt, chosen.tiers, accumulate)
     run = _Run(cfg, spec, tokens, model, opt, log, rank, world, seq, batch, n_params, device, accumulate)
     run.forecast = chosen.forecast
     run.chosen = (block, len(chosen.decisions), chosen.about, chosen.hybrid_shards)  # for the start line
@@ -156,13 +160,29 @@ def _sharded(cfg: TrainConfig, model: torch.nn.Module, block: type, choice: Choi
     Sharding copies each rank's rows to ``device``: the whole model is never there (the point of
     sharding), only the chunks and one unit's gathered parameters."""
     choice.apply(model)
+    host = choice.tiers is not None and choice.tiers.state == "host" and device.type != "cpu"
     options = memfit.ShardOptions(
-        auto_wrap_policy={block}, mesh=mesh, device=device,
+        auto_wrap_policy={block}, mesh=mesh, device=device, offload="cpu" if host else None,
         reshard_after_forward=choice.reshard_after_forward, mixed_precision=mixed_precision(cfg.mixed_precision),
     )  # fmt: skip
     model = cast(torch.nn.Module, memfit.FullyShardedDataParallel(model, options=options))
     model.train()
     return model, torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+
+
+def _host_step(
+    cfg: TrainConfig, model: torch.nn.Module, opt: torch.optim.Optimizer, tiers: TierChoice, accumulate: int
+) -> torch.optim.Optimizer:
+    """The planned tiers applied: the host step (fused, per unit in backward) over the state in
+    host memory, clipping at --clip, stepping in the last of --accumulate backwards; the planned
+    blocks' units on the disk tier in --disk."""
+    disk = [model.get_submodule(p) for p in tiers.disk_blocks]
+    with warnings.catch_warnings():  # the start line says the tiers; the fused step is the host step's
+        warnings.filterwarnings("ignore", message="memfit.host_optimizer")
+        return memfit.host_optimizer(
+            model, opt, accumulate=accumulate, max_norm=cfg.clip, disk=cfg.disk if disk else None,
+            disk_modules=disk or None,
+        )  # fmt: skip
 
 
 def _configuration(run: _Run, block: type, blocks: int, checkpointing: str, n: int) -> str:
@@ -264,8 +284,12 @@ def _descend(run: _Run, micro: list[dict[str, torch.Tensor]]) -> tuple[torch.Ten
             loss = loss_of(model, mb) / run.accumulate
             loss.backward()
         total += loss.detach()
-    norm, _ = clip_grads(model, run.cfg.clip)  # read with the loss, in _agree
+    host = getattr(opt, "_memfit_host_step", None)  # it clips, at opt.step() (See [Note: The host step])
+    if host is None:
+        norm, _ = clip_grads(model, run.cfg.clip)  # read with the loss, in _agree
     opt.step()
+    if host is not None:
+        norm = torch.tensor(host.last_norm, device=run.device)
     opt.zero_grad(set_to_none=True)
     return total, norm
 

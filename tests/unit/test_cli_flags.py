@@ -79,9 +79,13 @@ def test_a_config_round_trips_through_its_flags():
         fresh, checkpointing=None, budget="1GB", auto=True, batch=None, hybrid_shards=0, trials=3
     )
     planned = dataclasses.replace(fresh, checkpointing=None, plan="plan.json", mixed_precision="bf16")
+    # the tiers of the model state are planned for a --budget (the disk: a directory that exists)
+    tiered = dataclasses.replace(
+        fresh, checkpointing=None, budget="1GB", host_budget="2GB", disk=".", disk_budget="3GB", disk_bandwidth="1GB"
+    )
     defaults = TrainConfig()
     exercised = set()
-    for config in (cfg, fresh, auto, planned):
+    for config in (cfg, fresh, auto, planned, tiered):
         changed = [
             f.name for f in dataclasses.fields(TrainConfig) if getattr(config, f.name) != getattr(defaults, f.name)
         ]

@@ -327,7 +327,7 @@ def test_async_save_stages_dtensors_in_host_memory():
     the writer thread waits for; not run here)."""
     from torch.distributed.tensor import DTensor
 
-    from memfit._shard._async_save import Saves
+    from memfit._persist._async_save import Saves
 
     with meta_accelerator(2):
         model = sharded(net(META))
