@@ -256,8 +256,26 @@ def case_disk_tier_chosen_units_and_a_full_disk(rank, world, root):
         host(build(), disk=path, disk_modules=[nn.Linear(1, 1)])
 
 
+def case_gradients_changed_after_their_step_are_refused(rank, world, root):
+    """torch's clip_grad_norm_ after units stepped in backward: the steps read unclipped
+    gradients, so optimizer.step() refuses instead of going on silently."""
+    model = build()
+    opt, _ = host(model)
+    x, y = batch(0, rank, world)
+    nn.functional.mse_loss(model(x), y).backward()
+    assert opt._memfit_host_step.steps_in_backward > 0
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match=r"changed after those units stepped in backward .* pass max_norm="):
+        opt.step()
+    opt.zero_grad()
+    stepped = opt._memfit_host_step.steps_in_backward
+    train(model, opt, 1, rank, world)  # the next step starts afresh: every unit steps again, in backward
+    assert opt._memfit_host_step.steps_in_backward == stepped + host_units(model)
+
+
 CASES = [
     case_adamw_steps_in_backward_bitwise,
+    case_gradients_changed_after_their_step_are_refused,
     case_accumulation_without_no_sync_steps_in_the_last_backward,
     case_accumulation_with_no_sync,
     case_clipping_steps_after_the_norm,

@@ -45,9 +45,11 @@ if TYPE_CHECKING:
 # from; See [Note: One rank computes on its shards]).
 # A parameter that got no gradient on this rank: whether another rank gave it one (then its
 # shard keeps the sum) or none did (then its .grad goes back to None, before the optimizer can
-# see a zero) is only known from the flags. The first step in which this rank lacks a given set
-# of gradients reads them at the end of backward (one host sync) and remembers, for that set,
-# which of them no rank had; a later step lacking the same set applies that outcome at once and
+# see a zero) is only known from the flags. By default every step in which this rank lacks a
+# gradient reads them at the end of backward (one host sync): never a wrong gradient. With
+# StepChecks(guess=True) (opt-in, not yet exposed as an option: it trades one wrong step, warned
+# after, for no sync) the first step lacking a given set reads at once and remembers, for that
+# set, which of them no rank had; a later step lacking the same set applies that outcome at once and
 # reads the flags off the backward as any step does, checking the outcome. Models whose unused
 # parameters are the same every step (a pooler no loss reads, a frozen branch) then never wait
 # for the device after the first step. If the check finds the outcome changed (ranks whose
@@ -59,7 +61,7 @@ if TYPE_CHECKING:
 class StepChecks:
     """The device-side values a step checks on the host, and the one transfer that reads them."""
 
-    def __init__(self, rank: int, eager: bool = False) -> None:
+    def __init__(self, rank: int, eager: bool = False, guess: bool = False) -> None:
         self.rank = rank
         self.debug = HOOKS.debug_collectives or eager  # settle at once: debugging, or no step to wait for
         self._gathers: list[tuple[UnitRef, torch.Tensor]] = []  # (unit, the W gathered indices)
@@ -72,7 +74,9 @@ class StepChecks:
         # set of parameters this rank lacked -> those of them no rank had, learned from a read
         self._outcomes: dict[frozenset, frozenset] = {}
         self._guessed: list[tuple[frozenset, frozenset]] = []  # per started read: the outcome it applied
-        self._guessing = True  # False once an applied outcome was wrong: read at once again
+        # Apply an earlier read's outcome instead of reading at once (opt-in: an outcome that
+        # changed is found a step late, after one optimizer step used it); False once one was wrong
+        self._guessing = guess
 
     def gathered(self, unit: UnitRef, ids: torch.Tensor) -> None:
         """Check later that every rank sent ``unit``'s index (``ids``: one value per rank)."""
@@ -91,6 +95,10 @@ class StepChecks:
         if self.debug:
             self.settle()
 
+    def lacks(self, params: list[ShardedParam]) -> bool:
+        """Whether this rank had no gradient for one of ``params`` in this step (so far)."""
+        return any(sp in self._lacking for sp in params)
+
     def fresh_grad(self, sp: ShardedParam) -> None:
         """``sp.sharded.grad`` was None before this step's reduce gave it one."""
         self._fresh[sp] = sp.sharded.grad
@@ -106,7 +114,9 @@ class StepChecks:
         lacked = frozenset(sp for sp in self._fresh if sp in self._lacking)
         values = _read(_packed(parts), parts)
         unused = self._check(values)
-        if lacked and unused is not None:
+        if lacked and unused is not None and self._guessing:
+            if len(self._outcomes) >= 64:  # sets that keep changing (routing): keep the newest
+                self._outcomes.pop(next(iter(self._outcomes)))
             self._outcomes[lacked] = unused & lacked
 
     def settle_later(self) -> None:

@@ -56,6 +56,17 @@ __all__ = ["HostStep", "host_optimizer"]
 #   memfit.clip_grad_norm_ after a step in backward is refused (the clip would come too late).
 # - overlap=False: never in backward (a GradScaler, which unscales between backward and step,
 #   or an optimizer whose update reads more than one parameter).
+# [Note: What defers a host step]
+# A unit whose gradients are final still waits for optimizer.step() (the step after backward,
+# exact as ever) where stepping it in backward could read other gradients than the reference:
+# - offloaded gradients that accumulate into existing host gradients are added once backward
+#   ends (RootState.add_on_host): while any are pending, the unit would step without them;
+# - a parameter this rank has no gradient for: whether any rank had one (a gradient, or None)
+#   is known only once the step's flags are read (See [Note: Divergence detection]);
+# - a GradScaler (the optimizer carries grad_scale or found_inf): it unscales after backward;
+# - an optimizer from outside torch.optim: its update may read more than one parameter (LAMB).
+# Gradients written after their unit stepped (torch's clip_grad_norm_, a hook) are refused at
+# optimizer.step() by their version counters: loud, as the step already ran.
 # On an accelerator the step also packs the stepped shards of the next forward's first units
 # (STAGED) into pinned memory laid out as their send slots (Unit.staged), so that their gathers
 # copy across at once instead of packing on the host first; later units' packs overlap the
@@ -95,6 +106,7 @@ class HostStep:
         self.backwards = 0  # backwards ended since the last optimizer.step()
         self.stepped: set[Unit] = set()  # units stepped in backward since the last optimizer.step()
         self.steps_in_backward = 0  # unit steps run in backward, in all (tests and benchmarks read it)
+        self.read: dict[Unit, list[tuple[torch.Tensor, int]]] = {}  # gradients each stepped unit read, versions
         self.staged_units = 0  # units packed ahead for their next gather, in all
         self._pending: list[tuple[concurrent.futures.Future | None, object]] = []  # (work, host event)
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
@@ -114,6 +126,8 @@ class HostStep:
         step its shards now, on the worker, if this backward ends the step."""
         if unit not in self.params or not self.in_backward or self.backwards + 1 < self.accumulate:
             return
+        if self._defer(unit):
+            return  # optimizer.step() steps it, after backward (See [Note: What defers a host step])
         if unit in self.stepped:
             raise RuntimeError(
                 f"memfit.host_optimizer: unit '{unit.name}' was reduced again after its optimizer step ran in "
@@ -135,6 +149,19 @@ class HostStep:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memfit-host-step")
         self._pending.append((self._worker.submit(self._step, unit, ready), None))
 
+    def _defer(self, unit: Unit) -> bool:
+        """Whether ``unit`` must wait for optimizer.step() instead of stepping in backward
+        (See [Note: What defers a host step])."""
+        state = unit.root_state
+        if state is not None and state.host_adds:  # accumulations still to be added on the host
+            return True
+        if state is not None and state.checks.lacks(unit.params):  # a gradient no rank may have had
+            return True
+        opt = self.optimizer
+        if getattr(opt, "grad_scale", None) is not None or getattr(opt, "found_inf", None) is not None:
+            return True  # a GradScaler unscales between backward and step
+        return not type(opt).__module__.startswith("torch.optim")  # per-parameter updates: torch's own
+
     def _step(self, unit: Unit, ready: object) -> None:
         """The optimizer's step over ``unit``'s host shards, after the event ``ready``."""
         if hasattr(ready, "synchronize"):  # pragma: no cover (a CUDA event: needs a GPU)
@@ -143,6 +170,7 @@ class HostStep:
             HOOKS.trace.log.append(("wait", "host", ready))
             HOOKS.trace.log.append(("use", f"{unit.name}:grad-shards", "host"))
         self._narrowed(self.params[unit], self._raw_step)
+        self.read[unit] = [(g, g._version) for g in (p.grad for p in self.params[unit]) if g is not None]
         self._stage(unit)
         if self.disk is not None:
             self.disk.stepped(unit)  # written behind the step
@@ -198,6 +226,7 @@ class HostStep:
     def step(self, closure: Any = None) -> Any:
         """The user's ``optimizer.step()``: clip (max_norm), then step what did not step in backward."""
         self.backward_ended_if_pending()
+        self._check_unchanged()
         if self.max_norm is not None:
             from memfit._shard._utils import clip_grad_norm_
 
@@ -214,7 +243,22 @@ class HostStep:
             return out
         finally:
             self.stepped.clear()
+            self.read.clear()
             self.backwards = 0
+
+    def _check_unchanged(self) -> None:
+        """Refuse gradients written after their unit stepped in backward (torch's clip_grad_norm_,
+        a step pre-hook, a GradScaler's unscale_): that step read them before the change."""
+        changed = sorted(u.name for u, grads in self.read.items() if any(g._version != v for g, v in grads))
+        if changed:  # this step is lost: start the next one afresh
+            self.read.clear()
+            self.stepped.clear()
+            self.backwards = 0
+            raise RuntimeError(
+                f"memfit.host_optimizer: the gradients of unit(s) {changed} changed after those units stepped in "
+                "backward (a clip, a GradScaler or a hook between backward and optimizer.step()), so their step "
+                "did not see the change; pass max_norm= to memfit.host_optimizer to clip, or overlap=False"
+            )
 
     def backward_ended_if_pending(self) -> None:
         if self._pending:  # a backward that ended outside memfit's callback (should not happen)
@@ -249,7 +293,7 @@ def _use_fused(optimizer: torch.optim.Optimizer) -> str:
                 turned += 1
             elif not g.get("fused"):
                 kept += 1
-        if turned:
+        if turned and not kept:  # every group unscales itself (a group as given needs GradScaler's unscale_)
             optimizer._step_supports_amp_scaling = True  # type: ignore[attr-defined]  # as torch's fused constructor
         how = f"{name} with fused=True (torch's fused CPU kernels)" if turned else f"{name} as given"
         if kept:

@@ -105,7 +105,7 @@ def test_a_gradient_this_rank_lacks_is_read_at_once_only_the_first_time():
     from memfit.testing import device_audit
 
     used, pooler = Param("used"), Param("pooler")
-    checks = StepChecks(rank=0)
+    checks = StepChecks(rank=0, guess=True)
     for step in range(3):
         with device_audit() as audit:
             backward(checks, [used, pooler], flags=[1, 0], have=(True, False))
@@ -118,10 +118,25 @@ def test_a_gradient_this_rank_lacks_is_read_at_once_only_the_first_time():
 
 def test_an_outcome_that_changed_warns_and_reads_at_once_from_then_on():
     used, pooler = Param("used"), Param("pooler")
-    checks = StepChecks(rank=0)
+    checks = StepChecks(rank=0, guess=True)
     backward(checks, [used, pooler], flags=[1, 0], have=(True, False))
     backward(checks, [used, pooler], flags=[1, 1], have=(True, False))  # another rank used it now
     with pytest.warns(RuntimeWarning, match=r"dropped the gradients other ranks gave \['pooler'\]"):
         checks.settle(wait=False)
     backward(checks, [used, pooler], flags=[1, 1], have=(True, False))
     assert pooler.sharded.grad is not None and checks._started == []  # read at once: another rank had it
+
+
+def test_by_default_a_lacking_gradient_is_read_at_once_every_step():
+    """Without guess=True (the default) no outcome is reused: a parameter another rank used in a
+    later step keeps its gradient in that step, never dropped by an earlier step's outcome."""
+    from memfit.testing import device_audit
+
+    used, pooler = Param("used"), Param("pooler")
+    checks = StepChecks(rank=0)
+    for step, flags in enumerate(([1, 0], [1, 0], [1, 1])):
+        with device_audit() as audit:
+            backward(checks, [used, pooler], flags=flags, have=(True, False))
+        assert audit.host_reads == 1, step
+        assert (pooler.sharded.grad is None) == (flags[1] == 0), step
+    assert checks.lacks([pooler]) is False  # a settled step starts afresh
