@@ -466,8 +466,18 @@ class TrainConfig(ModelConfig):
     json: str | None = field(default=None, metadata=flag("write the log and a digest of the final parameters here"))
     device: str = field(default="auto", metadata=flag(DEVICE_HELP, choices=DEVICES))
 
+    def check_rates(self) -> None:
+        """A clip, learning rate or held-out share that would train wrongly without an error."""
+        if not self.clip > 0:  # a negative clip flips every gradient, 0 zeroes them
+            raise ValueError(f"memfit train: --clip {self.clip} must be > 0 (the max global gradient norm)")
+        if not self.lr > 0:
+            raise ValueError(f"memfit train: --lr {self.lr} must be > 0")
+        if not 0 <= self.val_fraction < 1:
+            raise ValueError(f"memfit train: --val-fraction {self.val_fraction} must be in [0, 1)")
+
     def __post_init__(self) -> None:
         self.check_sizes()
+        self.check_rates()
         choose_device(self.device, where="memfit train")  # --device cuda without a GPU fails here
         # None: not given (full, unless --budget or --plan chooses); "none": the old spelling of "keep"
         self.checkpointing = None if self.checkpointing is None else decision_kind(self.checkpointing)

@@ -94,3 +94,12 @@ def test_argparse_errors_are_one_line_naming_the_flag(capsys):
         assert stopped.value.code == 2
         command = " ".join(argv[:1])
         assert capsys.readouterr().err == f"{message}; `memfit {command} --help` lists the flags\n"
+
+
+@pytest.mark.parametrize(
+    "flag, value",
+    [("--clip", "-1"), ("--clip", "0"), ("--lr", "-1"), ("--val-fraction", "1.5")],
+)
+def test_train_refuses_a_clip_rate_or_share_that_would_train_wrongly(flag, value, capsys):
+    line = _refused([*COMMANDS["train"], *TINY, flag, value], capsys)
+    assert flag in line and "must be" in line, line
