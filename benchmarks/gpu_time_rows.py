@@ -15,7 +15,12 @@ A row's prediction ([Note: Host and device time] in memfit/_plan/_time.py):
            rows are priced with memfit's figures (its hooks are of the same kind: a test of
            carrying them over, none of its rows fitted).
 
-The free figures are fitted on FIT_ROWS (7 of 22 rows, a third at most), each by bisection on the
+Rows timed after torch.profiler had run in the process (at the committed run's commit, every
+part c row but the first: part c profiles each row after timing it; part b ran no profiler)
+pay CUPTI's callbacks per kernel launch, priced as profiled_launch x the launches of the traced
+stream ([Note: Host and device time]); a plan never prices them.
+
+The free figures are fitted on FIT_ROWS (6 of 22 rows, a third at most), each by bisection on the
 row it is named with, in order; the device rates on the kernel time the profiler summed for
 that row (part c's kernel_us), the host costs on the step. ``--fit`` prints them for
 memfit/_plan/_time.py's _H100_FIT; without it the committed profile prices every row, fitted
@@ -53,7 +58,8 @@ BF16 = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
 # cost the issue names))
 FIT_ROWS = [
     ("c bert-large fp32 plain", "float32", "kernels"),
-    ("c bert-large bf16 plain", "host_op", "host"),
+    ("b bf16 autocast none", "host_op", "host"),
+    ("c bert-large bf16 plain", "profiled_launch", "host"),
     ("b bf16 autocast memfit full", "checkpoint_block", "host"),
     ("b bf16 autocast memfit selective", "selective_op", "host"),
     ("c bert-large bf16 memfit", "shard_unit", "host"),
@@ -143,12 +149,16 @@ def traces(cache: Path | None, planned_rule: bool = True) -> dict[str, Traced]:
     return out
 
 
-def price(t: Traced, device: DeviceProfile, decisions: dict[str, int], hooks: float = 0.0) -> dict[str, float]:
+def price(
+    t: Traced, device: DeviceProfile, decisions: dict[str, int], hooks: float = 0.0, profiled: bool = False
+) -> dict[str, float]:
     """The step of ``t`` on ``device`` with ``decisions`` (kind -> blocks; the rest kept) and
-    host ``hooks`` seconds beside its forward and backward ops; and the step's host and device
-    seconds apart (what the decisions add to each included)."""
-    host, dev = device.split(t.forward_backward, hooks)
-    opt_host, opt_dev = device.split(t.optimizer)
+    host ``hooks`` seconds beside its forward and backward ops (``profiled``: timed after
+    torch.profiler ran in the process: CUPTI's cost per launch too); and the step's host and
+    device seconds apart (what the decisions add to each included)."""
+    cupti = device.profiled_time if profiled else (lambda costs: 0.0)
+    host, dev = device.split(t.forward_backward, hooks + cupti(t.forward_backward))
+    opt_host, opt_dev = device.split(t.optimizer, cupti(t.optimizer))
     step = max(host, dev) + max(opt_host, opt_dev)
     host, dev = host + opt_host, dev + opt_dev
     for kind, n in decisions.items():
@@ -180,7 +190,7 @@ def measured_rows() -> list[dict]:
             decisions = dict(r["decisions"]) if kind == "planned" else ({} if kind == "none" else {kind: n})
             key = f"b {tag}" + (" linear" if kind == "planned" else "")
             rows.append({"row": f"b {tag} {strategy}", "trace": key, "decisions": decisions, "hooks": None,
-                         "step": r["step_s"], "kernels": None})  # fmt: skip
+                         "step": r["step_s"], "kernels": None, "profiled": False})  # fmt: skip
     for label, res in data["c"]["figures"]["results"].items():
         name, dtype = label.rsplit(" ", 1)
         for strategy, r in res.items():
@@ -189,8 +199,10 @@ def measured_rows() -> list[dict]:
             bf16 = dtype == "bf16"
             key = f"c {name} " + ("fp32" if not bf16 else "bf16 autocast" if strategy == "plain" else "bf16 mixed")
             hooks = {"plain": None, "memfit": "memfit", "torch FSDP2": "fsdp2"}[strategy]
+            # timed after an earlier row's profiled step: every part c row but the first
+            profiled = any(x["row"].startswith("c ") for x in rows)
             rows.append({"row": f"c {label} {strategy}", "trace": key, "decisions": {}, "hooks": hooks,
-                         "step": r["step_s"], "kernels": r["kernel_us"] / 1e6})  # fmt: skip
+                         "step": r["step_s"], "kernels": r["kernel_us"] / 1e6, "profiled": profiled})  # fmt: skip
     return rows
 
 
@@ -201,7 +213,7 @@ def _trace_of(row: dict, traced: dict[str, Traced]) -> Traced:
 
 def predict(row: dict, t: Traced, device: DeviceProfile) -> dict[str, float]:
     hooks = device.shard_hooks(t.blocks + 1, t.params) if row["hooks"] else 0.0  # memfit's or FSDP2's units
-    return price(t, device, row["decisions"], hooks)
+    return price(t, device, row["decisions"], hooks, row["profiled"])
 
 
 def fit(rows: list[dict], traced: dict[str, Traced]) -> DeviceProfile:
@@ -256,7 +268,8 @@ def report(rows: list[dict], traced: dict[str, Traced], device: DeviceProfile, c
         f"Traced on this CPU host (fake tensors), priced on the named profile {device.name!r} "
         f"([Note: Host and device time]). Fitted rows (marked fit) set one figure each: "
         + "; ".join(f"{c} on {n} ({t})" for n, c, t in FIT_ROWS)
-        + ". Held-out rows set nothing.",
+        + ". Held-out rows set nothing. (profiled): timed after torch.profiler ran in the process, priced "
+        "with profiled_launch per kernel launch (CUPTI stays attached: pytorch/pytorch#144455).",
         "",
         "| row | fit/held-out | measured step s | predicted step s | predicted/measured | host s | device s "
         "| measured kernels s | within +-15% |",
@@ -269,8 +282,9 @@ def report(rows: list[dict], traced: dict[str, Traced], device: DeviceProfile, c
         r = p["step"] / row["step"]
         ratios[kind].append(r)
         k = f"{row['kernels']:.4f}" if row["kernels"] is not None else "-"
+        mark = " (profiled)" if row["profiled"] else ""
         lines.append(
-            f"| {row['row']} | {kind} | {row['step']:.4f} | {p['step']:.4f} | {r:.2f} | {p['host']:.4f} "
+            f"| {row['row']} | {kind}{mark} | {row['step']:.4f} | {p['step']:.4f} | {r:.2f} | {p['host']:.4f} "
             f"| {p['device']:.4f} | {k} | {'yes' if abs(r - 1) <= 0.15 else 'no'} |"
         )
     lines.append("")

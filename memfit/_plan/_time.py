@@ -133,6 +133,13 @@ class DeviceProfile:
         host_op, kernel_floor, attention_flops, selective_op, shard_unit, shard_param: the
             overlapped model of an accelerator, see [Note: Host and device time]; 0 / empty:
             the serial model (every op's work plus op_overhead, a CPU's).
+        profiled_launch: host seconds each kernel launch costs beyond host_op in a process where
+            torch.profiler has run with CUDA activities: Kineto leaves CUPTI subscribed after the
+            profiler exits unless TEARDOWN_CUPTI=1 (pytorch/pytorch#144455, kineto#1264), and every
+            launch from then on pays its callbacks. A plan never prices it (a training process
+            that never profiles does not pay it); benchmarks/gpu_time_rows.py prices the GPU
+            validation's rows timed after a profiled step with it (see [Note: Host and device
+            time]). 0: none.
         sources: per field name, where its figure comes from (a data sheet, a published run,
             a fit to named measured rows, a calibration); the named profiles name one for
             every figure they set.
@@ -175,6 +182,7 @@ class DeviceProfile:
     selective_op: float = 0.0  # host seconds selective's dispatch mode adds per op of its forward and recompute
     shard_unit: float = 0.0  # host seconds a memfit unit's hooks add to a step (at any world size)
     shard_param: float = 0.0  # and per parameter of the unit (casts, gradient copies, views)
+    profiled_launch: float = 0.0  # host seconds per kernel launch once torch.profiler has run (see above)
     sources: dict[str, str] = dataclasses.field(default_factory=dict)  # field name -> where its figure comes from
 
     def __post_init__(self) -> None:
@@ -239,6 +247,11 @@ class DeviceProfile:
             host = len(costs) * self.op_overhead + host_extra
             return host, sum(self.op_time(c) for c in costs) - len(costs) * self.op_overhead
         return len(costs) * self.host_op + host_extra, sum(self.device_time(c) for c in costs)
+
+    def profiled_time(self, costs: list[OpCost]) -> float:
+        """Host seconds a region's kernel launches add in a process torch.profiler has run in
+        (``profiled_launch`` per launch; see [Note: Host and device time])."""
+        return self.profiled_launch * kernel_launches(costs)
 
     def ops_time(self, costs: list[OpCost], host_extra: float = 0.0) -> float:
         """Seconds of a region of ops: the larger of its host and device time where they overlap,
@@ -313,6 +326,15 @@ class DeviceProfile:
 #              shapes run below the rate); a fused attention kernel (an op with scores) flops /
 #              attention_flops[dtype], halved when is_causal (the kernel skips masked tiles;
 #              torch's flop counter counts the full square); views and metadata ops: none
+# What the GPU validation's rows measured beside a user's step: a row timed in a process where
+# torch.profiler had already run (part c profiles each row after timing it) pays CUPTI's
+# callbacks on every kernel launch (Kineto does not tear CUPTI down: pytorch/pytorch#144455),
+# priced as profiled_launch x the region's kernel launches (ops that move bytes or do flops,
+# counted from the traced stream). It is why part c's BERT-large bf16 step at batch 8 (0.1051 s,
+# host-bound) is slower than part b's at batch 16 (0.0832 s, timed before any profiler ran): the
+# same op stream, the same AdamW (foreach), zero_grad(set_to_none), autocast and event timing,
+# 2,673 launches x 8.2 us. host_op is fitted on the clean row (part b), profiled_launch on part
+# c's; a plan never pays it.
 # Collectives run on their own stream at the achieved NCCL bus bandwidth of the link ([Note:
 # Pricing communication]; a ring's time is bytes x (g - 1) / g / busbw, which is how nccl-tests
 # defines busbw). A profile with host_op = 0 is the serial model of [Note: The planner's time
@@ -342,7 +364,7 @@ class DeviceProfile:
 #     HDR (A100) card per GPU at the same 80% of line rate: 40 and 20 GB/s; latencies 3 us within
 #     and 10 us between nodes per ring step (assumed, the order nccl-tests shows);
 #   kernel_floor: 2 us per kernel (assumed: back-to-back launches of tiny kernels);
-#   host_op, checkpoint_block, selective_op, shard_unit, shard_param: fitted on the H100's host
+#   host_op, checkpoint_block, selective_op, shard_unit, shard_param, profiled_launch: fitted on the H100's host
 #     (see _H100_FIT); another host's CPU changes them: calibrate there.
 # [Note: The allocator beside the tensors]
 # On CUDA the caching allocator also hands out memory no tensor owns: cuBLAS keeps a workspace
@@ -359,11 +381,12 @@ CUDA_WORKSPACE = 70 * 2**20
 _H100_FIT = {
     "float32": 4.456e13,  # achieved fp32 matmul FLOP/s (c bert-large fp32 plain's kernel time)
     "bfloat16": 788.7e12,  # published: torch.matmul bf16 4096^3 on an H100 80GB HBM3 (see sources)
-    "host_op": 2.096e-05,  # host seconds per op (c bert-large bf16 plain: kernels 0.54 of its step)
-    "checkpoint_block": 0.0,  # a checkpoint frame (b bf16 autocast memfit full: its recompute's ops account for it)
-    "selective_op": 1.878e-05,  # selective's dispatch per op (b bf16 autocast memfit selective)
-    "shard_unit": 3.137e-03,  # a unit's hooks (c bert-large bf16 memfit: kernels 0.33 of its step)
+    "host_op": 1.658e-05,  # host seconds per op (b bf16 autocast none: timed before any profiler ran)
+    "checkpoint_block": 1.248e-03,  # a checkpoint frame beside its recompute's ops (b bf16 autocast memfit full)
+    "selective_op": 1.920e-05,  # selective's dispatch per op (b bf16 autocast memfit selective)
+    "shard_unit": 3.235e-03,  # a unit's hooks (c bert-large bf16 memfit: kernels 0.33 of its step)
     "shard_param": 0.0,  # not told apart from shard_unit at one rank: fitted per unit only
+    "profiled_launch": 8.222e-06,  # CUPTI's callbacks per launch after torch.profiler (c bert-large bf16 plain)
 }
 _PUBLISHED_MM = "github.com/zzc0721/torch-performance-test-data issue 79 (H100 80GB HBM3, torch 2.7)"
 _FIT_SOURCE = "fitted to gpu_h100.json rows by benchmarks/gpu_time_rows.py --fit"
@@ -380,7 +403,7 @@ def _accelerator(name: str) -> DeviceProfile:
     a100 = name == "a100"
     sheet = {"h100": "NVIDIA H100 SXM", "h200": "NVIDIA H200 SXM", "a100": "NVIDIA A100 80GB SXM"}[name] + " data sheet"
     attention = 225e12 if a100 else 335e12
-    host = ("host_op", "checkpoint_block", "selective_op", "shard_unit", "shard_param")
+    host = ("host_op", "checkpoint_block", "selective_op", "shard_unit", "shard_param", "profiled_launch")
     sources = {
         "flops": f"bf16/fp16: {_PUBLISHED_MM}; fp32: {_FIT_SOURCE} (the same source: 51.9 TFLOP/s at 4096^3); "
         f"{'the H100s efficiency on the ' + sheet + ' peaks' if name != 'h100' else ''}",
@@ -420,6 +443,7 @@ def _accelerator(name: str) -> DeviceProfile:
         selective_op=_H100_FIT["selective_op"],
         shard_unit=_H100_FIT["shard_unit"],
         shard_param=_H100_FIT["shard_param"],
+        profiled_launch=_H100_FIT["profiled_launch"],
     )
 
 
@@ -535,6 +559,12 @@ def _is_causal(func, args, kwargs) -> bool:
     return bool(args[i]) if i < len(args) else False
 
 
+def kernel_launches(costs: list[OpCost]) -> int:
+    """Kernels a region of recorded ops launches: the ops that move bytes or do flops (a view
+    or metadata op launches none; a foreach op is counted once)."""
+    return sum(1 for c in costs if c.bytes or c.flops)
+
+
 class CostRecorder(TorchDispatchMode):
     """Records an :class:`OpCost` per aten op run inside it (with the op, to test a rule)."""
 
@@ -609,4 +639,7 @@ def default_profile(device: str | torch.device = "cpu") -> DeviceProfile:
     )
 
 
-__all__ = ["MEASURED", "PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "default_profile", "named_profile"]
+__all__ = [
+    "MEASURED", "PROFILES", "CostRecorder", "DeviceProfile", "OpCost", "default_profile", "kernel_launches",
+    "named_profile",
+]  # fmt: skip

@@ -47,6 +47,20 @@ def test_hooks_are_counted_per_block_op_unit_and_parameter():
     assert dataclasses.replace(GPU, host_op=0.0).offload_time(10**6, forward=1e-3) == pytest.approx(2e-4)
 
 
+def test_a_profiled_process_pays_per_kernel_launch_and_a_plan_never_does():
+    from memfit._plan._time import kernel_launches
+
+    stream = [MM, ADD, VIEW, VIEW, ADD]  # three kernels: views launch none
+    assert kernel_launches(stream) == 3
+    profiled = dataclasses.replace(GPU, profiled_launch=4e-6)
+    assert profiled.profiled_time(stream) == pytest.approx(3 * 4e-6)
+    assert GPU.profiled_time(stream) == 0.0  # no figure: nothing
+    # the profile's own prices (what a plan uses) leave it out
+    assert profiled.split(stream) == GPU.split(stream) and profiled.ops_time(stream) == GPU.ops_time(stream)
+    h100 = PROFILES["h100"]
+    assert h100.profiled_launch > 0 and "benchmarks/gpu_time_rows.py" in h100.sources["profiled_launch"]
+
+
 def test_causal_attention_is_recorded_and_priced_at_half():
     q = torch.randn(1, 2, 32, 16, requires_grad=True)
     with CostRecorder() as rec:
