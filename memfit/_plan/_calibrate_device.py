@@ -9,6 +9,7 @@ timing). The GPU validation (benchmarks/gpu) runs :func:`calibrate_device` and c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -33,6 +34,9 @@ from memfit._plan._time import MEASURED, RESULTS, DeviceProfile, default_profile
 #   kernel_floor      the device seconds of a tiny kernel, timed behind torch.cuda._sleep so the
 #                     host has queued them all before the device starts (device time only);
 #   host_op           the host seconds to queue one tiny op (the device asleep: host time only);
+#   profiled_launch   last (it leaves CUPTI attached for the rest of the process): the same host
+#                     time after one torch.profiler run with CUDA activities, less host_op, per
+#                     launch (what a process pays once it has profiled: [Note: Host and device time]);
 #   checkpoint_*      what checkpointing a tiny model's blocks adds (_calibrate._op_overhead);
 #   offload_bandwidth a pinned device-to-host copy.
 # selective_op and the sharding hooks are not timed here: they stay the named profile's (fitted).
@@ -85,11 +89,20 @@ def _attention(device: torch.device, dtype: torch.dtype, seconds, scale: int) ->
     return flops / took
 
 
-def accelerator_figures(device: torch.device, seconds, host_seconds, scale: int = 1) -> dict:
+def _cuda_profiler() -> contextlib.AbstractContextManager:
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def accelerator_figures(
+    device: torch.device, seconds, host_seconds, scale: int = 1, profiler: Callable[[], object] | None = None
+) -> dict:
     """The figures of [Note: Calibrating an accelerator] beyond calibrate()'s, with ``seconds``
     (device time of a callable; its ``asleep`` keyword: queued behind a sleep) and
     ``host_seconds`` (host time to queue a callable); ``scale``: every size divided by it (the
-    CPU test of its structure)."""
+    CPU test of its structure); ``profiler``: a context manager factory run once before
+    profiled_launch is timed (torch.profiler with CUDA activities on the device; None: none)."""
     x = torch.ones(256, device=device)
     n = 200
 
@@ -102,12 +115,16 @@ def accelerator_figures(device: torch.device, seconds, host_seconds, scale: int 
     copy = seconds(lambda: out.copy_(big))
     halves = (torch.bfloat16, torch.float16)
     attention = {str(d).removeprefix("torch."): _attention(device, d, seconds, scale) for d in halves}
-    return {
+    figures = {
         "attention_flops": attention,
         "memory_bandwidth": 2 * big.nbytes / copy,
         "kernel_floor": seconds(tiny, asleep=True) / n,
         "host_op": host_seconds(tiny) / n,
     }
+    with (profiler or contextlib.nullcontext)():  # type: ignore[attr-defined]
+        tiny()
+    figures["profiled_launch"] = max(0.0, host_seconds(tiny) / n - figures["host_op"])  # last: CUPTI stays
+    return figures
 
 
 def calibrate_device(device: str | torch.device = "cuda", results: Path | None = None) -> tuple[DeviceProfile, Path]:
@@ -121,7 +138,7 @@ def calibrate_device(device: str | torch.device = "cuda", results: Path | None =
     t0 = time.perf_counter()
     base = calibrate(device, save=False)
     fp16, _ = _fp16_rate(device)
-    extra = accelerator_figures(device, _events_seconds, _host_seconds)
+    extra = accelerator_figures(device, _events_seconds, _host_seconds, profiler=_cuda_profiler)
     profile = dataclasses.replace(base, flops=dict(base.flops) | {"float16": fp16}, **extra)
     if time.perf_counter() - t0 > DEADLINE:
         raise RuntimeError(f"memfit calibrate_device: took {time.perf_counter() - t0:.0f} s, over {DEADLINE:.0f} s")

@@ -602,7 +602,7 @@ RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 # (links, fitted hooks it does not time) stay the named profile's.
 MEASURED = (
     "flops", "memory_bandwidth", "offload_bandwidth", "matmul_latency", "bandwidth_curve", "attention_flops",
-    "host_op", "kernel_floor", "checkpoint_block", "checkpoint_op",
+    "host_op", "kernel_floor", "checkpoint_block", "checkpoint_op", "profiled_launch",
 )  # fmt: skip
 
 

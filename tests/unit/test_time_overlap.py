@@ -2,6 +2,7 @@
 the larger of its host and device time, memfit's hooks are host time, every named figure names
 its source, and a calibration's output has the structure a named profile reads back."""
 
+import contextlib
 import dataclasses
 import json
 
@@ -97,12 +98,27 @@ def test_a_calibration_writes_what_the_named_profile_reads(tmp_path):
         calls.append(asleep)
         return 1e-3
 
+    hosts = [4e-4, 6e-4]  # host_op's timing, then profiled_launch's after the profiler ran
+
+    timed: list = []
+
     def host_seconds(fn):
         fn()
-        return 4e-4
+        timed.append(fn)
+        return hosts[len(timed) - 1]
 
-    figures = accelerator_figures(torch.device("cpu"), seconds, host_seconds, scale=64)
-    assert set(figures) == {"attention_flops", "memory_bandwidth", "kernel_floor", "host_op"}
+    profiled = []
+
+    @contextlib.contextmanager
+    def profiler():  # a stand-in for torch.profiler: once, after every other timing (CUPTI stays)
+        profiled.append((len(calls), len(timed)))
+        yield
+
+    figures = accelerator_figures(torch.device("cpu"), seconds, host_seconds, scale=64, profiler=profiler)
+    assert set(figures) == {"attention_flops", "memory_bandwidth", "kernel_floor", "host_op", "profiled_launch"}
+    assert profiled == [(len(calls), 1)] and figures["profiled_launch"] == pytest.approx(
+        2e-4 / 200
+    )  # after everything else
     assert set(figures["attention_flops"]) == {"bfloat16", "float16"} and min(figures["attention_flops"].values()) > 0
     assert figures["host_op"] == pytest.approx(4e-4 / 200) and figures["kernel_floor"] == pytest.approx(1e-3 / 200)
     assert calls.count(True) == 1  # the tiny kernels timed behind the device's sleep: device time only
