@@ -135,7 +135,8 @@ class DeviceProfile:
             the serial model (every op's work plus op_overhead, a CPU's).
         profiled_launch: host seconds each kernel launch costs beyond host_op in a process where
             torch.profiler has run with CUDA activities: Kineto leaves CUPTI subscribed after the
-            profiler exits unless TEARDOWN_CUPTI=1 (pytorch/pytorch#144455, kineto#1264), and every
+            profiler exits unless TEARDOWN_CUPTI=1 (pytorch/pytorch#144455; kineto#1539, open, would
+            make teardown the default), and every
             launch from then on pays its callbacks. A plan never prices it (a training process
             that never profiles does not pay it); benchmarks/gpu_time_rows.py prices the GPU
             validation's rows timed after a profiled step with it (see [Note: Host and device
@@ -333,8 +334,9 @@ class DeviceProfile:
 # counted from the traced stream). It is why part c's BERT-large bf16 step at batch 8 (0.1051 s,
 # host-bound) is slower than part b's at batch 16 (0.0832 s, timed before any profiler ran): the
 # same op stream, the same AdamW (foreach), zero_grad(set_to_none), autocast and event timing,
-# 2,673 launches x 8.2 us. host_op is fitted on the clean row (part b), profiled_launch on part
-# c's; a plan never pays it.
+# 2,673 launches x 8.2 us (inferred from the harness and the rows, not timed both ways on a
+# GPU; the llama rows, held out, agree). host_op is fitted on the clean row (part b),
+# profiled_launch on part c's; a plan never pays it.
 # Collectives run on their own stream at the achieved NCCL bus bandwidth of the link ([Note:
 # Pricing communication]; a ring's time is bytes x (g - 1) / g / busbw, which is how nccl-tests
 # defines busbw). A profile with host_op = 0 is the serial model of [Note: The planner's time
