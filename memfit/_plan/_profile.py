@@ -215,6 +215,7 @@ def _profile(
         device_source=device.source,
         offload_bandwidth=device.offload_bandwidth,
         workspace_bytes=device.workspace_bytes,
+        offload_stash=target.offload_stash,
         distinct_blocks=len(seen),
         between=between[:-1],
         between_end=between[-1],

@@ -49,8 +49,9 @@ from memfit._plan._time import DeviceProfile
 #     (CUDACachingAllocator's kMinBlockSize), so MemoryMeter counts each storage so rounded.
 #   - host offload's streams ([Note: Host offload]): an offloaded block's backward prefetches
 #     the group of the block before it on the side stream, so its backward moment holds one
-#     more block input than full checkpointing's (BERT-large, batch 16: 30 MiB under the H100's
-#     peak without it). The fake step runs no streams, so the profile adds it.
+#     more block input than full checkpointing's; in forward the stash keeps the sources of
+#     the last two offloaded blocks on the device ([Note: The offload stash]). The fake step
+#     runs no streams, so the profile adds both (Target.offload_prefetch, offload_stash).
 #   - transformers' causal mask: on fake tensors its SDPA check (_ignore_causal_mask_sdpa) takes
 #     the cache position for a traced graph and passes a [batch, 1, q, k] mask where the real
 #     step passes none and is_causal=True (so CUDA runs flash, with GQA, not memory-efficient
@@ -81,10 +82,13 @@ from memfit._plan._time import DeviceProfile
 #         inputs (not float64) to the autocast dtype, as cached_cast does; a weight is cast at
 #         each such call (CUDA caches a leaf's cast for the region: one copy more per extra
 #         use of a weight by these ops, never less);
-#       fp32 (layer_norm, softmax, log_softmax, exp, pow, rsqrt, sum, ...): inputs to fp32;
-#         a set_opt_dtype op casts its input rather than passing dtype= (for bfloat16 the
-#         same bytes: log_softmax(x, dtype=float) copies x to fp32 on CUDA too; for float16
-#         CUDA's half_to_float path skips that copy, so the forecast is one copy above);
+#       fp32 (layer_norm, exp, pow, rsqrt, ...): their lower-precision inputs cast to fp32;
+#       fp32_set_opt_dtype (softmax, log_softmax, sum, cumsum, prod, ...): with no dtype given
+#         and a floating first input, called with dtype=float32 (set_opt_dtype: the op itself
+#         decides what to copy: log_softmax copies bf16 logits to fp32, sum casts on the fly);
+#         with a dtype given, as called -- cross_entropy's composite calls
+#         log_softmax(logits, dim, logits.dtype): bf16 log-probabilities on CUDA (a dtype given
+#         positionally was read as none before: an fp32 and a bf16 copy of the logits more);
 #       promote (addcmul, index_put, scatter_add, dot, ...): inputs to their widest float type;
 #       the ops only the CPU registers (cross_entropy_loss, cat, stack, the pads, the FFTs,
 #         the linalg solvers, ...): fall through, as on CUDA; cross_entropy_loss then runs as
@@ -113,11 +117,14 @@ class Target:
         offload_prefetch: inputs of other blocks an offloaded block's backward holds on the
             device beside its own (the one the streams prefetch; 0 where offload copies
             synchronously: no streams).
+        offload_stash: offloaded blocks whose inputs the forward's stash still holds on the
+            device (the last two: [Note: The offload stash]; 0: no streams).
     """
 
     cuda: bool = False
     block_bytes: int = 1
     offload_prefetch: int = 0
+    offload_stash: int = 0
 
     @property
     def foreach(self) -> bool | None:
@@ -168,7 +175,7 @@ def target_of(device: DeviceProfile) -> Target:
     """The target a plan priced on ``device`` traces: CUDA's stream for a CUDA profile (the named
     accelerators, or a calibration on a CUDA device: it has CUDA's workspace), the host's else."""
     if device.name in ("h100", "h200", "a100") or device.workspace_bytes > 0:
-        return Target(cuda=True, block_bytes=CUDA_BLOCK, offload_prefetch=1)
+        return Target(cuda=True, block_bytes=CUDA_BLOCK, offload_prefetch=1, offload_stash=2)
     return Target()
 
 
@@ -273,7 +280,8 @@ _CUDA_FP32 = (
     "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor", "pow.Scalar", "softplus", "layer_norm", "native_layer_norm",
     "group_norm", "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity", "dist", "pdist",
     "renorm", "logsumexp",
-    # fp32_set_opt_dtype: run in fp32 unless a dtype is given
+)  # fmt: skip
+_CUDA_FP32_SET_OPT = (  # dtype=float32 unless a dtype is given
     "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum", "linalg_vector_norm", "sum",
     "sum.dim_IntList",
 )  # fmt: skip
@@ -318,6 +326,8 @@ def _cuda_autocast_lists(dtype: torch.dtype) -> Iterator[None]:
                 lib.impl(name, _cast_kernel(_op(name), owner, lambda ts: dtype), "AutocastCPU")
             for name in _CUDA_FP32:
                 lib.impl(name, _cast_kernel(_op(name), owner, _fp32), "AutocastCPU")
+            for name in _CUDA_FP32_SET_OPT:
+                lib.impl(name, _set_opt_kernel(_op(name), owner), "AutocastCPU")
             for name in _cuda_only(_CUDA_PROMOTE):
                 lib.impl(name, _cast_kernel(_op(name), owner, _widest), "AutocastCPU")
             for name in _cpu_only():
@@ -383,7 +393,7 @@ def _cast_kernel(op, owner: int, to):
 
     def kernel(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(keys):
-            if threading.get_ident() != owner or kwargs.get("dtype") is not None:
+            if threading.get_ident() != owner:
                 return op(*args, **kwargs)
             flat = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
             dtype = to(flat)
@@ -395,6 +405,28 @@ def _cast_kernel(op, owner: int, to):
                     return t if t.dtype == dtype or (dtype == torch.float32 and t.dtype not in _LOWER) else t.to(dtype)
 
                 args, kwargs = tree_map(cast, (args, kwargs))
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _set_opt_kernel(op, owner: int):
+    """``op`` (one with a ``dtype=`` argument) at the AutocastCPU key as CUDA's
+    fp32_set_opt_dtype policy runs it on the tracing thread: with no dtype given and a floating
+    first input, called with dtype=float32; else as called (another thread: always)."""
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    schema = [a for a in op._schema.arguments]
+    at = next(i for i, a in enumerate(schema) if a.name == "dtype")
+    positional = not schema[at].kwarg_only
+
+    def kernel(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(keys):
+            if threading.get_ident() == owner and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+                if positional and len(args) > at:
+                    if args[at] is None:
+                        args = (*args[:at], torch.float32, *args[at + 1 :])
+                elif kwargs.get("dtype") is None:
+                    kwargs = {**kwargs, "dtype": torch.float32}
             return op(*args, **kwargs)
 
     return kernel

@@ -111,3 +111,73 @@ def test_two_threads_tracing_at_once():
     }
     assert entered.is_set()
     assert F.scaled_dot_product_attention is sdpa and F.dropout is dropout
+
+
+def test_cross_entropy_under_autocast_as_cuda_runs_it():
+    """CUDA autocast's fp32_set_opt_dtype: cross_entropy's composite passes the logits' dtype to
+    log_softmax (bf16 log-probabilities, no copy of the logits before it); with no dtype given,
+    softmax runs with dtype=float32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Log(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ops: list[tuple[str, tuple, torch.dtype]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+            if first is not None:
+                self.ops.append((str(func), tuple(first.shape), first.dtype))
+            return out
+
+    class Head(torch.nn.Module):
+        def forward(self, logits, labels):
+            return F.cross_entropy(logits, labels), torch.softmax(logits, -1)
+
+    logits, labels = torch.ones(4, 50, dtype=torch.bfloat16), torch.zeros(4, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16), target_of(device_profile("h100")).tracing(), Log() as log:
+        loss, probs = Head()(logits, labels)
+    assert loss.dtype == torch.float32 and probs.dtype == torch.float32
+    first = [op for op in log.ops if op[0] == "aten._log_softmax.default"]
+    assert first == [("aten._log_softmax.default", (4, 50), torch.bfloat16)]
+    before = log.ops[: log.ops.index(first[0])]
+    assert not any(op[0] == "aten._to_copy.default" for op in before)  # no fp32 (or bf16) copy of the logits
+
+
+def test_offload_stash_in_the_forecast():
+    """On a device with streams the forward's stash holds the last two offloaded blocks' inputs
+    ([Note: The offload stash]): a part of the end of forward's forecast; none on the CPU; the
+    solver's plans fit their budgets with it."""
+    import dataclasses
+
+    from memfit._plan._profile import profile_model
+    from memfit._plan._profile_types import block_names
+    from memfit._plan._solve import forecast, solve, timeline
+
+    def no_stash(p):
+        return dataclasses.replace(p, offload_stash=0)
+
+    from memfit.models import Shape, bert_mlm, mlm_batch
+
+    shape = Shape(layers=4, hidden=32, heads=2, seq=32, batch=2, vocab=64)
+    with torch.device("meta"):
+        model = bert_mlm(shape)
+    for name, groups in (("h100", 2), ("cpu", 0)):
+        prof = profile_model(model, mlm_batch(shape), device=device_profile(name), chunk_head=False)
+        assert prof.offload_stash == groups
+        n = len(prof.blocks)
+        inputs = [b.input_bytes for b in prof.blocks]
+        moments = {m["moment"]: m["parts"] for m in timeline(prof, ["offload"] * n)}
+        assert moments["end of forward"]["offload_stash"] == (sum(inputs[-2:]) if groups else 0)
+        last = block_names(prof)[-1]  # its forward: the one offloaded before it (a new group drops older ones)
+        assert moments[f"forward of {last}"]["offload_stash"] == (inputs[-2] if groups else 0)
+        mixed = ["full"] * (n - 1) + ["offload"]  # one block offloaded: its input only
+        assert {m["moment"]: m["parts"] for m in timeline(prof, mixed)}["end of forward"]["offload_stash"] == (
+            inputs[-1] if groups else 0
+        )
+        assert forecast(prof, ["offload"] * n)["peak"] >= forecast(no_stash(prof), ["offload"] * n)["peak"]
+        lo = forecast(prof, ["offload"] * n)["peak"]
+        for budget in (int(lo * 1.001), int(lo * 1.05), int(lo * 1.2)):
+            plan = solve(prof, budget, allowed=("full", "offload"))
+            assert plan is not None and forecast(prof, plan)["peak"] <= budget
