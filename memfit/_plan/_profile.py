@@ -215,7 +215,6 @@ def _profile(
         device_source=device.source,
         offload_bandwidth=device.offload_bandwidth,
         workspace_bytes=device.workspace_bytes,
-        offload_stash=target.offload_stash,
         distinct_blocks=len(seen),
         between=between[:-1],
         between_end=between[-1],
@@ -226,7 +225,7 @@ def _profile(
         root_reduce_bytes=sum(p.numel() * _reduce_dtype(root, mp).itemsize for p in root),
         **(_mixed_terms(masters, blocks, mp, master) if mp else {}),
     )
-    return dataclasses.replace(profile, **_backward_outside(profile, made))
+    return dataclasses.replace(profile, offload_stash=target.offload_stash, **_backward_outside(profile, made))
 
 
 def _has_labels(inputs: Inputs) -> bool:
