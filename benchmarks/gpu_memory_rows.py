@@ -33,7 +33,7 @@ import torch
 import memfit
 from memfit._plan._calibrate import device_profile
 from memfit._plan._plan import Plan, _sharding
-from memfit._plan._profile import profile_model
+from memfit._plan._profile import DECISIONS, profile_model
 from memfit.models import PRESETS, Shape, bert_mlm, lm_batch, mlm_batch
 
 ROOT = Path(__file__).resolve().parent
@@ -55,9 +55,14 @@ def _profile(model, batch, device: str, *, autocast: bool, mp: bool, rule: str =
 def _forecast(prof, strategy: str, row: dict, sharded: bool, model=None, batch=None, planned_on=None):
     """The forecast for the row's decisions, and a note. The planned row: memfit.plan at the
     row's budget on ``planned_on`` (the profile the row's plan was made for: fp32 compute, also
-    for the autocast row), its decisions and head forecast on ``prof``."""
+    for the autocast row) among the kinds the row's plan chose (here offload ties full in
+    time, where the GPU's own profile priced it above: a re-plan among all kinds may swap
+    them), its decisions and head forecast on ``prof``."""
     if strategy == "memfit planned":
-        plan = memfit.plan(model, batch, budget=row["budget"], profile=planned_on or prof, device_profile=prof.device)
+        kinds = tuple(k for k in DECISIONS if k in row["decisions"])
+        profile = planned_on or prof
+        device = prof.device
+        plan = memfit.plan(model, batch, budget=row["budget"], profile=profile, device_profile=device, decisions=kinds)
         counts = dict(Counter(plan.decisions.values()))
         same = counts == row["decisions"]
         note = f"re-planned: {counts}, head {plan.head}" + ("" if same else " (the row ran others)")

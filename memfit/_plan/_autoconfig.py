@@ -26,6 +26,7 @@ from memfit._plan._profile import DECISIONS, _fake_copy, profile_model
 from memfit._plan._profile_types import ModelProfile
 from memfit._plan._solve import smallest_budget
 from memfit._plan._step import Inputs, _make_optimizer
+from memfit._plan._target import target_of
 from memfit._plan._tiers import Tiers, TiersError, tiers_of
 from memfit._plan._time import CostRecorder, DeviceProfile, OpCost
 from memfit._shard._mixed import MixedPrecision
@@ -273,7 +274,8 @@ def autoconfigure(
         batch = _resize(example_batch, first, b)
         return profile_model(model, batch, blocks, chunk_head=chunk_head is not False, **opts)
 
-    search = Search(budget_bytes, world_size, global_batch, device, optimizer_costs(model, optimizer), tokens)
+    opt_costs = optimizer_costs(model, optimizer, target_of(device).foreach)  # See [Note: The target's op stream]
+    search = Search(budget_bytes, world_size, global_batch, device, opt_costs, tokens)
     params = sum(1 for p in model.parameters() if p.requires_grad)
     tiers = tiers_of(host_budget, disk, disk_budget, disk_bandwidth)  # See [Note: Planned tiers]
     search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head, params=params, tiers=tiers)
@@ -441,15 +443,17 @@ def _scaled(cost: OpCost, s: int) -> OpCost:
     )
 
 
-def optimizer_costs(model: nn.Module, optimizer: str) -> list[OpCost]:
+def optimizer_costs(model: nn.Module, optimizer: str, foreach: bool | None = None) -> list[OpCost]:
     """The ops of one optimizer step over ``model``'s trainable parameters (its state created
-    by a step before), on fake tensors: what it costs does not depend on the micro-batch."""
+    by a step before), on fake tensors: what it costs does not depend on the micro-batch.
+    ``foreach``: the implementation the target runs (``Target.foreach``: CUDA's foreach for a
+    CUDA profile, [Note: The target's op stream]); None: the host's default."""
     with FakeTensorMode(allow_non_fake_inputs=True):
         skeleton = _fake_copy(model, "cpu")
         for p in skeleton.parameters():
             if p.requires_grad:
                 p.grad = torch.zeros_like(p)
-        opt = _make_optimizer(optimizer, skeleton)
+        opt = _make_optimizer(optimizer, skeleton, foreach)
         opt.step()
         with CostRecorder() as recorder:
             opt.step()

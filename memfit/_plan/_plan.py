@@ -42,6 +42,7 @@ _TERMS = {
     "unit_buffers": "sharded, in backward: two blocks' full parameters (the one computing, the one prefetched)",
     "kept_activations": "what the blocks keep for backward (in a block's backward: the blocks before it)",
     "held_inputs": "inputs checkpointed blocks hold that keeping every block would have freed (positions, masks)",
+    "offload_stash": "offload on a device: the last two offloaded blocks' inputs, held until their copies are done",
     "gradients": "gradients alive at this moment (sharded: 1/shards, the block in flight whole)",
     "block_forward": "the forward of the block computing: its input, temporaries, what it keeps, its output",
     "block_backward": "the backward of the block computing: its recompute, its kept tensors' gradients",

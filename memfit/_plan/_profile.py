@@ -225,7 +225,7 @@ def _profile(
         root_reduce_bytes=sum(p.numel() * _reduce_dtype(root, mp).itemsize for p in root),
         **(_mixed_terms(masters, blocks, mp, master) if mp else {}),
     )
-    return dataclasses.replace(profile, **_backward_outside(profile, made))
+    return dataclasses.replace(profile, offload_stash=target.offload_stash, **_backward_outside(profile, made))
 
 
 def _has_labels(inputs: Inputs) -> bool:

@@ -84,6 +84,7 @@ class ModelProfile:
     device_source: str = ""  # where its rates come from (DeviceProfile.source)
     offload_bandwidth: float = 0.0  # the device profile's bytes per second to host memory
     workspace_bytes: int = 0  # the device profile's allocator memory beside tensors (CUDA's workspaces)
+    offload_stash: int = 0  # offloaded blocks whose inputs the forward's stash holds ([Note: The offload stash])
     head: LMHead | None = None  # the LM head, when it can be chunked
     head_chunked: int | None = None  # T_head with the head and loss chunked
     head_chunked_time: float = 0.0  # seconds chunking adds to a step (the head's matmul again)

@@ -168,7 +168,14 @@ def _verdict(rows: list[dict], best: int | None, close: list[int]) -> str:
 CATEGORIES = {
     "parameters and optimizer state": ("state",),
     "gathered parameters": ("gather_buffers", "unit_buffers", "kept_gathered"),
-    "activations": ("before_blocks", "between_blocks", "held_inputs", "kept_activations", "last_output"),
+    "activations": (
+        "before_blocks",
+        "between_blocks",
+        "held_inputs",
+        "kept_activations",
+        "last_output",
+        "offload_stash",
+    ),
     "gradients": ("gradients", "root_reduce"),
     "working memory": (
         "block_forward",

@@ -42,6 +42,7 @@ ALLOWED = {
     "memfit._checkpoint._host._offloaders": "one side stream per device for every block",
     "memfit._checkpoint._host._names": "names unique across the process's trace",
     "memfit._checkpoint._function._anonymous_backward": "graph ids unique in the process",
+    "memfit._plan._target._TRACING": "the CUDA target's patches are process-wide: one tracing thread at a time",
 }
 
 MUTATORS = {
