@@ -124,9 +124,11 @@ class HostStep:
     def landed(self, unit: Unit, streams: Streams, stream: str) -> None:
         """``unit``'s gradients are final on ``stream`` (its reduce or, one rank, compute):
         step its shards now, on the worker, if this backward ends the step."""
-        if unit not in self.params or not self.in_backward or self.backwards + 1 < self.accumulate:
+        if unit not in self.params:
             return
-        if self._defer(unit):
+        if not self.in_backward or self.backwards + 1 < self.accumulate or self._defer(unit):
+            if self.disk is not None:  # written behind, read for the step (See [Note: Gradients on the disk tier])
+                self._run(self._write_behind, unit, streams, streams.record(stream))
             return  # optimizer.step() steps it, after backward (See [Note: What defers a host step])
         if unit in self.stepped:
             raise RuntimeError(
@@ -137,17 +139,28 @@ class HostStep:
             )
         self.stepped.add(unit)
         self.steps_in_backward += 1
-        ready = streams.record(stream)
+        self._run(self._step, unit, streams, streams.record(stream))
+
+    def _run(self, work, unit: Unit, streams: Streams, ready: object) -> None:
+        """``work(unit, ready)`` on the worker thread; joined at the end of backward."""
         if HOOKS.trace is not None:  # traced: on this thread, so that the log is deterministic
             # the main thread's earlier host work on these shards (the last step, zero_grad)
             # precedes in program order: traced as a wait for compute, never waited for
             HOOKS.trace.log.append(("wait", "host", streams.record("compute")))
-            self._step(unit, ready)
+            work(unit, ready)
             self._pending.append((None, self._done()))
             return
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memfit-host-step")
-        self._pending.append((self._worker.submit(self._step, unit, ready), None))
+        self._pending.append((self._worker.submit(work, unit, ready), None))
+
+    def _write_behind(self, unit: Unit, ready: object) -> None:
+        """The disk tier: ``unit``'s gradients, final after ``ready``, into its file and written
+        back; its step comes later (See [Note: Gradients on the disk tier])."""
+        if hasattr(ready, "synchronize"):  # pragma: no cover (a CUDA event: needs a GPU)
+            ready.synchronize()
+        assert self.disk is not None
+        self.disk.grads_landed(unit, stepping=False)
 
     def _defer(self, unit: Unit) -> bool:
         """Whether ``unit`` must wait for optimizer.step() instead of stepping in backward
@@ -169,6 +182,8 @@ class HostStep:
         if HOOKS.trace is not None:
             HOOKS.trace.log.append(("wait", "host", ready))
             HOOKS.trace.log.append(("use", f"{unit.name}:grad-shards", "host"))
+        if self.disk is not None:  # See [Note: Gradients on the disk tier]
+            self.disk.grads_landed(unit, stepping=True)
         self._narrowed(self.params[unit], self._raw_step)
         self.read[unit] = [(g, g._version) for g in (p.grad for p in self.params[unit]) if g is not None]
         self._stage(unit)
@@ -221,6 +236,17 @@ class HostStep:
                 "so clipping now comes too late; pass max_norm= to memfit.host_optimizer instead"
             )
 
+    def close(self) -> None:
+        """Release what the host step holds beyond the optimizer: the disk tier's files (their
+        descriptors; See [Note: The disk tier]) and the worker thread. Idempotent; the disk
+        tier's files close at the latest when the optimizer is collected."""
+        self.backward_ended_if_pending()
+        if self.disk is not None:
+            self.disk.close()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
     # -- optimizer.step() -------------------------------------------------------------------
 
     def step(self, closure: Any = None) -> Any:
@@ -231,9 +257,13 @@ class HostStep:
             from memfit._shard._utils import clip_grad_norm_
 
             self.last_norm = clip_grad_norm_(self.model, self.max_norm)
+            if self.disk is not None:
+                self.disk.clipped()
         done = {id(p) for u in self.stepped for p in self.params[u]}
-        rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in done]
         try:
+            if self.disk is not None:
+                self._step_on_disk(self.disk, done)
+            rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in done]
             out = self._narrowed(rest, lambda: self._user_step(closure) if closure else self._user_step())
             for unit in self.params:  # (those that did not step in backward)
                 if unit not in self.stepped:
@@ -245,6 +275,20 @@ class HostStep:
             self.stepped.clear()
             self.read.clear()
             self.backwards = 0
+
+    def _step_on_disk(self, disk: DiskUnits, done: set[int]) -> None:
+        """The disk units that did not step in backward, one at a time: read ahead, stepped,
+        written back and released before the next, so that one unit's files are resident, not
+        the model's (See [Note: The disk tier]); ``done`` gains their parameters."""
+        for unit in disk.units:
+            if unit in self.stepped:
+                continue
+            disk.before_step(unit)
+            self._narrowed(self.params[unit], self._raw_step)
+            self._stage(unit)
+            disk.stepped(unit)
+            self.stepped.add(unit)
+            done.update(id(p) for p in self.params[unit])
 
     def _check_unchanged(self) -> None:
         """Refuse gradients written after their unit stepped in backward (torch's clip_grad_norm_,
