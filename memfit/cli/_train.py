@@ -535,6 +535,9 @@ def _stop(run: _Run, signum: int, done: int, path: str | None, log: list[dict], 
 
 def _finish(run: _Run) -> None:
     run.log.close()
+    host = getattr(run.opt, "_memfit_host_step", None)
+    if host is not None:  # the disk tier's files (See [Note: The disk tier])
+        host.close()
     if run.cfg.export:
         memfit.export_safetensors(run.model, run.cfg.export)
         if run.rank == 0 and run.cfg.tokenizer:
