@@ -52,7 +52,8 @@ __all__ = ["HostStep", "host_optimizer"]
 #   is refused: its step already read the gradients.
 # - clipping needs the global norm over every unit and rank, known only once backward ends:
 #   with max_norm the steps do not run in backward; optimizer.step() clips (memfit's
-#   clip_grad_norm_, the norm in `last_norm`) and then steps every unit, fused. A call of
+#   clip_grad_norm_, the norm in `last_norm`) and then steps every unit, fused (the disk tier's
+#   units one at a time, before the rest: See [Note: The disk tier]). A call of
 #   memfit.clip_grad_norm_ after a step in backward is refused (the clip would come too late).
 # - overlap=False: never in backward (a GradScaler, which unscales between backward and step,
 #   or an optimizer whose update reads more than one parameter).
@@ -374,12 +375,13 @@ def host_optimizer(
             clips; do not call ``clip_grad_norm_`` yourself); the steps then run after backward.
         overlap: False: never step in backward (with a ``GradScaler``, or an optimizer whose
             update of a parameter reads others').
-        disk: a directory on a local disk: the disk tier. The host units' parameter shards and
-            optimizer state live in files there (scratch: unlinked at once, nothing survives the
-            process; resume from checkpoints), read ahead of each unit's forward and backward
-            and written back behind its step (See [Note: The disk tier]). Refused up front,
-            naming the path and the bytes, where the disk has no room. Gradients stay in host
-            memory between backward and step.
+        disk: a directory on a local disk: the disk tier. The host units' parameter shards,
+            gradients and optimizer state live in files there (scratch: unlinked at once,
+            nothing survives the process; resume from checkpoints), read ahead of each unit's
+            forward, backward and step and written back behind them (See [Note: The disk tier],
+            [Note: Gradients on the disk tier]). Refused up front, naming the path and the
+            bytes, where the disk has no room. ``optimizer._memfit_host_step.close()`` closes
+            the files' descriptors (else they close when the optimizer is collected).
         disk_modules: which sharded modules' units go to disk (default: every host unit).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):
