@@ -27,7 +27,9 @@ _STATE = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 1, torch.o
 # as before; the step's checks learn of the new tensor); a gradient already there (accumulation)
 # was added into in place. Written behind: released (msync, dropped) at once where the step
 # comes later (clipping, overlap=False, a deferred unit), or after the step where it runs in
-# backward. Read for the step: prefetched with the unit's other files ahead of it. The values
+# backward. The clip (memfit's clip_grads) reads and scales them a unit's file at a time,
+# dropping each file once done: the same per-tensor norms stacked in the same order. Read for
+# the step: prefetched with the unit's other files ahead of it. The values
 # are the same copies of the same sums: bitwise those of the host tier.
 
 
@@ -125,12 +127,6 @@ class DiskUnits:
         if not stepping:  # its backward is done: nothing reads its files before its step
             self.grad_files[unit].release(dirty=True)
             self.param_files[unit].release(dirty=False)
-
-    def clipped(self) -> None:
-        """The clip read and scaled every unit's gradients at once: write them back and drop
-        them before the steps read them again, one unit at a time."""
-        for file in self.grad_files.values():
-            file.release(dirty=True)
 
     def before_step(self, unit: Unit) -> None:
         """The step after backward reaches ``unit``: read it and the next ones ahead."""

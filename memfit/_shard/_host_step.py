@@ -257,9 +257,7 @@ class HostStep:
         if self.max_norm is not None:
             from memfit._shard._utils import clip_grad_norm_
 
-            self.last_norm = clip_grad_norm_(self.model, self.max_norm)
-            if self.disk is not None:
-                self.disk.clipped()
+            self.last_norm = clip_grad_norm_(self.model, self.max_norm)  # (disk units' a unit at a time)
         done = {id(p) for u in self.stepped for p in self.params[u]}
         try:
             if self.disk is not None:
