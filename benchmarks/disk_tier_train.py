@@ -108,7 +108,7 @@ def run_train(args, config: str, metrics: str, out_json: str, bandwidth: float) 
         samples.append((now, rss, read, wrote))
         lines = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
         while len(cuts) < lines:
-            cuts.append((now, read, wrote))
+            cuts.append((now, read, wrote, hwm_now))
         time.sleep(0.2)
     output = child.communicate()[0]
     if child.returncode != 0:
@@ -174,7 +174,9 @@ def report(args, ram, n, layers, write_bw, read_bw, rate, adam, got, log) -> lis
         f"- Priced compute a step: 6 x {n / 1e9:.2f}B x {args.seq} tokens at {rate / 1e9:.1f} GFLOP/s "
         f"(measured GEMM) + fused AdamW {adam * n:.1f} s ({adam * 1e9:.2f} ns/param measured) = {compute:.1f} s.",
         f"- Peak resident memory of the run (VmHWM, sampled every 0.2 s): {got['hwm'] / 2**30:.2f} GiB "
-        f"({got['hwm'] / ram:.1%} of RAM); wall time {got['wall']:.0f} s including the model's build.",
+        f"({got['hwm'] / ram:.1%} of RAM); at the end of step {len(cuts)}: "
+        f"{(cuts[-1][3] if cuts else 0) / 2**30:.2f} GiB (the build and the steps; the rest is the end of the run); "
+        f"wall time {got['wall']:.0f} s including the model's build.",
         "",
         "| step | step s | read GB | written GB | disk s at dd rates | priced compute s | 2x (disk + compute) s "
         "| within |",
