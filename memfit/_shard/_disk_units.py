@@ -29,8 +29,11 @@ _STATE = {torch.optim.Adam: 2, torch.optim.AdamW: 2, torch.optim.SGD: 1, torch.o
 # comes later (clipping, overlap=False, a deferred unit), or after the step where it runs in
 # backward. The clip (memfit's clip_grads) reads and scales them a unit's file at a time,
 # dropping each file once done: the same per-tensor norms stacked in the same order. Read for
-# the step: prefetched with the unit's other files ahead of it. The values
-# are the same copies of the same sums: bitwise those of the host tier.
+# the step: prefetched with the unit's other files ahead of it. The values are the same copies
+# of the same sums: bitwise those of the host tier. On an accelerator the copy into the file
+# runs on the host step's worker after the gradients' copy to the host (its event), and
+# offloaded accumulations added after backward re-dirty the pages until the step: untested
+# here (no GPU).
 
 
 class DiskUnits:
