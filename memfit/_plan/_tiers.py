@@ -21,13 +21,18 @@ __all__ = ["TierChoice", "Tiers", "TiersError", "choose_tiers", "tiers_of", "uni
 # granularity the runtime has: the whole model's state on the device or in host memory
 # (memfit.shard(offload="cpu"); on a CPU it is in host memory already), and a set of blocks whose
 # units keep their parameter shards and optimizer state in files on the disk tier
-# (memfit.host_optimizer(disk=, disk_modules=); their gradients stay in host memory).
+# (memfit.host_optimizer(disk=, disk_modules=); their gradients too: See [Note: Gradients on
+# the disk tier]).
 # Per rank, for a unit u with parameter shards P_u, gradients G_u and optimizer state S_u
 # (S_u: the profile's optimizer bytes in proportion to u's trainable bytes):
-#   host memory  = sum over units of P_u + G_u + S_u, less P_u + S_u of the disk units (+ buffers)
-#   disk (held)  = sum over disk units of P_u + S_u, each of its two files a page larger
-#   disk, a step = reads 2 P_u + S_u (the shards after their release at the end of forward and at
-#                  the step, the state at the step), writes P_u + S_u (behind the step)
+#   host memory  = sum over units of P_u + G_u + S_u, less those of the disk units (+ buffers)
+#   disk (held)  = sum over disk units of P_u + G_u + S_u, each of its three files a page larger
+#   disk, a step = reads 2 P_u + G_u + S_u (the shards after their release at the end of forward
+#                  and at the step, the gradients' pages as backward writes them, the state at
+#                  the step), writes P_u + G_u + S_u (behind the step), where the step runs in
+#                  backward; a step after backward (clipping: memfit train) moves 3 P_u + 3 G_u +
+#                  S_u in and P_u + 3 G_u + S_u out (the gradients written behind backward, read
+#                  and written by the clip, read by the step), not priced here (an under-estimate)
 # Time added to a step, priced: the host link and the CPU optimizer step where the state leaves an
 # accelerator (state_offload: the shards and gradients across the link, the step's pass over host
 # memory), and the disk's bytes a step over its bandwidth (not overlapped: an upper bound; pass
@@ -90,7 +95,7 @@ class TierChoice:
     """Where the model state lives and what each tier holds and moves per step, per rank."""
 
     state: str  # "device" or "host"
-    disk_blocks: tuple[str, ...]  # block paths whose units keep shards and optimizer state on disk
+    disk_blocks: tuple[str, ...]  # block paths whose units keep shards, gradients and optimizer state on disk
     host_bytes: int  # model state in host memory (0: on the device)
     disk_bytes: int  # the disk tier's files
     disk_read_bytes: int  # a step's reads from the disk tier
@@ -147,7 +152,7 @@ def choose_tiers(
     shards = shard.shards if shard else 1
     root, blocks = unit_state(profile, shards)
     everything = sum(map(sum, [root, *blocks]))
-    order = sorted(range(len(blocks)), key=lambda i: (-(blocks[i][0] + blocks[i][2]), -i))  # largest, last first
+    order = sorted(range(len(blocks)), key=lambda i: (-sum(blocks[i]), -i))  # largest, last first
     room, page = tiers.disk_room(), mmap.PAGESIZE
     options: list[tuple[float, TierChoice, T]] = []
     ks = range(len(blocks) + 1) if tiers.disk is not None else range(1)
@@ -158,10 +163,10 @@ def choose_tiers(
     offload = state_offload(profile, shard or Sharding(1)) if accelerator else (0.0, 0.0)
     for k in ks:
         on_disk = sorted(order[:k])
-        held = sum(blocks[i][0] + blocks[i][2] for i in on_disk)
+        held = sum(sum(blocks[i]) for i in on_disk)
         host = everything - held
-        disk = held + 2 * page * k
-        reads = sum(2 * blocks[i][0] + blocks[i][2] for i in on_disk)
+        disk = held + 3 * page * k
+        reads = sum(2 * blocks[i][0] + blocks[i][1] + blocks[i][2] for i in on_disk)
         writes = held
         if (tiers.host is not None and host > tiers.host) or disk > room:
             continue
@@ -174,7 +179,7 @@ def choose_tiers(
         choice = TierChoice("host", paths, int(host), int(disk), int(reads), int(writes), freed, extra)
         options.append((solved[0] + extra, choice, solved[1]))
     if not options:
-        need = everything - sum(b[0] + b[2] for b in blocks) if tiers.disk is not None else everything
+        need = everything - sum(map(sum, blocks)) if tiers.disk is not None else everything
         raise TiersError(
             f"memfit.plan: no tiers fit: the model state is {everything} bytes per rank; host_budget="
             f"{tiers.host}, disk {tiers.disk!r} with {room} bytes; host memory needs at least {need} bytes "

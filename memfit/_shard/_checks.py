@@ -103,6 +103,12 @@ class StepChecks:
         """``sp.sharded.grad`` was None before this step's reduce gave it one."""
         self._fresh[sp] = sp.sharded.grad
 
+    def moved_grad(self, sp: ShardedParam, old: torch.Tensor) -> None:
+        """``sp.sharded.grad``, ``old`` until now, is another tensor of the same values (the disk
+        tier moved it into its file: See [Note: Gradients on the disk tier])."""
+        if self._fresh.get(sp) is old:
+            self._fresh[sp] = sp.sharded.grad
+
     def settle(self, wait: bool = True) -> None:
         """Read everything recorded (and the reads started earlier) now, in one transfer; raise
         on divergence; drop unused gradients. ``wait=False`` (the root's forward): leave the

@@ -52,7 +52,8 @@ __all__ = ["HostStep", "host_optimizer"]
 #   is refused: its step already read the gradients.
 # - clipping needs the global norm over every unit and rank, known only once backward ends:
 #   with max_norm the steps do not run in backward; optimizer.step() clips (memfit's
-#   clip_grad_norm_, the norm in `last_norm`) and then steps every unit, fused. A call of
+#   clip_grad_norm_, the norm in `last_norm`) and then steps every unit, fused (the disk tier's
+#   units one at a time, before the rest: See [Note: The disk tier]). A call of
 #   memfit.clip_grad_norm_ after a step in backward is refused (the clip would come too late).
 # - overlap=False: never in backward (a GradScaler, which unscales between backward and step,
 #   or an optimizer whose update reads more than one parameter).
@@ -124,9 +125,11 @@ class HostStep:
     def landed(self, unit: Unit, streams: Streams, stream: str) -> None:
         """``unit``'s gradients are final on ``stream`` (its reduce or, one rank, compute):
         step its shards now, on the worker, if this backward ends the step."""
-        if unit not in self.params or not self.in_backward or self.backwards + 1 < self.accumulate:
+        if unit not in self.params:
             return
-        if self._defer(unit):
+        if not self.in_backward or self.backwards + 1 < self.accumulate or self._defer(unit):
+            if self.disk is not None:  # written behind, read for the step (See [Note: Gradients on the disk tier])
+                self._run(self._write_behind, unit, streams, streams.record(stream))
             return  # optimizer.step() steps it, after backward (See [Note: What defers a host step])
         if unit in self.stepped:
             raise RuntimeError(
@@ -137,17 +140,28 @@ class HostStep:
             )
         self.stepped.add(unit)
         self.steps_in_backward += 1
-        ready = streams.record(stream)
+        self._run(self._step, unit, streams, streams.record(stream))
+
+    def _run(self, work, unit: Unit, streams: Streams, ready: object) -> None:
+        """``work(unit, ready)`` on the worker thread; joined at the end of backward."""
         if HOOKS.trace is not None:  # traced: on this thread, so that the log is deterministic
             # the main thread's earlier host work on these shards (the last step, zero_grad)
             # precedes in program order: traced as a wait for compute, never waited for
             HOOKS.trace.log.append(("wait", "host", streams.record("compute")))
-            self._step(unit, ready)
+            work(unit, ready)
             self._pending.append((None, self._done()))
             return
         if self._worker is None:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memfit-host-step")
-        self._pending.append((self._worker.submit(self._step, unit, ready), None))
+        self._pending.append((self._worker.submit(work, unit, ready), None))
+
+    def _write_behind(self, unit: Unit, ready: object) -> None:
+        """The disk tier: ``unit``'s gradients, final after ``ready``, into its file and written
+        back; its step comes later (See [Note: Gradients on the disk tier])."""
+        if hasattr(ready, "synchronize"):  # pragma: no cover (a CUDA event: needs a GPU)
+            ready.synchronize()
+        assert self.disk is not None
+        self.disk.grads_landed(unit, stepping=False)
 
     def _defer(self, unit: Unit) -> bool:
         """Whether ``unit`` must wait for optimizer.step() instead of stepping in backward
@@ -169,6 +183,8 @@ class HostStep:
         if HOOKS.trace is not None:
             HOOKS.trace.log.append(("wait", "host", ready))
             HOOKS.trace.log.append(("use", f"{unit.name}:grad-shards", "host"))
+        if self.disk is not None:  # See [Note: Gradients on the disk tier]
+            self.disk.grads_landed(unit, stepping=True)
         self._narrowed(self.params[unit], self._raw_step)
         self.read[unit] = [(g, g._version) for g in (p.grad for p in self.params[unit]) if g is not None]
         self._stage(unit)
@@ -221,6 +237,17 @@ class HostStep:
                 "so clipping now comes too late; pass max_norm= to memfit.host_optimizer instead"
             )
 
+    def close(self) -> None:
+        """Release what the host step holds beyond the optimizer: the disk tier's files (their
+        descriptors; See [Note: The disk tier]) and the worker thread. Idempotent; the disk
+        tier's files close at the latest when the optimizer is collected."""
+        self.backward_ended_if_pending()
+        if self.disk is not None:
+            self.disk.close()
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
     # -- optimizer.step() -------------------------------------------------------------------
 
     def step(self, closure: Any = None) -> Any:
@@ -230,10 +257,12 @@ class HostStep:
         if self.max_norm is not None:
             from memfit._shard._utils import clip_grad_norm_
 
-            self.last_norm = clip_grad_norm_(self.model, self.max_norm)
+            self.last_norm = clip_grad_norm_(self.model, self.max_norm)  # (disk units' a unit at a time)
         done = {id(p) for u in self.stepped for p in self.params[u]}
-        rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in done]
         try:
+            if self.disk is not None:
+                self._step_on_disk(self.disk, done)
+            rest = [p for g in self.optimizer.param_groups for p in g["params"] if id(p) not in done]
             out = self._narrowed(rest, lambda: self._user_step(closure) if closure else self._user_step())
             for unit in self.params:  # (those that did not step in backward)
                 if unit not in self.stepped:
@@ -245,6 +274,20 @@ class HostStep:
             self.stepped.clear()
             self.read.clear()
             self.backwards = 0
+
+    def _step_on_disk(self, disk: DiskUnits, done: set[int]) -> None:
+        """The disk units that did not step in backward, one at a time: read ahead, stepped,
+        written back and released before the next, so that one unit's files are resident, not
+        the model's (See [Note: The disk tier]); ``done`` gains their parameters."""
+        for unit in disk.units:
+            if unit in self.stepped:
+                continue
+            disk.before_step(unit)
+            self._narrowed(self.params[unit], self._raw_step)
+            self._stage(unit)
+            disk.stepped(unit)
+            self.stepped.add(unit)
+            done.update(id(p) for p in self.params[unit])
 
     def _check_unchanged(self) -> None:
         """Refuse gradients written after their unit stepped in backward (torch's clip_grad_norm_,
@@ -330,12 +373,13 @@ def host_optimizer(
             clips; do not call ``clip_grad_norm_`` yourself); the steps then run after backward.
         overlap: False: never step in backward (with a ``GradScaler``, or an optimizer whose
             update of a parameter reads others').
-        disk: a directory on a local disk: the disk tier. The host units' parameter shards and
-            optimizer state live in files there (scratch: unlinked at once, nothing survives the
-            process; resume from checkpoints), read ahead of each unit's forward and backward
-            and written back behind its step (See [Note: The disk tier]). Refused up front,
-            naming the path and the bytes, where the disk has no room. Gradients stay in host
-            memory between backward and step.
+        disk: a directory on a local disk: the disk tier. The host units' parameter shards,
+            gradients and optimizer state live in files there (scratch: unlinked at once,
+            nothing survives the process; resume from checkpoints), read ahead of each unit's
+            forward, backward and step and written back behind them (See [Note: The disk tier],
+            [Note: Gradients on the disk tier]). Refused up front, naming the path and the
+            bytes, where the disk has no room. ``optimizer._memfit_host_step.close()`` closes
+            the files' descriptors (else they close when the optimizer is collected).
         disk_modules: which sharded modules' units go to disk (default: every host unit).
     """
     if not isinstance(optimizer, torch.optim.Optimizer):

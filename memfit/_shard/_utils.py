@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -69,9 +70,13 @@ def _clip_grads(model: nn.Module, max_norm: float, norm_type: float, read: bool)
     # as norm ** p (the max for the inf-norm).
     wide = torch.float64 if any(g.dtype == torch.float64 for g in counted) else torch.float32
     parts = []
+    runs = _disk_runs(units, [g for g in counted if g.numel()])  # See [Note: The disk tier]
     for part in _by_device([g for g in counted if g.numel()]):  # (an empty shard adds nothing)
         dtype = None if part[0].dtype in (torch.float32, torch.float64) else torch.float32
-        norms = torch.stack(torch._foreach_norm(part, norm_type, dtype=dtype))
+        if runs is None:
+            norms = torch.stack(torch._foreach_norm(part, norm_type, dtype=dtype))
+        else:  # the same norms of the same tensors in the same order, a unit's at a time: the same stack
+            norms = torch.stack([n for gs, drop in runs for n in _read(gs, norm_type, dtype, drop)])
         local = norms.amax() if norm_type == float("inf") else norms.to(wide).pow(norm_type).sum()
         parts.append(local.to(device=device, dtype=wide))
     total = torch.stack(parts) if parts else torch.zeros(1, dtype=wide, device=device)
@@ -88,12 +93,55 @@ def _clip_grads(model: nn.Module, max_norm: float, norm_type: float, read: bool)
     coef = (max_norm / (total.to(coef_dtype) + 1e-6)).clamp(max=1.0).to(wide)
     groups = _by_device(grads)
     value = host_read(total) if read or any(not same_device(g[0].device, coef.device) for g in groups) else None
+    mul = _disk_runs(units, grads)
+    if mul is not None:  # as below, a unit's gradients at a time (See [Note: The disk tier])
+        on_coef = same_device(grads[0].device, coef.device)
+        factor = coef if on_coef else max_norm / (cast(float, value) + 1e-6)
+        for gs, drop in mul:
+            if on_coef or not factor >= 1.0:
+                torch._foreach_mul_(gs, factor)
+            drop(dirty=True)
+        return total, value
     for part in groups:
         if same_device(part[0].device, coef.device):
             torch._foreach_mul_(part, coef)
         elif value is not None and not (coef_host := max_norm / (value + 1e-6)) >= 1.0:  # offloaded:
             torch._foreach_mul_(part, coef_host)  # the host clips them (by NaN too, as the device)
     return total, value
+
+
+def _disk_runs(units: list, grads: list[torch.Tensor]) -> list | None:
+    """``grads`` (in their order) in runs of one unit each, each with the call that drops that
+    unit's gradient file from memory once the run is read (See [Note: The disk tier]); None
+    unless a unit's gradients are on the disk tier and every gradient is on one device."""
+    disks = [u.host_step.disk for u in units if u.host_step is not None and u.host_step.disk is not None]
+    if not disks or len(_by_device(grads)) != 1:
+        return None
+    files = {u: d.grad_files[u] for d in disks for u in d.grad_files}
+    runs: list[tuple[list[torch.Tensor], object]] = []
+    owner: object = None
+    for g in grads:
+        file = next((f for f in files.values() if f.holds(g)), None) if g.numel() else None
+        if file is None or file is not owner:
+            runs.append(([], _dropper(file)))
+            owner = file
+        runs[-1][0].append(g)
+    return runs
+
+
+def _read(grads: list[torch.Tensor], norm_type: float, dtype, drop) -> list[torch.Tensor]:
+    norms = list(torch._foreach_norm(grads, norm_type, dtype=dtype))
+    drop()
+    return norms
+
+
+def _dropper(file):
+    def drop(dirty: bool = False) -> tuple:
+        if file is not None:
+            file.release(dirty=dirty)
+        return ()
+
+    return drop
 
 
 def _counts(unit) -> bool:

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import memfit
 from memfit._plan._tiers import TierChoice
 from memfit._shard._layout import end_mesh
+from memfit._shard._unit import units_of
 from memfit._shard._utils import clip_grads
 from memfit.cli import _checkpoints
 from memfit.cli._choose import Choice, choose, mixed_precision, picked_before, trials_record, tried
@@ -48,7 +49,10 @@ __all__ = ["CHECKPOINTING", "TrainConfig", "accumulation", "train"]
 
 def _digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
-    with memfit.summon_full_params(model, writeback=False):
+    # one rank computing on its chunks: they are the full parameters already, and summoning
+    # would clone every one of them (writeback=False): the whole model twice in memory
+    direct = all(sp.direct for u in units_of(model) for sp in u.params)
+    with contextlib.nullcontext() if direct else memfit.summon_full_params(model, writeback=False):
         for name, p in model.named_parameters():
             h.update(name.encode())
             h.update(p.detach().to("cpu", copy=True).contiguous().view(torch.uint8).numpy().tobytes())  # any dtype
@@ -535,6 +539,9 @@ def _stop(run: _Run, signum: int, done: int, path: str | None, log: list[dict], 
 
 def _finish(run: _Run) -> None:
     run.log.close()
+    host = getattr(run.opt, "_memfit_host_step", None)
+    if host is not None:  # the disk tier's files (See [Note: The disk tier])
+        host.close()
     if run.cfg.export:
         memfit.export_safetensors(run.model, run.cfg.export)
         if run.rank == 0 and run.cfg.tokenizer:

@@ -59,7 +59,7 @@ def _measured(preset: str, disk_blocks: tuple[str, ...], directory: str) -> dict
     disk = opt._memfit_host_step.disk
 
     def files():
-        return [*disk.param_files.values(), *disk.state_files.values()]
+        return [*disk.param_files.values(), *disk.grad_files.values(), *disk.state_files.values()]
 
     for step in range(2):
         for f in files():
