@@ -20,11 +20,12 @@ from benchmarks.gpu._env import Env, device_name, fmt
 
 # letter -> (module, title, seconds it may take on one H200 before it is stopped): the first
 # H100 call's times (a 45, b 69, c 68, e 36, f 52 s; d stopped early by its out-of-memory) with
-# room for what this validation adds (bf16 diagnosis and profiles, async saves, 6 trials).
+# room for what this validation adds (bf16 diagnosis and profiles, async saves, 6 trials; b and
+# c build every row twice, timed then profiled, and record one step's allocator history).
 PARTS = {
     "a": ("correctness", "Correctness on the device", 70),
-    "b": ("bert", "The seed's experiment: BERT-large MLM, seq 512", 80),
-    "c": ("sharding", "Sharding at W=1 on NCCL: plain vs FSDP2 vs memfit", 70),
+    "b": ("bert", "The seed's experiment: BERT-large MLM, seq 512", 90),
+    "c": ("sharding", "Sharding at W=1 on NCCL: plain vs FSDP2 vs memfit", 80),
     "d": ("planner", "Planner and meter against the allocator", 60),
     "e": ("offload", "Offload: pinned copies, offload='cpu' vs save_on_cpu", 40),
     "f": ("train", "memfit train --device cuda --async-save, resumed once", 55),

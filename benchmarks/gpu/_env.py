@@ -34,6 +34,7 @@ class Env:
     out: Path
     repo: Path
     bert_batch: int = 0  # part b's batch (0: its default)
+    profiler_sessions: int = 0  # torch.profiler sessions this process ran (sharding.profile_step)
     started: float = field(default_factory=time.perf_counter)
 
     @property
@@ -136,6 +137,31 @@ def device_name(device: torch.device) -> str:
 def errors_of(results: dict[str, dict[str, dict]]) -> dict[str, str]:
     """{"row / column": error} of a two-level table of results whose failed cells hold "error"."""
     return {f"{a} / {b}": r["error"] for a, rows in results.items() for b, r in rows.items() if "error" in r}
+
+
+def profile_errors(results: dict[str, dict[str, dict]]) -> dict[str, str]:
+    """{"row / column (profile)": error} of the rows whose second pass failed."""
+    return {
+        f"{a} / {b} (profile)": r["profile_error"]
+        for a, rows in results.items()
+        for b, r in rows.items()
+        if "profile_error" in r
+    }
+
+
+def timed_after_profiler(results: dict[str, dict[str, dict]], sessions_at_start: int) -> dict:
+    """The rows timed after a profiler session of their own part (should be none), the
+    sessions earlier parts ran, and TEARDOWN_CUPTI (see [Note: Time before profiling] in
+    benchmarks/gpu/sharding.py)."""
+    import os
+
+    late = [
+        f"{a} / {b}"
+        for a, rows in results.items()
+        for b, r in rows.items()
+        if r.get("profiler_sessions_before", 0) > sessions_at_start
+    ]
+    return {"rows": late, "sessions_before_part": sessions_at_start, "TEARDOWN_CUPTI": os.environ.get("TEARDOWN_CUPTI")}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -31,7 +31,7 @@ from collections import Counter
 import torch
 
 import memfit
-from benchmarks.gpu._env import Env, errors_of, fmt, goal, mib, ratio
+from benchmarks.gpu._env import Env, errors_of, fmt, goal, mib, profile_errors, ratio, timed_after_profiler
 from memfit.models import Shape, bert_layer_class, bert_mlm, mlm_batch
 
 STRATEGIES = ("none", "memfit full", "memfit selective", "memfit offload", "memfit planned", "torch.utils.checkpoint")
@@ -79,46 +79,74 @@ def prepare(strategy: str, base: torch.nn.Module, env: Env, batch: dict, budget:
     return model, info
 
 
-def measure(strategy: str, base, env: Env, batch: dict, dtype: torch.dtype, budget: int | None, tokens: int) -> dict:
+def _build(strategy: str, base, env: Env, batch: dict, dtype: torch.dtype, budget: int | None):
+    """The row's model and optimizer, and its step; ``kept`` and ``losses`` as the step fills them."""
+    model, info = prepare(strategy, base, env, batch, budget)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    kept, losses = [0], []
+
+    def step() -> None:
+        before = env.allocated()
+        with env.autocast(dtype):
+            loss = model(**batch).loss
+        kept[0] = env.allocated() - before
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
+
+    return model, opt, info, step, kept, losses
+
+
+def _offload_here(strategy: str, env: Env):
     from memfit.testing import host_offload_on_cpu
 
     cpu_offload = strategy in ("memfit offload", "memfit planned") and not env.cuda
-    with host_offload_on_cpu() if cpu_offload else _null():
-        model, info = prepare(strategy, base, env, batch, budget)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        kept = [0]
-        losses = []
+    return host_offload_on_cpu() if cpu_offload else _null()
 
-        def step() -> None:
-            before = env.allocated()
-            with env.autocast(dtype):
-                loss = model(**batch).loss
-            kept[0] = env.allocated() - before
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(loss.detach())
 
+def _tag(strategy: str, dtype: torch.dtype) -> str:
+    return f"b-{'fp32' if dtype == torch.float32 else 'bf16'}-{strategy.replace(' ', '_')}"
+
+
+def measure(strategy: str, base, env: Env, batch: dict, dtype: torch.dtype, budget: int | None, tokens: int) -> dict:
+    """The first pass: time, peaks, MemoryMeter and the peak's snapshot; no profiler (see
+    [Note: Time before profiling] in benchmarks/gpu/sharding.py)."""
+    from benchmarks.gpu._memsnap import record_peak
+
+    before = env.profiler_sessions
+    with _offload_here(strategy, env):
+        model, opt, info, step, kept, losses = _build(strategy, base, env, batch, dtype, budget)
         warmup, repeats = (0, 1) if env.smoke else (2, 5)
         seconds = env.median_time(step, warmup, repeats)
         peaks = env.allocator_peaks(step) if env.cuda else {"max_allocated": None, "max_reserved": None}
         with memfit.MemoryMeter(model=model, optimizer=opt) as meter:
             step()
-        from benchmarks.gpu.sharding import profile_step  # the diagnosis: busy share, host time, op fixture
-
-        label = "fp32" if dtype == torch.float32 else "bf16"
-        prof = profile_step(env, step, f"b-{label}-{strategy.replace(' ', '_')}")
-    diagnosis = {**prof, "busy_share": prof["kernel_us"] / 1e6 / seconds, "host_share": prof["host_us"] / 1e6 / seconds}
+        snapshot = record_peak(env, step, _tag(strategy, dtype))
     return {
         **peaks,
-        **diagnosis,
         "meter_peak": meter.peak_bytes,
         "kept_after_forward": kept[0] if env.cuda else None,
         "step_s": seconds,
         "tokens_per_s": tokens / seconds,
         "first_loss": losses[0].item(),
+        "profiler_sessions_before": before,
+        "peak_snapshot": snapshot,
         **info,
     }
+
+
+def profile_row(strategy: str, base, env: Env, batch: dict, dtype: torch.dtype, row: dict) -> dict:
+    """The second pass: the row built again (the same budget), one warm-up step, one profiled
+    step: the diagnosis (busy share, host time, the op fixture)."""
+    from benchmarks.gpu.sharding import profile_step
+
+    with _offload_here(strategy, env):
+        *_, step, _, _ = _build(strategy, base, env, batch, dtype, row.get("budget"))
+        step()
+        prof = profile_step(env, step, _tag(strategy, dtype))
+    seconds = row["step_s"]
+    return {**prof, "busy_share": prof["kernel_us"] / 1e6 / seconds, "host_share": prof["host_us"] / 1e6 / seconds}
 
 
 def _null():
@@ -133,6 +161,7 @@ def peak(r: dict) -> int:
 
 def run(env: Env) -> dict:
     shape = shape_of(env)
+    sessions_at_start = env.profiler_sessions
     results: dict[str, dict[str, dict]] = {}
     for _attempt in range(3):  # halve the batch when the plain fp32 step does not fit
         results = {}
@@ -158,7 +187,8 @@ def run(env: Env) -> dict:
                     except Exception as e:  # recorded; the other strategies still run
                         rows[strategy] = {"error": f"{type(e).__name__}: {e}"}
                     env.free()
-            return report(env, shape, results)
+            profile_rows(env, base, batch, results)
+            return report(env, shape, results, sessions_at_start)
         except torch.cuda.OutOfMemoryError:
             pass  # the tensors the error holds are freed once its handler is left
         env.free()
@@ -166,7 +196,22 @@ def run(env: Env) -> dict:
     raise RuntimeError(f"BERT-large's plain fp32 step did not fit at batch {shape.batch * 2} or above")
 
 
-def report(env: Env, shape: Shape, results: dict) -> dict:
+def profile_rows(env: Env, base, batch: dict, results: dict) -> None:
+    """The second pass over every row timed (both dtypes): its diagnosis, or ``profile_error``."""
+    for label, rows in results.items():
+        dtype = torch.float32 if label == "fp32" else torch.bfloat16
+        for strategy, r in rows.items():
+            if "error" in r:
+                continue
+            env.log(f"  b: {label} {strategy} (profiled)")
+            try:
+                rows[strategy] = r | profile_row(strategy, base, env, batch, dtype, r)
+            except Exception as e:  # recorded; the other rows still get theirs
+                r["profile_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            env.free()
+
+
+def report(env: Env, shape: Shape, results: dict, sessions_at_start: int = 0) -> dict:
     md = [
         f"BertForMaskedLM {shape}, AdamW, dropout 0.1; median of 5 steps after 2 warm-up (device events). "
         "Peaks of one step with AdamW state. kept: activation bytes alive after the forward.",
@@ -202,7 +247,12 @@ def report(env: Env, shape: Shape, results: dict) -> dict:
                 f"{mib(pl['predicted_peak'])} MiB, measured {mib(peak(pl))} MiB; decisions {pl['decisions']}"
             )
     return {
-        "figures": {"shape": dataclasses.asdict(shape), "results": results, "errors": errors_of(results)},
+        "figures": {
+            "shape": dataclasses.asdict(shape),
+            "results": results,
+            "errors": errors_of(results) | profile_errors(results),
+            "timed_after_profiler": timed_after_profiler(results, sessions_at_start),
+        },
         "goals": goals,
         "markdown": md,
     }

@@ -43,6 +43,12 @@ def test_smoke_runs_every_part(tmp_path):
         assert part["markdown"] and f"## {letter}. {part['title']}" in markdown
     fixtures = {p.name.split("-")[0] for p in (tmp_path / "fixtures").glob("ops_*_cpu.json")}
     assert fixtures == {"ops_b", "ops_c"}, fixtures  # the op streams of parts b and c, per configuration
+    for letter in ("b", "c"):  # every row timed before the part's first profile, then profiled
+        figures = report["parts"][letter]["figures"]
+        assert figures["timed_after_profiler"]["rows"] == [], figures["timed_after_profiler"]
+        rows = [r for rows in figures["results"].values() for r in rows.values()]
+        assert rows and all("kernels" in r and "skipped" in r["peak_snapshot"] for r in rows), rows
+    assert report["parts"]["c"]["figures"]["timed_after_profiler"]["sessions_before_part"] > 0  # b profiled
     # What the CPU can show holds here too: parity, the race probe, syncs, resume.
     for letter in ("a", "f"):
         missed = [g for g in report["parts"][letter]["goals"] if not g["passed"]]
