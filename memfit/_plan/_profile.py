@@ -162,14 +162,10 @@ def _profile(
         masters = _compute_as(skeleton, mp) if mp else []
         with fake_rules(skeleton, values):
             head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
-            check = _HeadCheck(skeleton, head) if head else None  # See [Note: One forward, two checks]
-            paths = _candidate_paths(skeleton, inputs, paths, type(model).__name__, check)
-            head = head if check is None or check.gives_the_logits() else None
-            blocks = [skeleton.get_submodule(p) for p in paths]
-            for b in blocks if mp else ():
-                b.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
-            opt = None if mp else optimizer
-            whole, chunked_step = _steps(skeleton, inputs, loss_fn, blocks, opt, target.foreach, head)
+            paths, blocks, head = _blocks_and_head(skeleton, inputs, paths, type(model).__name__, head, mp)
+            whole, chunked_step = _steps(
+                skeleton, inputs, loss_fn, blocks, None if mp else optimizer, target.foreach, head
+            )
             if mp:  # the optimizer steps on the shards, in their own dtype
                 whole = _master_step(whole, masters, optimizer, _buffer_bytes(skeleton), target.foreach)
             made = whole.made or _BlocksMade()
@@ -230,6 +226,18 @@ def _profile(
     return dataclasses.replace(profile, **_backward_outside(profile, made))
 
 
+def _blocks_and_head(skeleton, inputs, paths, name: str, head: LMHead | None, mp: MixedPrecision | None):
+    """The candidates' paths and modules (their inputs cast under ``mp``) and ``head`` where
+    the chunked loss computes it exactly, from one forward ([Note: One forward, two checks])."""
+    check = _HeadCheck(skeleton, head)
+    paths = _candidate_paths(skeleton, inputs, paths, name, check)
+    blocks = [skeleton.get_submodule(p) for p in paths]
+    if mp is not None:
+        for b in blocks:
+            b.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
+    return paths, blocks, check.exact_head()
+
+
 def _has_labels(inputs: Inputs) -> bool:
     return isinstance(inputs, dict) and inputs.get("labels") is not None
 
@@ -254,9 +262,10 @@ def _same_data(a, b) -> bool:
 class _HeadCheck:
     """The check of [Note: A head the chunked loss computes exactly] as hooks on the forward
     the candidates are found with ([Note: One forward, two checks]): a context manager whose
-    ``__enter__`` returns the callable given the forward's output; ``gives_the_logits`` after."""
+    ``__enter__`` returns the callable given the forward's output; ``exact_head`` after: the
+    head where it is one (``head`` None: none, nothing watched)."""
 
-    def __init__(self, skeleton: nn.Module, head: LMHead) -> None:
+    def __init__(self, skeleton: nn.Module, head: LMHead | None) -> None:
         self.skeleton, self.head = skeleton, head
         self.seen: dict[str, Any] = {}
         self.out: Any = None
@@ -280,6 +289,8 @@ class _HeadCheck:
 
     def __enter__(self):
         skeleton, head = self.skeleton, self.head
+        if head is None:
+            return self._output
         self.handles = [skeleton.get_submodule(head.base).register_forward_hook(self._keep("base"))]
         if head.transform is not None:
             self.handles.append(skeleton.get_submodule(head.transform).register_forward_hook(self._keep("transform")))
@@ -297,13 +308,18 @@ class _HeadCheck:
             h.remove()
         self.handles = []
 
-    def gives_the_logits(self) -> bool:
-        if self.failed or getattr(getattr(self.skeleton, "config", None), "output_router_logits", False):
-            return False
-        out, seen = self.out, self.seen
+    def exact_head(self) -> LMHead | None:
+        head, out, seen = self.head, self.out, self.seen
+        if (
+            head is None
+            or self.failed
+            or getattr(getattr(self.skeleton, "config", None), "output_router_logits", False)
+        ):
+            return None
         logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
-        fed = seen.get("transform" if self.head.transform is not None else "base")
-        return _same_data(seen.get("proj_in"), fed) and _same_data(logits, seen.get("proj"))
+        fed = seen.get("transform" if head.transform is not None else "base")
+        exact = _same_data(seen.get("proj_in"), fed) and _same_data(logits, seen.get("proj"))
+        return head if exact else None
 
 
 # [Note: One forward, two checks]

@@ -4,7 +4,6 @@ before reuses its profile; a block that differs in any of them is profiled on it
 [Note: Planning on fake tensors]). Counts only (ModelProfile.distinct_blocks: the blocks
 profiled), no timings."""
 
-import pytest
 import torch
 from torch import nn
 
@@ -56,34 +55,21 @@ def distinct(net):
 
 
 def test_identical_blocks_are_profiled_once():
-    assert distinct(Net([Block() for _ in range(4)])) == 1
     assert distinct(Net([Block() for _ in range(4)], biases=[3, 3, 3, 3])) == 1
 
 
-@pytest.mark.parametrize(
-    "odd",
-    [
-        pytest.param(lambda: Block(hidden=48), id="parameter shape"),
-        pytest.param(lambda: Block(dtype=torch.float64), id="dtype"),
-        pytest.param(Renamed, id="class"),
-        pytest.param(lambda: Block(gated=True), id="attribute that changes the forward"),
-    ],
-)
-def test_a_block_that_differs_is_profiled_on_its_own(odd):
-    assert distinct(Net([Block(), Block(), odd(), Block()])) == 2
-
-
-def test_a_block_given_other_input_shapes_is_profiled_on_its_own():
-    assert distinct(Net([Block() for _ in range(4)], biases=[3, 3, 5, 3])) == 2
-
-
-def test_a_buffer_of_another_shape_is_profiled_on_its_own():
-    odd = Block()
-    odd.scale = torch.ones(1)  # broadcasts: the same ops, another buffer
-    assert distinct(Net([Block(), odd, Block(), Block()])) == 2
-
-
-def test_a_block_that_differs_in_a_parameter_trainable_or_not_is_profiled_on_its_own():
-    odd = Block()
-    odd.fc2.weight.requires_grad_(False)
-    assert distinct(Net([Block(), Block(), Block(), odd])) == 2
+def test_blocks_that_differ_in_anything_are_each_profiled_on_their_own():
+    frozen, buffer = Block(), Block()
+    frozen.fc2.weight.requires_grad_(False)  # a parameter trainable or not
+    buffer.scale = torch.ones(1)  # a buffer of another shape (it broadcasts: the same ops)
+    odd = [
+        Block(hidden=48),  # a parameter's shape
+        Block(dtype=torch.float64),  # the dtypes
+        Renamed(),  # the class, with Block's forward and shapes
+        Block(gated=True),  # a plain attribute (not in the repr) that changes the forward
+        frozen,
+        buffer,
+        Block(),  # given an input of another shape (below)
+    ]
+    net = Net([Block(), Block(), *odd, Block()], biases=[3, 3, 3, 3, 3, 3, 3, 3, 5, 3])
+    assert distinct(net) == 1 + len(odd)  # every odd one alone; the three plain ones once
