@@ -227,6 +227,7 @@ def autoconfigure(
     disk: str | None = None,
     disk_budget: int | float | str | None = None,
     disk_bandwidth: float | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> AutoConfig:
     """The configuration with the most predicted tokens per second whose forecast per-rank peak
     fits ``budget``: micro-batch size, gradient accumulation, sharding layout (replicated,
@@ -257,6 +258,8 @@ def autoconfigure(
         host_budget, disk, disk_budget, disk_bandwidth: as for memfit.plan: each configuration's
             plan chooses the tiers of the model state too (its ``plan.tiers``); a configuration
             whose tiers fit no budget does not fit. The tiers' time counts once a step.
+        progress: called with a line as the search reaches each micro-batch size and as it
+            has priced its layouts (`memfit plan --auto` prints them while it works).
 
     Raises:
         PlanError: no configuration fits; the message gives the smallest budget that does.
@@ -289,7 +292,7 @@ def autoconfigure(
                 "forecast under mixed_precision with reduce_dtype=torch.float32 only; pass it, or allow a shard "
                 "size above 1"
             )
-    return search.run(profile_of, sizes, layouts)
+    return search.run(profile_of, sizes, layouts, progress)
 
 
 @dataclass(frozen=True)
@@ -307,15 +310,28 @@ class Search:
     params: int = 0  # trainable parameters: the units' hooks cost per parameter ([Note: Host and device time])
     tiers: Tiers | None = None  # the model state's tiers, planned per configuration (memfit.plan's)
 
-    def run(self, profile_of: Callable[[int], ModelProfile], sizes: list[int], layouts: list[Layout]) -> AutoConfig:
+    def run(
+        self,
+        profile_of: Callable[[int], ModelProfile],
+        sizes: list[int],
+        layouts: list[Layout],
+        progress: Callable[[str], None] | None = None,
+    ) -> AutoConfig:
+        """Each micro-batch size profiled and priced at every layout, smallest first, until one
+        fits no layout; ``progress``: told each size's start and its outcome, in one line each."""
         priced: list[Candidate] = []
         skipped: tuple[int, ...] = ()
+        say = progress or (lambda line: None)
         for i, b in enumerate(sizes):
+            where = f"micro-batch {b} ({i + 1} of at most {len(sizes)} sizes)"
+            say(f"{where}: profiling on fake tensors")
             profile = profile_of(b)
             accumulation = 1 if self.global_batch is None else self.global_batch // (b * self.world_size)
             found = [self.price(profile, b, accumulation, layout) for layout in layouts]
             priced += found
-            if not any(c.fits for c in found):
+            fits = sum(c.fits for c in found)
+            say(f"{where}: {fits} of {len(layouts)} layouts fit ({len(priced)} configurations priced so far)")
+            if not fits:
                 skipped = tuple(sizes[i + 1 :])
                 break
         return _choose(priced, self.budget, self.global_batch, self.tokens, self.device.name, skipped)

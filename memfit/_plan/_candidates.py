@@ -71,9 +71,11 @@ def find_candidates(model: nn.Module, ran: dict[str, int] | None = None) -> list
     return sorted(blocks, key=lambda b: ran[b[0]]) if ran is not None else blocks
 
 
-def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None) -> dict[str, int]:
+def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None, observer=None) -> dict[str, int]:
     """The candidate modules (``paths``, or every member of a stack) that run in a forward on
-    ``inputs``, each with its position in the order they first ran."""
+    ``inputs``, each with its position in the order they first ran. ``observer``: a context
+    manager around that forward whose ``__enter__`` returns a callable given its output (the
+    profile's check of the LM head watches the same forward: [Note: One forward, two checks])."""
     named = (
         [(p, model.get_submodule(p)) for p in paths] if paths is not None else [m for s in _stacks(model) for m in s]
     )
@@ -85,8 +87,9 @@ def _ran(model: nn.Module, inputs: Inputs, paths: list[str] | None) -> dict[str,
 
         return first_run
 
-    with _watching([(m, hook(p), None) for p, m in named]), torch.no_grad():
-        call(model, inputs)
+    seen = contextlib.nullcontext(lambda out: None) if observer is None else observer
+    with _watching([(m, hook(p), None) for p, m in named]), torch.no_grad(), seen as output:
+        output(call(model, inputs))
     return order
 
 
@@ -189,10 +192,12 @@ def _shared_calls(model: nn.Module, inputs: Inputs) -> list[str]:
     return [p for p in order if p in outer]
 
 
-def _candidate_paths(skeleton: nn.Module, inputs: Inputs, paths: list[str] | None, name: str) -> list[str]:
+def _candidate_paths(
+    skeleton: nn.Module, inputs: Inputs, paths: list[str] | None, name: str, observer=None
+) -> list[str]:
     """The candidates' paths in the order they run: the default ones, or those given, checked
-    to run on the batch (see [Note: Default candidates])."""
-    ran = _ran(skeleton, inputs, paths)
+    to run on the batch (see [Note: Default candidates]); ``observer``: as for ``_ran``."""
+    ran = _ran(skeleton, inputs, paths, observer)
     if paths is None:
         try:
             return [p for p, _ in find_candidates(skeleton, ran)]

@@ -161,11 +161,11 @@ def _profile(
         _layerdrop_off(skeleton)
         masters = _compute_as(skeleton, mp) if mp else []
         with fake_rules(skeleton, values):
-            paths = _candidate_paths(skeleton, inputs, paths, type(model).__name__)
-            blocks = [skeleton.get_submodule(p) for p in paths]
-            for b in blocks if mp else ():
-                b.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
-            whole = _measure_step(skeleton, inputs, loss_fn, blocks, None if mp else optimizer, target.foreach)
+            head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
+            paths, blocks, head = _blocks_and_head(skeleton, inputs, paths, type(model).__name__, head, mp)
+            whole, chunked_step = _steps(
+                skeleton, inputs, loss_fn, blocks, None if mp else optimizer, target.foreach, head
+            )
             if mp:  # the optimizer steps on the shards, in their own dtype
                 whole = _master_step(whole, masters, optimizer, _buffer_bytes(skeleton), target.foreach)
             made = whole.made or _BlocksMade()
@@ -186,9 +186,7 @@ def _profile(
             root = [p for p in skeleton.parameters() if p.requires_grad and id(p) not in in_blocks]
             state = _state_bytes(skeleton)
             buffers = _buffer_bytes(skeleton)
-            head = find_head(model) if chunk_head and loss_fn is None and _has_labels(example_inputs) else None
-            head = head if head is None or _head_gives_the_logits(skeleton, inputs, head) else None
-            chunked = _chunked_head(skeleton, inputs, blocks, whole, head, device) if head else None
+            chunked = _chunked_terms(chunked_step, whole, device) if chunked_step else None
     marks = whole.marks
     between = _between(profiles, made, marks)
     counted = state + (0 if mp else whole.optimizer_bytes)  # S as the measured step counted it
@@ -228,6 +226,18 @@ def _profile(
     return dataclasses.replace(profile, offload_stash=target.offload_stash, **_backward_outside(profile, made))
 
 
+def _blocks_and_head(skeleton, inputs, paths, name: str, head: LMHead | None, mp: MixedPrecision | None):
+    """The candidates' paths and modules (their inputs cast under ``mp``) and ``head`` where
+    the chunked loss computes it exactly, from one forward ([Note: One forward, two checks])."""
+    check = _HeadCheck(skeleton, head)
+    paths = _candidate_paths(skeleton, inputs, paths, name, check)
+    blocks = [skeleton.get_submodule(p) for p in paths]
+    if mp is not None:
+        for b in blocks:
+            b.register_forward_pre_hook(_inputs_to(mp.param_dtype), with_kwargs=True)
+    return paths, blocks, check.exact_head()
+
+
 def _has_labels(inputs: Inputs) -> bool:
     return isinstance(inputs, dict) and inputs.get("labels") is not None
 
@@ -249,48 +259,117 @@ def _same_data(a, b) -> bool:
 # output (no softcapping, scaling or extra dense layer: Gemma 2, Cohere, RemBERT's projection
 # to a wider output embedding), and that no router loss is added (output_router_logits).
 # Elsewhere the head stays plain: never a different loss.
-def _head_gives_the_logits(skeleton: nn.Module, inputs: Inputs, head: LMHead) -> bool:
-    if getattr(getattr(skeleton, "config", None), "output_router_logits", False):
-        return False
-    seen: dict[str, Any] = {}
+class _HeadCheck:
+    """The check of [Note: A head the chunked loss computes exactly] as hooks on the forward
+    the candidates are found with ([Note: One forward, two checks]): a context manager whose
+    ``__enter__`` returns the callable given the forward's output; ``exact_head`` after: the
+    head where it is one (``head`` None: none, nothing watched)."""
 
-    def keep(name):
+    def __init__(self, skeleton: nn.Module, head: LMHead | None) -> None:
+        self.skeleton, self.head = skeleton, head
+        self.seen: dict[str, Any] = {}
+        self.out: Any = None
+        self.failed = False  # a hook that could not read what it watches: not such a head
+        self.handles: list = []
+
+    def _keep(self, name: str):
         def hook(module, args, out):
-            seen[name] = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
+            self.seen[name] = out[0] if isinstance(out, tuple) else getattr(out, "last_hidden_state", out)
 
-        return hook
+        return self._guarded(hook)
 
-    handles = [skeleton.get_submodule(head.base).register_forward_hook(keep("base"))]
-    if head.transform is not None:
-        handles.append(skeleton.get_submodule(head.transform).register_forward_hook(keep("transform")))
-    proj = skeleton.get_submodule(head.proj)
-    handles.append(proj.register_forward_pre_hook(lambda m, args: seen.setdefault("proj_in", args[0])))
-    handles.append(proj.register_forward_hook(keep("proj")))
-    try:
-        with torch.no_grad():
-            out = call(skeleton, inputs)
-    except Exception:  # any failure: not a head the chunked loss computes exactly
-        return False
-    finally:
-        for h in handles:
+    def _guarded(self, hook):
+        def guarded(*args):
+            try:
+                hook(*args)
+            except Exception:  # any failure: not a head the chunked loss computes exactly
+                self.failed = True
+
+        return guarded
+
+    def __enter__(self):
+        skeleton, head = self.skeleton, self.head
+        if head is None:
+            return self._output
+        self.handles = [skeleton.get_submodule(head.base).register_forward_hook(self._keep("base"))]
+        if head.transform is not None:
+            self.handles.append(skeleton.get_submodule(head.transform).register_forward_hook(self._keep("transform")))
+        proj = skeleton.get_submodule(head.proj)
+        first_input = self._guarded(lambda m, args: self.seen.setdefault("proj_in", args[0]))
+        self.handles.append(proj.register_forward_pre_hook(first_input))
+        self.handles.append(proj.register_forward_hook(self._keep("proj")))
+        return self._output
+
+    def _output(self, out) -> None:
+        self.out = out
+
+    def __exit__(self, *exc) -> None:
+        for h in self.handles:
             h.remove()
-    logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
-    fed = seen.get("transform" if head.transform is not None else "base")
-    return _same_data(seen.get("proj_in"), fed) and _same_data(logits, seen.get("proj"))
+        self.handles = []
+
+    def exact_head(self) -> LMHead | None:
+        head, out, seen = self.head, self.out, self.seen
+        if (
+            head is None
+            or self.failed
+            or getattr(getattr(self.skeleton, "config", None), "output_router_logits", False)
+        ):
+            return None
+        logits = out.get("logits") if isinstance(out, dict) else getattr(out, "logits", None)
+        fed = seen.get("transform" if head.transform is not None else "base")
+        exact = _same_data(seen.get("proj_in"), fed) and _same_data(logits, seen.get("proj"))
+        return head if exact else None
 
 
-def _chunked_head(skeleton, inputs, blocks, plain: _WholeStep, head: LMHead, device: DeviceProfile):
-    """T_head with the head chunked and the seconds chunking adds to a step: a second forward
-    and backward of the skeleton (no optimizer: it does not change), its head's forward
-    replaced and restored after."""
+# [Note: One forward, two checks]
+# Finding the candidates runs one forward of the skeleton without gradients (which modules
+# run, in which order: [Note: Default candidates]); the check of the LM head ([Note: A head
+# the chunked loss computes exactly]) needs one such forward as well. The head's hooks watch
+# the candidates' forward, so the two cost one (on llama-8b, a forward of 32 layers at 8192
+# tokens: about a second of the planner's time, per micro-batch size in memfit.autoconfigure).
+# A forward that raises raises from the candidates' search, as it did before the check ran.
+
+
+def _chunked_step(skeleton, inputs, blocks, head: LMHead, keep_grads: bool = False) -> _WholeStep:
+    """A forward and backward of the skeleton with its head chunked (no optimizer: it does not
+    change), its head's forward replaced and restored after; ``keep_grads``: the step's
+    gradients left on the parameters (see [Note: The chunked step as the optimizer's first])."""
     chunk_forward(skeleton, head)
     try:
-        step = _measure_step(skeleton, inputs, None, blocks, None)
+        return _measure_step(skeleton, inputs, None, blocks, None, keep_grads=keep_grads)
     finally:
         unchunk_head(skeleton)
+
+
+def _chunked_terms(step: _WholeStep, plain: _WholeStep, device: DeviceProfile) -> tuple[int, float]:
+    """T_head with the head chunked and the seconds chunking adds to a step."""
     marks = step.marks
     extra = device.ops_time(step.forward_backward) - device.ops_time(plain.forward_backward)
     return marks.get("head_peak", marks["at_last_output"]) - marks["at_last_output"], max(0.0, extra)
+
+
+# [Note: The chunked step as the optimizer's first]
+# The measured step runs with the optimizer's state made ([Note: Parameters the step uses]),
+# which takes a first step: a forward and backward of the whole skeleton that nothing else
+# reads. Where the head is a decision, the step with the head chunked is measured as well
+# ([Note: The head as a decision]), on the same parameters: so it runs first, leaves its
+# gradients, and the optimizer's first step takes them. The state it makes is the same as
+# the plain step's would be where both steps give the same parameters a gradient, which the
+# plain measured step then checks (its parameters with a gradient against the chunked
+# step's); where they differ, the measured step runs again after a first step of its own.
+# On llama-8b this is one step of three, a third of the planner's time.
+def _steps(skeleton, inputs, loss_fn, blocks, optimizer, foreach, head: LMHead | None):
+    """The measured plain step and, with ``head``, the chunked one (see [Note: The chunked
+    step as the optimizer's first]); ``optimizer`` None: forward and backward only."""
+    if head is None or optimizer is None:
+        whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer, foreach)
+        return whole, _chunked_step(skeleton, inputs, blocks, head) if head else None
+    chunked = _chunked_step(skeleton, inputs, blocks, head, keep_grads=True)
+    whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer, foreach, warmed=True)
+    if whole.used != chunked.used:
+        whole = _measure_step(skeleton, inputs, loss_fn, blocks, optimizer, foreach)
+    return whole, chunked
 
 
 # [Note: Planning on fake tensors]

@@ -190,17 +190,24 @@ def _measure_step(
     blocks: list[nn.Module],
     optimizer: str | None,
     foreach: bool | None = None,
+    *,
+    warmed: bool = False,
+    keep_grads: bool = False,
 ) -> _WholeStep:
     """One step to create the optimizer state, then one under MemoryMeter with hooks that
     capture each block's inputs and mark the moments the memory model names (``optimizer``
-    None: forward and backward only, no optimizer)."""
+    None: forward and backward only, no optimizer). ``warmed``: the parameters hold the
+    gradients of a step already, which the first step takes; ``keep_grads`` (no optimizer):
+    the measured step's gradients stay on the parameters (See [Note: The chunked step as the
+    optimizer's first] in memfit/_plan/_profile.py)."""
     recorder = CostRecorder()
     hooks = _StepHooks(model, blocks, recorder)
     captured, marks = hooks.captured, hooks.marks
     opt = _make_optimizer(optimizer, model, foreach) if optimizer else None
     with _watching(_ByCall(blocks, hooks.capture, hooks.ended)) as calls:
         if opt:  # the optimizer's state, as after a first step (fake); see [Note: Parameters the step uses]
-            step_loss(model, example_inputs, loss_fn).backward()
+            if not warmed:
+                step_loss(model, example_inputs, loss_fn).backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         captured.clear()
@@ -223,7 +230,8 @@ def _measure_step(
             used = {id(p) for p in model.parameters() if p.grad is not None}
     forward_backward = list(recorder.costs)
     if opt is None:  # forward and backward only
-        model.zero_grad(set_to_none=True)
+        if not keep_grads:
+            model.zero_grad(set_to_none=True)
         return _WholeStep(captured, marks, 0, 0, forward_backward, forward_backward, used, blocks_made)
     with _Meter(model=model, optimizer=opt) as opt_meter, recorder:
         opt.step()

@@ -81,7 +81,7 @@ def _plot(cfg: PlanConfig, plan: memfit.Plan) -> None:
 def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.DeviceProfile) -> memfit.Plan:
     """`memfit plan --auto`: the configurations searched, why each lost, and the chosen one's plan."""
     global_batch = f"global batch {cfg.global_batch}" if cfg.global_batch else "no global batch (accumulation 1)"
-    with phase("plan", f"searching configurations for {cfg.budget} per rank, {global_batch}"):
+    with phase("plan", f"searching configurations for {cfg.budget} per rank, {global_batch}") as progress:
         result = memfit.autoconfigure(
             model,
             batch,
@@ -92,6 +92,7 @@ def auto_command(cfg: PlanConfig, model: torch.nn.Module, batch, device: memfit.
             shard_sizes=[cfg.shard_size] if cfg.shard_size else None,
             **tier_options(cfg),
             mixed_precision=mixed_precision(cfg.mixed_precision),
+            progress=progress,
         )
     print(result.table(limit=20))
     print()

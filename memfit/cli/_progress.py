@@ -9,7 +9,7 @@ import contextlib
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TextIO
 
 # [Note: Progress of long phases]
@@ -19,31 +19,40 @@ from typing import TextIO
 # (the phase's own code is the library's and reports nothing: the thread only waits on an
 # Event, it reads nothing of the phase) and one when it ends, with its wall time. Only
 # lines: they read the same on a terminal, in a CI log and through a pipe, and stdout stays
-# the answer.
+# the answer. A phase whose library call reports where it is (memfit.autoconfigure's
+# ``progress=``) is given the callable the phase yields: each line it is told goes to stderr
+# at once, and the ticker's lines say the last one.
 EVERY_S = 15.0
 
 
 @contextlib.contextmanager
 def phase(
     where: str, what: str, *, shown: bool = True, every: float = EVERY_S, err: TextIO | None = None
-) -> Iterator[None]:
+) -> Iterator[Callable[[str], None]]:
     """``where: what`` on stdout, then progress lines on ``err`` (stderr) while the block runs
-    (See [Note: Progress of long phases]); nothing where not ``shown`` (ranks other than 0)."""
+    (See [Note: Progress of long phases]); nothing where not ``shown`` (ranks other than 0).
+    Yields the callable that reports a step of the phase (a line on ``err``)."""
     if not shown:
-        yield
+        yield lambda line: None
         return
     err = sys.stderr if err is None else err
     print(f"{where}: {what}", flush=True)
     done, start = threading.Event(), time.perf_counter()
+    last = [""]  # the last step reported
+
+    def report(line: str) -> None:
+        last[0] = f" ({line})"
+        print(f"{where}: {line}, {time.perf_counter() - start:.0f} s in", file=err, flush=True)
 
     def tick() -> None:
         while not done.wait(every):
-            print(f"{where}: {what}: still at it, {time.perf_counter() - start:.0f} s so far", file=err, flush=True)
+            so_far = f"{time.perf_counter() - start:.0f} s so far{last[0]}"
+            print(f"{where}: {what}: still at it, {so_far}", file=err, flush=True)
 
     ticker = threading.Thread(target=tick, name="memfit-progress", daemon=True)
     ticker.start()
     try:
-        yield
+        yield report
     finally:
         done.set()
         ticker.join()

@@ -610,3 +610,21 @@ def test_measure_compares_tokens_per_second_across_global_batches(monkeypatch):
     tried = measured.candidates[:3]
     rates = [c.micro_batch / c.measured for c in tried]
     assert rates == sorted(rates, reverse=True) and tried[0].micro_batch == max(c.micro_batch for c in fits[:3])
+
+
+def test_the_search_reports_each_size_and_how_many_layouts_fit():
+    lines: list[str] = []
+    s = Search(50_000, W, 64, FAKE, OPT, tokens=128)
+    result = s.run(profile_of, SIZES, LAYOUTS, progress=lines.append)
+    n, k = len(SIZES), len(LAYOUTS)
+    fits = {b: sum(c.fits for c in result.candidates if c.micro_batch == b) for b in (1, 2, 4)}
+    assert lines == [
+        line
+        for i, b in enumerate([1, 2, 4])
+        for line in (
+            f"micro-batch {b} ({i + 1} of at most {n} sizes): profiling on fake tensors",
+            f"micro-batch {b} ({i + 1} of at most {n} sizes): {fits[b]} of {k} layouts fit "
+            f"({k * (i + 1)} configurations priced so far)",
+        )
+    ]
+    assert fits[4] == 0 and fits[1] > 0  # the last size profiled fits none: the search stops there

@@ -78,6 +78,21 @@ def test_a_long_phase_reports_while_it_runs(capsys):
     assert re.fullmatch(r"plan: searching: still at it, \d+ s so far", lines[0]), lines
     assert re.fullmatch(r"plan: searching: done in \d+ s", lines[-1]), lines
     quiet = io.StringIO()
-    with phase("plan", "searching", shown=False, every=0.01, err=quiet):
+    with phase("plan", "searching", shown=False, every=0.01, err=quiet) as report:
+        report("micro-batch 1 (1 of at most 7 sizes): profiling on fake tensors")
         time.sleep(0.05)
     assert capsys.readouterr().out == "" and quiet.getvalue() == ""  # ranks other than 0
+
+
+def test_a_phase_says_the_step_it_was_told_at_once_and_in_its_ticks(capsys):
+    err = io.StringIO()
+    with phase("plan", "searching", every=0.01, err=err) as report:
+        report("micro-batch 2 (2 of at most 7 sizes): profiling on fake tensors")
+        deadline = time.monotonic() + 30
+        while "so far (micro-batch" not in err.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.01)
+    # (a tick may come before the step is told: the lines after it say it)
+    lines = [line for line in err.getvalue().splitlines() if "micro-batch" in line]
+    step = r"micro-batch 2 \(2 of at most 7 sizes\): profiling on fake tensors"
+    assert re.fullmatch(rf"plan: {step}, \d+ s in", lines[0]), lines
+    assert re.fullmatch(rf"plan: searching: still at it, \d+ s so far \({step}\)", lines[1]), lines
