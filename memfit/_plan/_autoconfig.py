@@ -228,6 +228,8 @@ def autoconfigure(
     disk_budget: int | float | str | None = None,
     disk_bandwidth: float | None = None,
     progress: Callable[[str], None] | None = None,
+    max_norm: float | None = None,
+    overlap: bool = True,
 ) -> AutoConfig:
     """The configuration with the most predicted tokens per second whose forecast per-rank peak
     fits ``budget``: micro-batch size, gradient accumulation, sharding layout (replicated,
@@ -260,6 +262,9 @@ def autoconfigure(
             whose tiers fit no budget does not fit. The tiers' time counts once a step.
         progress: called with a line as the search reaches each micro-batch size and as it
             has priced its layouts (`memfit plan --auto` prints them while it works).
+        max_norm, overlap: as for memfit.plan (the disk tier's path); its accumulation is
+            each configuration's, in no_sync before the last micro-batch where the layout is
+            replicated (as memfit train runs it: its reduce priced once).
 
     Raises:
         PlanError: no configuration fits; the message gives the smallest budget that does.
@@ -280,7 +285,8 @@ def autoconfigure(
     opt_costs = optimizer_costs(model, optimizer, target_of(device).foreach)  # See [Note: The target's op stream]
     search = Search(budget_bytes, world_size, global_batch, device, opt_costs, tokens)
     params = sum(1 for p in model.parameters() if p.requires_grad)
-    tiers = tiers_of(host_budget, disk, disk_budget, disk_bandwidth)  # See [Note: Planned tiers]
+    # See [Note: Planned tiers]
+    tiers = tiers_of(host_budget, disk, disk_budget, disk_bandwidth, max_norm, overlap=overlap)
     search = dataclasses.replace(search, decisions=decisions, chunk_head=chunk_head, params=params, tiers=tiers)
     sizes = micro_batch_sizes(world_size, global_batch, micro_batches, max_micro_batch)
     layouts = _layouts(world_size, shard_sizes)
@@ -340,9 +346,11 @@ class Search:
         """One configuration: the planner's decisions at the budget and the step's time terms."""
         shard = layout.sharding
         profile = held_gradients(profile, layout, accumulation)
+        no_sync = accumulation > 1 and layout.shard_size == 1  # its disk path (memfit train's)
+        tiers = self.tiers and dataclasses.replace(self.tiers, accumulate=accumulation, no_sync=no_sync)
         try:
             tier, head, chosen = _solve_tiers(
-                profile, self.budget, shard, self.decisions, self.chunk_head, self.tiers, self.device.name
+                profile, self.budget, shard, self.decisions, self.chunk_head, tiers, self.device.name
             )
         except (PlanError, TiersError):
             least = _least_head(profile, self.chunk_head)

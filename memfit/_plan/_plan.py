@@ -398,6 +398,10 @@ def plan(
     disk: str | None = None,
     disk_budget: int | float | str | None = None,
     disk_bandwidth: float | None = None,
+    max_norm: float | None = None,
+    accumulate: int = 1,
+    overlap: bool = True,
+    no_sync: bool = False,
 ) -> Plan:
     """Profile ``model``'s blocks on ``example_inputs`` and choose, per block, keep / selective
     / full checkpoint / offload so the step's predicted peak fits ``budget`` at the least
@@ -446,6 +450,10 @@ def plan(
             host memory, which blocks on disk) and what each tier holds and moves a step
             (memfit.shard(offload="cpu"), memfit.host_optimizer(disk=, disk_modules=) apply it).
             See [Note: Planned tiers].
+        max_norm, accumulate, overlap: memfit.host_optimizer's, which the tiers will step
+            under, and ``no_sync``: the backwards before the last run in ``model.no_sync()``.
+            The disk tier's bytes a step are those of the path its step takes (a clip and
+            ``overlap=False`` step after backward; each micro-batch moves the shards).
 
     Raises:
         PlanError: no plan fits; the message gives the smallest budget that does.
@@ -488,7 +496,7 @@ def plan(
         )
     offload = offload or ("disk" if device.name in ("cpu", "calibrated-cpu") else "cpu")
     t0 = time.perf_counter()
-    tiers = tiers_of(host_budget, disk, disk_budget, disk_bandwidth)  # See [Note: Planned tiers]
+    tiers = tiers_of(host_budget, disk, disk_budget, disk_bandwidth, max_norm, accumulate, overlap, no_sync)
     tier, head, chosen = _solve_tiers(profile, budget_bytes, shard, decisions, chunk_head, tiers, device.name)
     return Plan(
         budget=budget_bytes,

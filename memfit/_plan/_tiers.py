@@ -27,12 +27,24 @@ __all__ = ["TierChoice", "Tiers", "TiersError", "choose_tiers", "tiers_of", "uni
 # (S_u: the profile's optimizer bytes in proportion to u's trainable bytes):
 #   host memory  = sum over units of P_u + G_u + S_u, less those of the disk units (+ buffers)
 #   disk (held)  = sum over disk units of P_u + G_u + S_u, each of its three files a page larger
-#   disk, a step = reads 2 P_u + G_u + S_u (the shards after their release at the end of forward
-#                  and at the step, the gradients' pages as backward writes them, the state at
-#                  the step), writes P_u + G_u + S_u (behind the step), where the step runs in
-#                  backward; a step after backward (clipping: memfit train) moves 3 P_u + 3 G_u +
-#                  S_u in and P_u + 3 G_u + S_u out (the gradients written behind backward, read
-#                  and written by the clip, read by the step), not priced here (an under-estimate)
+#   disk, a step = what the host step (memfit.host_optimizer) drops and writes back on the path
+#                  it takes, each byte dropped read again at its next use. With a micro-batches
+#                  and the step in backward (overlap, no max_norm: HostStep.in_backward) at the
+#                  last of them, or after backward (max_norm, or overlap=False):
+#                  - each forward releases the shards: a P_u read;
+#                  - each backward that lands gradients (all a; under no_sync only the last)
+#                    and does not step writes them behind it and releases the shards
+#                    (DiskUnits.grads_landed): G_u written, P_u + G_u read;
+#                  - a clip (max_norm; clip_grads, a unit's file at a time) reads the gradients
+#                    for the norm (G_u read) and scales them (G_u read and written; by 1 within
+#                    the norm: an upper bound there);
+#                  - the step writes back and releases all three files (DiskUnits.stepped):
+#                    P_u + G_u + S_u read and written.
+#                  In backward, a = 1: 2 P_u + G_u + S_u read, P_u + G_u + S_u written; after
+#                  backward with a clip (memfit train): 3 P_u + 4 G_u + S_u read, P_u + 3 G_u +
+#                  S_u written. memfit.plan's max_norm=, accumulate=, overlap=, no_sync= say the
+#                  path (`memfit plan` and `memfit train` pass --clip, the accumulation and
+#                  train's no_sync at shard groups of 1; autoconfigure each configuration's).
 # Time added to a step, priced: the host link and the CPU optimizer step where the state leaves an
 # accelerator (state_offload: the shards and gradients across the link, the step's pass over host
 # memory), and the disk's bytes a step over its bandwidth (not overlapped: an upper bound; pass
@@ -58,6 +70,10 @@ class Tiers:
     disk: str | None = None
     disk_budget: int | None = None
     disk_bandwidth: float = DISK_BANDWIDTH
+    max_norm: float | None = None  # the host step's path (memfit.host_optimizer's): a clip,
+    accumulate: int = 1  # backwards a step,
+    overlap: bool = True  # a step in backward allowed,
+    no_sync: bool = False  # the backwards before the last in no_sync (See [Note: Planned tiers])
 
     def __post_init__(self) -> None:
         if self.host is not None and self.host < 0:
@@ -66,6 +82,20 @@ class Tiers:
             raise ValueError("memfit.plan: disk_budget needs disk= (a directory on a local disk)")
         if not self.disk_bandwidth > 0:
             raise ValueError(f"memfit.plan: disk_bandwidth must be > 0 bytes/s, got {self.disk_bandwidth}")
+        if self.max_norm is not None and not self.max_norm > 0:
+            raise ValueError(f"memfit.plan: max_norm must be > 0 or None, got {self.max_norm!r}")
+        if type(self.accumulate) is not int or self.accumulate < 1:
+            raise ValueError(f"memfit.plan: accumulate must be an int >= 1, got {self.accumulate!r}")
+
+    def disk_moves(self, params: int, grads: int, state: int) -> tuple[int, int]:
+        """(reads, writes) a step of a disk unit holding these bytes (See [Note: Planned tiers])."""
+        after = self.max_norm is not None or not self.overlap  # HostStep.in_backward is False
+        landings = 1 if self.no_sync else self.accumulate  # backwards whose gradients land
+        behind = landings if after else landings - 1  # of them, those that do not step
+        clips = int(self.max_norm is not None)
+        reads = self.accumulate * params + behind * (params + grads) + 2 * clips * grads + params + grads + state
+        writes = behind * grads + clips * grads + params + grads + state
+        return reads, writes
 
     def disk_room(self) -> int:
         if self.disk is None:
@@ -78,8 +108,18 @@ class Tiers:
             raise ValueError(f"memfit.plan: disk={self.disk!r} cannot be read ({e}); pass a directory") from None
 
 
-def tiers_of(host_budget, disk: str | None, disk_budget, disk_bandwidth: float | None) -> Tiers | None:
-    """memfit.plan's and memfit.autoconfigure's tier keywords as :class:`Tiers` (None: none given)."""
+def tiers_of(
+    host_budget,
+    disk: str | None,
+    disk_budget,
+    disk_bandwidth: float | None,
+    max_norm: float | None = None,
+    accumulate: int = 1,
+    overlap: bool = True,
+    no_sync: bool = False,
+) -> Tiers | None:
+    """memfit.plan's and memfit.autoconfigure's tier keywords as :class:`Tiers` (None: none
+    given); max_norm, accumulate, overlap, no_sync: the host step's path."""
     if host_budget is None and disk is None and disk_budget is None:
         return None
     return Tiers(
@@ -87,6 +127,10 @@ def tiers_of(host_budget, disk: str | None, disk_budget, disk_bandwidth: float |
         disk=disk,
         disk_budget=None if disk_budget is None else parse_bytes(disk_budget),
         disk_bandwidth=disk_bandwidth or DISK_BANDWIDTH,
+        max_norm=max_norm,
+        accumulate=accumulate,
+        overlap=overlap,
+        no_sync=no_sync,
     )
 
 
@@ -166,8 +210,8 @@ def choose_tiers(
         held = sum(sum(blocks[i]) for i in on_disk)
         host = everything - held
         disk = held + 3 * page * k
-        reads = sum(2 * blocks[i][0] + blocks[i][1] + blocks[i][2] for i in on_disk)
-        writes = held
+        moves = [tiers.disk_moves(*blocks[i]) for i in on_disk]
+        reads, writes = sum(r for r, _ in moves), sum(w for _, w in moves)
         if (tiers.host is not None and host > tiers.host) or disk > room:
             continue
         freed = int(offload[0]) if accelerator else held

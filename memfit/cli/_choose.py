@@ -97,6 +97,9 @@ def choose(
     opts: dict[str, Any] = {"world_size": world, "shard_size": cfg.hybrid_shards or None}
     opts.update(decisions=PLANNED_KINDS, candidates=paths, chunk_head=False, device_profile=profile)
     opts.update(mixed_precision=mixed_precision(cfg.mixed_precision), **tier_options(cfg))
+    if "max_norm" in opts:  # the tiers' disk path: the run's micro-batches (See [Note: Planned tiers])
+        replicated = (cfg.hybrid_shards or world) == 1  # See [Note: Reducing accumulated gradients]
+        opts.update(accumulate=accumulate, no_sync=accumulate > 1 and replicated)
     try:
         plan = memfit.plan(model, example, budget=cfg.budget if accumulate == 1 else 2**62, **opts)
         if accumulate > 1:  # the gradients accumulated over the micro-batches: solved with them held

@@ -114,7 +114,8 @@ def _disk_bandwidth_field():
 
 
 def tier_options(cfg: PlanConfig | TrainConfig) -> dict:
-    """memfit.plan's keywords for the tiers the flags ask for ({}: none); refused where bad."""
+    """memfit.plan's keywords for the tiers the flags ask for ({}: none), with the --clip their
+    host step clips at (See [Note: Planned tiers]); refused where bad."""
     given = {k: v for k in ("host_budget", "disk", "disk_budget", "disk_bandwidth") if (v := getattr(cfg, k))}
     if not given:
         return {}
@@ -132,7 +133,7 @@ def tier_options(cfg: PlanConfig | TrainConfig) -> dict:
         raise ValueError(f"{cfg.COMMAND}: --disk {cfg.disk!r} is not a directory; pass one on a local disk")
     if "disk_bandwidth" in given:
         given["disk_bandwidth"] = float(given["disk_bandwidth"])
-    return given
+    return {**given, "max_norm": cfg.clip}
 
 
 def _at_least(command: str, minimum: int, **values: int) -> None:
@@ -253,6 +254,13 @@ class PlanConfig(ModelConfig):
     disk: str | None = _disk_field()
     disk_budget: str | None = _disk_budget_field()
     disk_bandwidth: str | None = _disk_bandwidth_field()
+    clip: float = field(
+        default=1.0,
+        metadata=flag(
+            "the max global gradient norm memfit train clips at: with --disk, the disk tier's bytes a step are "
+            "those of a clipped step"
+        ),
+    )
     auto: bool = field(
         default=False,
         metadata=flag(
@@ -279,6 +287,8 @@ class PlanConfig(ModelConfig):
             raise ValueError(f"memfit plan: --emit {self.emit!r}: name a .toml file (memfit train --config reads it)")
         check_budget(self.COMMAND, self.budget)
         tier_options(self)
+        if not self.clip > 0:
+            raise ValueError(f"memfit plan: --clip {self.clip} must be > 0 (the max global gradient norm)")
         if self.world_size < 1:
             raise ValueError("memfit plan: --world-size must be >= 1")
         if self.shard_size is not None and (self.shard_size < 1 or self.world_size % self.shard_size):

@@ -63,7 +63,8 @@ def plan_command(cfg: PlanConfig) -> memfit.Plan:
     _plot(cfg, plan)
     print("\n".join(run_lines(cfg, plan, seq, rows)))
     if plan.tiers is not None:  # memfit train plans the tiers on its own first batch, as here
-        given = " ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in tier_options(cfg))
+        given = " ".join(f"--{k.replace('_', '-')} {getattr(cfg, k)}" for k in tier_options(cfg) if k != "max_norm")
+        given += f" --clip {cfg.clip}" * (cfg.clip != 1.0)
         print(f"the tiers: memfit train --model {cfg.model} --budget {cfg.budget} {given} plans and applies them")
     return plan
 
@@ -165,6 +166,7 @@ def run_lines(cfg: PlanConfig, plan: memfit.Plan, seq: int, rows: int) -> list[s
     flags: dict[str, object] = {"model": cfg.model, "layers": cfg.layers, "hidden": cfg.hidden, "seq": seq}
     flags.update(batch=rows, checkpointing=kind, hybrid_shards=cfg.shard_size or 0)
     flags.update(mixed_precision=cfg.mixed_precision if cfg.mixed_precision != "no" else None)
+    flags.update(clip=cfg.clip if cfg.clip != 1.0 else None)  # (memfit train's default otherwise)
     flags = {k: v for k, v in flags.items() if v not in (None, 0)}
     launcher = f"torchrun --nproc-per-node {cfg.world_size} -m memfit" if cfg.world_size > 1 else "memfit"
     budget = describe_bytes(plan.budget)
