@@ -313,6 +313,24 @@ def case_a_parameter_no_rank_used_bitwise(rank, world, root):
         opt.zero_grad()
 
 
+def case_optimizer_state_loaded_before_host_optimizer(rank, world, root):
+    """A state dict loaded into a plain optimizer, then host_optimizer: the DTensor states are
+    cut into this rank's rows, the 0-dim parameter's scalar ``step`` is left whole (it was cut
+    too: an empty tensor on rank 1, and the step failed there). Bitwise against no reload."""
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, _ = host(model)
+    a, b = train(ref, ref_opt, 1, rank, world), train(model, opt, 1, rank, world)
+    saved = opt.state_dict()
+    fresh = torch.optim.AdamW(model.parameters(), lr=LR)
+    fresh.load_state_dict(saved)  # no memfit hooks on it yet: DTensors and scalars as saved
+    again, _ = host(model, lambda ps, lr: fresh)
+    assert all(st["step"].dim() == 0 for st in again.state.values())
+    a += train(ref, ref_opt, 2, rank, world, first=1)
+    b += train(model, again, 2, rank, world, first=1)
+    assert_bitwise(ref, model, a, b)
+
+
 CASES = [
     case_adamw_steps_in_backward_bitwise,
     case_gradients_changed_after_their_step_are_refused,
@@ -324,6 +342,7 @@ CASES = [
     case_lr_schedulers_made_before_and_after,
     case_misuse_is_refused,
     case_a_parameter_no_rank_used_bitwise,
+    case_optimizer_state_loaded_before_host_optimizer,
     case_disk_tier_bitwise_with_accumulation_and_nothing_left_on_disk,
     case_disk_tier_clipping,
     case_disk_tier_checkpoint_and_resume,
