@@ -273,6 +273,64 @@ def case_gradients_changed_after_their_step_are_refused(rank, world, root):
     assert opt._memfit_host_step.steps_in_backward == stepped + host_units(model)
 
 
+class WithSpare(nn.Module):
+    """A block of the MLP as a unit that also holds a Linear no rank uses (its one-element bias
+    and weight: an empty shard at two ranks)."""
+
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block, self.spare = block, nn.Linear(1, 1)
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def build_with_spare():
+    model = make_model("mlp")
+    model.blocks = nn.ModuleList(WithSpare(b) for b in model.blocks)
+    return memfit.FullyShardedDataParallel(model, auto_wrap_policy=WithSpare, offload="cpu")
+
+
+def case_a_parameter_no_rank_used_bitwise(rank, world, root):
+    """Issue 50: a unit with a parameter no rank used (an idle nn.Linear) under the host step,
+    as given, with accumulation and under a GradScaler's grad_scale: bitwise against the plain
+    run; the idle parameters keep no gradient and no optimizer state, as in one process."""
+    for kw in ({}, {"accumulate": 2}, {"scale": True}):
+        ref, model = build_with_spare(), build_with_spare()
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+        opt, _ = host(model, **{k: v for k, v in kw.items() if k != "scale"})
+        if kw.get("scale"):
+            for o in (ref_opt, opt):
+                o.grad_scale = torch.tensor(1.0)
+        micro = kw.get("accumulate", 1)
+        a, b = train(ref, ref_opt, 3, rank, world, micro=micro), train(model, opt, 3, rank, world, micro=micro)
+        assert_bitwise(ref, model, a, b)
+        x, y = batch(9, rank, world)
+        nn.functional.mse_loss(model(x), y).backward()
+        spare = [p for m in model.blocks for p in m.spare.parameters()]
+        opt.step()
+        assert all(p.grad is None and p not in opt.state for p in spare), kw
+        opt.zero_grad()
+
+
+def case_optimizer_state_loaded_before_host_optimizer(rank, world, root):
+    """A state dict loaded into a plain optimizer, then host_optimizer: the DTensor states are
+    cut into this rank's rows, the 0-dim parameter's scalar ``step`` is left whole (it was cut
+    too: an empty tensor on rank 1, and the step failed there). Bitwise against no reload."""
+    ref, model = build(), build()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
+    opt, _ = host(model)
+    a, b = train(ref, ref_opt, 1, rank, world), train(model, opt, 1, rank, world)
+    saved = opt.state_dict()
+    fresh = torch.optim.AdamW(model.parameters(), lr=LR)
+    fresh.load_state_dict(saved)  # no memfit hooks on it yet: DTensors and scalars as saved
+    again, _ = host(model, lambda ps, lr: fresh)
+    assert all(st["step"].dim() == 0 for st in again.state.values())
+    a += train(ref, ref_opt, 2, rank, world, first=1)
+    b += train(model, again, 2, rank, world, first=1)
+    assert_bitwise(ref, model, a, b)
+
+
 CASES = [
     case_adamw_steps_in_backward_bitwise,
     case_gradients_changed_after_their_step_are_refused,
@@ -283,6 +341,8 @@ CASES = [
     case_checkpoint_and_resume,
     case_lr_schedulers_made_before_and_after,
     case_misuse_is_refused,
+    case_a_parameter_no_rank_used_bitwise,
+    case_optimizer_state_loaded_before_host_optimizer,
     case_disk_tier_bitwise_with_accumulation_and_nothing_left_on_disk,
     case_disk_tier_clipping,
     case_disk_tier_checkpoint_and_resume,

@@ -1,7 +1,7 @@
 """The GPU validation of memfit in one entry point: correctness, the seed's BERT-large table,
 sharding, the planner against the allocator, offload and the CLI, on one H100/H200.
 
-    PYTHONPATH=. python3 -m benchmarks.gpu --time-budget 540 [--out DIR] [--parts adfbcighe] [--smoke]
+    PYTHONPATH=. python3 -m benchmarks.gpu --time-budget 540 [--out DIR] [--parts adfbcighje] [--smoke]
 
 Parts (each a function ``run(env) -> dict`` of figures and checks; docs/gpu-validation.md
 says what each measures and its goal):
@@ -15,6 +15,7 @@ says what each measures and its goal):
     g  autoconfig    benchmarks/gpu/autoconfig.py
     h  two_ranks     benchmarks/gpu/two_ranks.py
     i  calibrate     benchmarks/gpu/calibrate.py
+    j  host_tier     benchmarks/gpu/host_tier.py
 
 ``--time-budget`` plans the parts to fit (most valuable first: __main__.PRIORITY) and prints
 the plan before it starts; a second call with the same ``--out`` runs what the first left.

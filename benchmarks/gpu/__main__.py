@@ -32,11 +32,13 @@ PARTS = {
     "g": ("autoconfig", "autoconfigure's top configurations tried on the device", 70),
     "h": ("two_ranks", "Two ranks on one GPU over gloo: sharded BERT against one process", 60),
     "i": ("calibrate", "memfit calibrate on the device: the time model's rates", 40),
+    "j": ("host_tier", "The host tier: memfit.host_optimizer vs FSDP2's CPUOffloadPolicy", 60),
 }
 # Most valuable first (issue 48): correctness; the re-checks of the misses the first run found
 # (d's memory, f's checkpoints, now with --async-save); bf16 speed with its diagnosis; the time
-# model's calibration; autoconfigure's ranking; two ranks; offload, measured once already.
-PRIORITY = "adfbcigh" + "e"
+# model's calibration; autoconfigure's ranking; two ranks; the host tier against FSDP2's
+# CPU offload (issue 50, never measured on a GPU); offload, measured once already.
+PRIORITY = "adfbcighj" + "e"
 SMOKE_SECONDS = 45  # each part's share of a smoke run's plan (tiny shapes on the CPU; it may use what is left)
 STARTUP = 15  # seconds the call spends before its first part (imports, the device's context)
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from memfit._instrument import HOOKS
 from memfit._persist import _atomic
@@ -69,21 +70,28 @@ def _shard_params(model: nn.Module) -> tuple[dict[int, ShardedParam], Any]:
 
 
 def _as_dtensor(local: torch.Tensor, sp: ShardedParam, meshes: dict[int, DeviceMesh]) -> DTensor:
+    """``local`` (this rank's rows of ``sp``, or of its optimizer state) as a DTensor on its
+    unit's mesh, which is of the compute device; an offloaded shard's host chunk stays the local
+    part as it is (See [Note: state_dict of a sharded model]): DTensor.from_local would copy it
+    to the device, and a CPU mesh would run DCP's collectives on host tensors over NCCL."""
     full = (sp.rows, *sp.shape[1:]) if len(sp.shape) else (sp.rows,)
     stride = torch.empty(full, device="meta").stride()
     mesh = meshes[id(sp.owner)]
-    place = [Shard(0)] if mesh.ndim == 1 else [Replicate(), Shard(0)]  # See [Note: Hybrid sharding]
-    return DTensor.from_local(
-        local.reshape(sp.local_rows, *full[1:]), mesh, place, shape=torch.Size(full), stride=stride
-    )
+    place = (Shard(0),) if mesh.ndim == 1 else (Replicate(), Shard(0))  # See [Note: Hybrid sharding]
+    value = local.reshape(sp.local_rows, *full[1:])
+    if value.device.type == mesh.device_type:
+        return DTensor.from_local(value, mesh, place, shape=torch.Size(full), stride=stride)
+    spec = DTensorSpec(mesh, place, TensorMeta(torch.Size(full), stride, value.dtype))
+    return DTensor(value, spec, requires_grad=False)
 
 
 def _meshes(shards: dict[int, ShardedParam]) -> dict[int, DeviceMesh]:
     """Each unit's mesh, by ``id(unit)``: its 2-D (replicate, shard) mesh when hybrid, else a
-    1-D mesh over its shard group. Units of one model may differ (hybrid blocks under a plainly
-    sharded root): each parameter's chunks are placed on its own unit's mesh."""
+    1-D mesh over its shard group, of the device the unit computes on (offloaded units too).
+    Units of one model may differ (hybrid blocks under a plainly sharded root): each
+    parameter's chunks are placed on its own unit's mesh."""
     out: dict[int, DeviceMesh] = {}
-    plain: dict[tuple[int, ...], DeviceMesh] = {}
+    plain: dict[tuple[str, tuple[int, ...]], DeviceMesh] = {}
     for sp in shards.values():
         unit = cast(Unit, sp.owner)  # every sharded parameter has its unit by now
         if id(unit) in out:
@@ -91,10 +99,10 @@ def _meshes(shards: dict[int, ShardedParam]) -> dict[int, DeviceMesh]:
         if unit.layout.mesh is not None:
             out[id(unit)] = unit.layout.mesh
             continue
-        ranks = tuple(dist.get_process_group_ranks(unit.group))
-        if ranks not in plain:
-            plain[ranks] = DeviceMesh.from_group(unit.group, sp.sharded.device.type)
-        out[id(unit)] = plain[ranks]
+        key = (sp.full.device.type, tuple(dist.get_process_group_ranks(unit.group)))
+        if key not in plain:
+            plain[key] = DeviceMesh.from_group(unit.group, key[0])
+        out[id(unit)] = plain[key]
     return out
 
 

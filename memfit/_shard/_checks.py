@@ -4,10 +4,11 @@ ranks that diverged, and parameters no rank produced a gradient for.
 
 from __future__ import annotations
 
-import warnings
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from memfit._instrument import HOOKS
 from memfit._shard._device import host_empty, host_read
@@ -44,39 +45,49 @@ if TYPE_CHECKING:
 # the rank as before. With one data-parallel rank nothing is recorded (no rank to diverge
 # from; See [Note: One rank computes on its shards]).
 # A parameter that got no gradient on this rank: whether another rank gave it one (then its
-# shard keeps the sum) or none did (then its .grad goes back to None, before the optimizer can
-# see a zero) is only known from the flags. By default every step in which this rank lacks a
-# gradient reads them at the end of backward (one host sync): never a wrong gradient. With
-# StepChecks(guess=True) (opt-in, not yet exposed as an option: it trades one wrong step, warned
-# after, for no sync) the first step lacking a given set reads at once and remembers, for that
-# set, which of them no rank had; a later step lacking the same set applies that outcome at once and
-# reads the flags off the backward as any step does, checking the outcome. Models whose unused
-# parameters are the same every step (a pooler no loss reads, a frozen branch) then never wait
-# for the device after the first step. If the check finds the outcome changed (ranks whose
-# unused parameters change from step to step), the step it was applied to let the optimizer
-# see a zero gradient or lose one: memfit warns, naming the parameter, and from then on reads
-# at the end of every backward that lacks a gradient. Either way a step reads the device once.
+# shard keeps the sum) or none did (then its .grad goes back to None, as under DDP and in one
+# process, so that the optimizer skips it instead of stepping on a zero) is only known from the
+# flags. The decision is not taken in backward: the gradient stays as reduced (zero where no
+# rank had one) and the flags are read off the backward as in any step. It is settled before
+# the optimizer step, by a torch optimizer step pre-hook (global, installed once): the step of
+# an optimizer holding an undecided parameter first finishes the reads in flight (that step's
+# one host wait, outside backward), then sets to None the gradients no rank had in any backward
+# since they were created (accumulation included). A root forward that finds every read landed
+# settles them there too, without waiting (the same arithmetic: a gradient created again later
+# holds the same sum). Until then the .grad of a parameter no rank used is a zero tensor; an
+# optimizer outside torch.optim (no step hooks) steps on those zeros. Steps in which this rank
+# has every gradient decide nothing and never wait.
+
+_UNDECIDED: weakref.WeakSet[StepChecks] = weakref.WeakSet()  # process-wide: torch's step hook is global
+_step_hook: Any = None  # process-wide: torch's optimizer step pre-hook, installed once
+
+
+def _settle_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook: settle the gradients of ``optimizer``'s parameters that no
+    rank may have had (See [Note: Divergence detection])."""
+    for checks in list(_UNDECIDED):
+        held = {id(sp.sharded) for sp in checks.undecided}
+        if any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
+            checks.settle()
 
 
 class StepChecks:
     """The device-side values a step checks on the host, and the one transfer that reads them."""
 
-    def __init__(self, rank: int, eager: bool = False, guess: bool = False) -> None:
+    def __init__(self, rank: int, eager: bool = False) -> None:
         self.rank = rank
         self.debug = HOOKS.debug_collectives or eager  # settle at once: debugging, or no step to wait for
         self._gathers: list[tuple[UnitRef, torch.Tensor]] = []  # (unit, the W gathered indices)
         self._reduces: list[tuple[UnitRef, list[ShardedParam], torch.Tensor, bool]] = []  # flags + check sums
         self._fresh: dict[ShardedParam, torch.Tensor | None] = {}  # gradients this step created: None if unused
         self._lacking: set[ShardedParam] = set()  # parameters with no gradient on this rank this step
+        # gradients this rank had none for in any backward since they were created, which no read
+        # has yet found another rank to have (weakly: zero_grad drops them)
+        self.undecided: dict[ShardedParam, weakref.ref] = {}
+        self._blind = False  # a read without values (the meta test device): decide nothing
         # Reads started at the end of backwards, oldest first: (gathers, reduces, host values
-        # or the meta tensor, the copy's event or None); read at the next settles.
-        self._started: list[tuple[list, list, torch.Tensor, Any]] = []
-        # set of parameters this rank lacked -> those of them no rank had, learned from a read
-        self._outcomes: dict[frozenset, frozenset] = {}
-        self._guessed: list[tuple[frozenset, frozenset]] = []  # per started read: the outcome it applied
-        # Apply an earlier read's outcome instead of reading at once (opt-in: an outcome that
-        # changed is found a step late, after one optimizer step used it); False once one was wrong
-        self._guessing = guess
+        # or the meta tensor, the copy's event or None, the undecided gradients it covers)
+        self._started: list[tuple[list, list, torch.Tensor, Any, dict]] = []
 
     def gathered(self, unit: UnitRef, ids: torch.Tensor) -> None:
         """Check later that every rank sent ``unit``'s index (``ids``: one value per rank)."""
@@ -91,7 +102,11 @@ class StepChecks:
         the division by W: i and i*i), checked when ``exact``; ``have``: which of ``params``
         had a gradient on this rank."""
         self._reduces.append((unit, params, tail, exact))
-        self._lacking.update(sp for sp, h in zip(params, have) if not h)
+        for sp, h in zip(params, have):
+            if h:
+                self.undecided.pop(sp, None)  # this rank has one: kept, whatever the others had
+            else:
+                self._lacking.add(sp)
         if self.debug:
             self.settle()
 
@@ -114,32 +129,25 @@ class StepChecks:
         on divergence; drop unused gradients. ``wait=False`` (the root's forward): leave the
         last started read in flight if its copy has not landed yet (See [Note: Divergence detection])."""
         self._finish_started(keep=0 if wait else 1)
-        if not self._gathers and not self._reduces:
-            return
-        parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
-        lacked = frozenset(sp for sp in self._fresh if sp in self._lacking)
-        values = _read(_packed(parts), parts)
-        unused = self._check(values)
-        if lacked and unused is not None and self._guessing:
-            if len(self._outcomes) >= 64:  # sets that keep changing (routing): keep the newest
-                self._outcomes.pop(next(iter(self._outcomes)))
-            self._outcomes[lacked] = unused & lacked
+        if self._gathers or self._reduces:
+            parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
+            self._mark_used(self._check(_read(_packed(parts), parts)), self.undecided)
+        if not self._started:
+            self._decide()
 
     def settle_later(self) -> None:
         """The end of backward: start reading what was recorded, without waiting; the next
-        :meth:`settle` finishes the read. At once (:meth:`settle`) when debugging, or when a
-        gradient this step created may belong to no rank and no earlier read says whether one
-        does (See [Note: Divergence detection])."""
+        :meth:`settle` finishes the read (at once when debugging; See [Note: Divergence detection])."""
         self._finish_started(keep=1)  # at most two reads in flight
         if not self._gathers and not self._reduces:
             return
-        lacked = frozenset(sp for sp in self._fresh if sp in self._lacking)
-        guess = self._outcomes.get(lacked) if self._guessing else None
-        if self.debug or (lacked and guess is None):
+        if self.debug:
             return self.settle()
-        for sp in guess or ():
-            if sp.sharded.grad is self._fresh[sp]:
-                sp.sharded.grad = None  # no rank had one, as the earlier read found
+        for sp, grad in self._fresh.items():
+            if sp in self._lacking and grad is not None:
+                self.undecided[sp] = weakref.ref(grad)  # settled before the optimizer step
+        if self.undecided:
+            _watch(self)
         parts = [ids.reshape(-1) for _, ids in self._gathers] + [tail for *_, tail, _ in self._reduces]
         flat = _packed(parts)
         if flat.device.type in ("cpu", "meta"):  # nothing crosses (the meta test device: nothing to read)
@@ -152,8 +160,7 @@ class StepChecks:
         # the read needs the parts' sizes and dtypes only: a tail viewing a reduce output would
         # hold the whole output (the gradient shards, after zero_grad) until the copy lands
         reduces = [(u, params, _stand_in(tail), exact) for u, params, tail, exact in self._reduces]
-        self._started.append((self._gathers, reduces, host, event))
-        self._guessed.append((lacked, guess or frozenset()))
+        self._started.append((self._gathers, reduces, host, event, dict(self.undecided)))
         self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()
 
     def _finish_started(self, keep: int = 0) -> None:
@@ -161,35 +168,33 @@ class StepChecks:
         last ``keep`` of them, only those whose copy has landed (an event's query does not
         block). The host waits for the others' copies (queued a step or more ago)."""
         while self._started:
-            gathers, reduces, host, event = self._started[0]
+            gathers, reduces, host, event, covers = self._started[0]
             landed = event is None or event.query()
             if not landed and len(self._started) <= keep:
                 return  # still in flight: read at a later settle
             self._started.pop(0)
-            lacked, guess = self._guessed.pop(0) if self._guessed else (frozenset(), frozenset())
             if not landed:
                 event.synchronize()
-            unused = self._read_started(gathers, reduces, host)
-            if unused is not None and unused & lacked != guess:
-                self._wrong_outcome(lacked, guess, unused & lacked)
+            self._mark_used(self._read_started(gathers, reduces, host), covers)
 
-    def _wrong_outcome(self, lacked: frozenset, guess: frozenset, unused: frozenset) -> None:
-        """An outcome applied from an earlier read was wrong: warn, and read at once from now on."""
-        self._outcomes.clear()
-        self._guessing = False
-        dropped = sorted(sp.fqn for sp in guess - unused)
-        zeroed = sorted(sp.fqn for sp in unused - guess)
-        warnings.warn(
-            f"memfit sharding: rank {self.rank} lacked gradients of {sorted(sp.fqn for sp in lacked)} as in an "
-            f"earlier step, but which of them no rank had changed: the optimizer step after that backward "
-            + (f"dropped the gradients other ranks gave {dropped} " if dropped else "")
-            + (f"saw zero gradients for {zeroed} (none of the ranks had one) " if zeroed else "")
-            + "(See [Note: Divergence detection]). memfit now reads the flags at the end of every backward in "
-            "which this rank lacks a gradient (one host sync); to avoid both, make every rank use the same "
-            "parameters each step",
-            RuntimeWarning,
-            stacklevel=2,
-        )
+    def _mark_used(self, used: frozenset | None, covers: dict[ShardedParam, weakref.ref]) -> None:
+        """``used`` (None: a read without values) had a gradient on some rank: kept, where the
+        gradient is the one that read covered."""
+        if used is None:
+            self._blind = True
+            return
+        for sp in used:
+            if sp in covers and self.undecided.get(sp) is covers[sp]:
+                del self.undecided[sp]
+
+    def _decide(self) -> None:
+        """Every read is done: the undecided gradients no rank had go back to None."""
+        for sp, ref in self.undecided.items():
+            if not self._blind and ref() is not None and sp.sharded.grad is ref():
+                sp.sharded.grad = None  # no rank produced one since it was created
+        self.undecided.clear()
+        self._blind = False
+        _UNDECIDED.discard(self)
 
     def _read_started(self, gathers: list, reduces: list, host: torch.Tensor) -> frozenset | None:
         mine = (self._gathers, self._reduces, self._fresh, self._lacking)
@@ -202,7 +207,7 @@ class StepChecks:
 
     def _check(self, values: list[float] | None) -> frozenset | None:
         """Check ``values`` (the recorded parts' values, None on the meta test device) and clear;
-        the recorded parameters no rank had a gradient for (None: no values)."""
+        the recorded parameters some rank had a gradient for (None: no values)."""
         if values is None:  # the meta test device holds no values (See [Note: Devices and the meta test device])
             self._clear()
             return None
@@ -217,7 +222,6 @@ class StepChecks:
                     f"sent units {[int(v) for v in got]}: ranks diverged (one skipped or reordered a forward)."
                 )
         used: set[ShardedParam] = set()
-        unused: set[ShardedParam] = set()
         for unit, params, tail, exact in self._reduces:
             flags, checks = values[pos : pos + len(params)], values[pos + len(params) : pos + tail.numel()]
             pos += tail.numel()
@@ -230,15 +234,22 @@ class StepChecks:
                     "or backward)."
                 )
             used.update(sp for sp, f in zip(params, flags) if f > 0)
-            unused.update(sp for sp, f in zip(params, flags) if f <= 0)
         for sp, grad in self._fresh.items():
             if sp not in used and sp.sharded.grad is grad:
                 sp.sharded.grad = None  # no rank produced one: as in single-process training
         self._clear()
-        return frozenset(unused)
+        return frozenset(used)
 
     def _clear(self) -> None:
         self._gathers, self._reduces, self._fresh, self._lacking = [], [], {}, set()
+
+
+def _watch(checks: StepChecks) -> None:
+    """Have the next optimizer step over ``checks``' undecided gradients settle them first."""
+    global _step_hook  # noqa: PLW0603 (installed once per process)
+    if _step_hook is None:
+        _step_hook = register_optimizer_step_pre_hook(_settle_before_step)
+    _UNDECIDED.add(checks)
 
 
 def _stand_in(t: torch.Tensor) -> torch.Tensor:

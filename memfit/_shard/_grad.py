@@ -35,7 +35,14 @@ __all__ = ["PartialNorm", "ShardGrad", "as_shard_grad"]
 # A norm over some dims (dim=...) stays this rank's rows' norm, as any op on the rows: the
 # DTensor semantics stop at whole-tensor norms. The gradients torch's clip reads go through its
 # per-tensor path (foreach is for plain tensors), one small op per gradient; memfit.clip_grad_norm_
-# stays the one-collective, few-kernel way to clip. Untested here: NCCL (the reduction moves to
+# stays the one-collective, few-kernel way to clip. torch._foreach_norm over a list mixing
+# ShardGrads and plain tensors gives a PartialNorm for each ShardGrad and the plain norm for
+# the others (a replicated tensor's, the same on every rank), so a norm of their stack is the
+# global one. An empty shard (a rank holding no rows) answers every norm with the reduction's
+# identity (0; +inf for the -inf norm) instead of torch's error for the inf-norm of an empty
+# tensor, so that every rank takes the same path into the same collective. torch.save and
+# pickle write a ShardGrad as a plain tensor of this rank's rows (a process group cannot be
+# pickled); copy.deepcopy gives a ShardGrad of the same group. Untested here: NCCL (the reduction moves to
 # the compute device, so offloaded host gradients work there too).
 
 _METADATA = frozenset(
@@ -80,15 +87,50 @@ class ShardGrad(torch.Tensor):
         order = _norm_order(func, args, kwargs)
         if order is not None and isinstance(args[0], ShardGrad):
             group, device = args[0]._memfit_spec
+            if args[0].numel() == 0:  # an empty shard: every rank joins the same reduction
+                return _partial(_identity(order, args[0], kwargs.get("dtype")), _Spec(order, group, device))
             with torch._C.DisableTorchFunctionSubclass():
                 local = func(*args, **kwargs)
             return _partial(local, _Spec(order, group, device))
-        if func is torch._foreach_norm and all(isinstance(t, ShardGrad) for t in args[0]):
-            order = float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
-            with torch._C.DisableTorchFunctionSubclass():
-                norms = func(*args, **kwargs)
-            return [_partial(n, _Spec(order, *g._memfit_spec)) for n, g in zip(norms, args[0])]
+        if func is torch._foreach_norm and any(isinstance(t, ShardGrad) for t in args[0]):
+            return _foreach_norms(list(args[0]), args[1:], kwargs)
         return _plain_call(func, args, kwargs)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # torch.save / pickle: a copy of this rank's rows as a plain tensor (a process group
+        # cannot be pickled; FSDP2's DTensor keeps its mesh, which can), not the reduce output it views
+        return self.as_subclass(torch.Tensor).clone().__reduce_ex__(protocol)
+
+    def __deepcopy__(self, memo: dict) -> ShardGrad:
+        # a copy of the rows, still a ShardGrad of the same shard group (as a DTensor's copy)
+        copied = self.as_subclass(torch.Tensor).clone().as_subclass(ShardGrad)
+        copied._memfit_spec = self._memfit_spec
+        memo[id(self)] = copied
+        return copied
+
+
+def _identity(order: float, like: torch.Tensor, dtype: Any = None) -> torch.Tensor:
+    """The norm of an empty shard, as the reduction over the ranks needs it: 0 (+inf for the
+    -inf norm); torch refuses the inf-norm of an empty tensor, which on one rank only would
+    leave the others waiting in the reduction."""
+    value = math.inf if order == -math.inf else 0.0
+    real = like.real.dtype if like.is_complex() else like.dtype
+    return torch.full((), value, dtype=dtype or real, device=like.device)
+
+
+def _foreach_norms(tensors: list[torch.Tensor], args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """torch._foreach_norm over a list holding ShardGrads: a PartialNorm for each of those
+    (empty shards included), this rank's plain norm for the plain tensors (the same on every
+    rank, as a Replicate DTensor's), one kernel over the tensors that are not empty shards."""
+    order = float(args[0] if args else kwargs.get("ord", 2.0))
+    empty = [isinstance(t, ShardGrad) and t.numel() == 0 for t in tensors]
+    with torch._C.DisableTorchFunctionSubclass():
+        norms = iter(torch._foreach_norm([t for t, e in zip(tensors, empty) if not e], *args, **kwargs))
+    out: list[torch.Tensor] = []
+    for t, e in zip(tensors, empty):
+        n = _identity(order, t, kwargs.get("dtype")) if e else next(norms)
+        out.append(_partial(n, _Spec(order, *t._memfit_spec)) if isinstance(t, ShardGrad) else n)
+    return out
 
 
 class PartialNorm(torch.Tensor):

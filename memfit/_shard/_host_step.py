@@ -15,6 +15,7 @@ from torch import nn
 from memfit._instrument import HOOKS
 from memfit._shard._device import host_empty
 from memfit._shard._disk_units import DiskUnits, disk_units_of
+from memfit._shard._optim_state import install_optimizer_state_hooks, localize_loaded_state
 from memfit._shard._streams import Streams
 from memfit._shard._unit import Unit, units_of
 
@@ -394,6 +395,11 @@ def host_optimizer(
         raise ValueError(f"memfit.host_optimizer: {type(optimizer).__name__} has a host step already")
     tier = (disk, disk_units_of(model, disk_modules)) if disk is not None else None
     host = HostStep(model, optimizer, accumulate, max_norm, overlap, tier)
+    # What the first optimizer.step() would do (memfit's step pre-hook), before the host step
+    # creates any state in backward: that state is this rank's already, never cut into rows
+    # again (a 0-dim parameter's scalar `step` would become an empty tensor on other ranks)
+    localize_loaded_state(optimizer)
+    install_optimizer_state_hooks(optimizer)
     optimizer._memfit_host_step = host  # type: ignore[attr-defined]
     # a method of the optimizer, not of the host step: an LR scheduler made later rebinds its
     # function to it; one made before marked its wrapper, and so is ours (it keeps counting)

@@ -89,11 +89,13 @@ def _local(value: torch.Tensor, sp: ShardedParam, chunk: torch.Tensor, where: st
     return rows.reshape(chunk.shape)
 
 
-def _loads_as_rows(value: Any, sp: ShardedParam, chunk: torch.Tensor) -> bool:
-    """A loaded state of ``sp`` that each rank cuts its rows from: a DTensor, or a full tensor."""
+def _loads_as_rows(key: str, value: Any, sp: ShardedParam, chunk: torch.Tensor) -> bool:
+    """A loaded state of ``sp`` that each rank cuts its rows from: a DTensor, or a full tensor
+    (never the optimizer's scalar ``step``, shaped as a 0-dim parameter is)."""
     if isinstance(value, DTensor):
         return True
-    return isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sp.shape) != tuple(chunk.shape)
+    full = isinstance(value, torch.Tensor) and tuple(value.shape) == tuple(sp.shape) != tuple(chunk.shape)
+    return full and not (key == "step" and len(sp.shape) == 0)
 
 
 def from_dtensors_or_full(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
@@ -105,7 +107,7 @@ def from_dtensors_or_full(optimizer: torch.optim.Optimizer, state_dict: dict) ->
         p = by_key.get(key)
         if p is None or (sp := shard_of(p)) is None:
             continue
-        state[key] = {k: _local(v, sp, p, f"{key}.{k}") if _loads_as_rows(v, sp, p) else v for k, v in st.items()}
+        state[key] = {k: _local(v, sp, p, f"{key}.{k}") if _loads_as_rows(k, v, sp, p) else v for k, v in st.items()}
     return {**state_dict, "state": state}
 
 
@@ -117,5 +119,5 @@ def localize_loaded_state(optimizer: torch.optim.Optimizer) -> None:
         if sp is None:
             continue
         for k, v in list(st.items()):
-            if _loads_as_rows(v, sp, p):
+            if _loads_as_rows(k, v, sp, p):
                 st[k] = _local(v, sp, p, f"{sp.fqn}.{k}").to(dtype=v.dtype, device=p.device)

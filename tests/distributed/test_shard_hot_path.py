@@ -170,6 +170,50 @@ def case_unused_parameter_still_keeps_no_grad(rank, world):
         assert p.grad is None
 
 
+class Branches(nn.Module):
+    """A unit whose ``b`` runs on rank 0 only and whose ``spare`` runs nowhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.spare = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        return self.b(h) if torch.distributed.get_rank() == 0 else h
+
+
+def case_unused_gradients_as_ddp_without_a_sync_in_backward(rank, world):
+    """Issue 48: a rank lacking a gradient made the host wait at the end of backward. Now
+    nothing waits in backward and the optimizer step settles it (one read): against DDP
+    (find_unused_parameters=True) over 3 SGD steps with weight decay, ``b`` (unused on the
+    other ranks) gets the reduced gradient and ``spare`` (unused everywhere) stays None."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from tests._parity import my_rows
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(Branches(), nn.LayerNorm(8))
+    ddp = DDP(copy.deepcopy(plain), find_unused_parameters=True)
+    model = memfit.FullyShardedDataParallel(copy.deepcopy(plain), auto_wrap_policy=Branches)
+    ref_opt = torch.optim.SGD(ddp.parameters(), lr=0.1, weight_decay=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, weight_decay=0.1)
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + rank))
+        step(ddp, x)
+        ref_opt.step()
+        with HostSyncCounter() as syncs:
+            step(model, x)
+            opt.step()
+        assert syncs.in_backward == [] and syncs.count == 1, (syncs.calls, syncs.in_backward)  # the step's read
+        for (n, p), q in zip(model.named_parameters(), ddp.parameters()):
+            assert (p.grad is None) == (q.grad is None) == n.startswith("0.spare"), n
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad.reshape(-1), my_rows(q.grad, rank, world).reshape(-1))
+            torch.testing.assert_close(p.detach().reshape(-1), my_rows(q.detach(), rank, world).reshape(-1))
+        opt.zero_grad()
+        ref_opt.zero_grad()
+
+
 def case_wire_bytes_one_dtype_per_unit(rank, world):
     mp = memfit.MixedPrecision(torch.bfloat16, reduce_dtype=torch.float32)
 
@@ -228,6 +272,7 @@ CASES = [
     case_mixed_precision_launches_independent_of_params,
     case_gloo_reduce_without_gloos_clone,
     case_unused_parameter_still_keeps_no_grad,
+    case_unused_gradients_as_ddp_without_a_sync_in_backward,
     case_wire_bytes_one_dtype_per_unit,
     case_stream_order_holds,
 ]

@@ -19,20 +19,26 @@ sys.path.insert(0, str(REPO))  # benchmarks.gpu from this checkout, before any i
 from benchmarks.gpu import __main__ as gpu  # noqa: E402
 from benchmarks.gpu._env import Env  # noqa: E402
 
+# The parts `make test` runs in smoke mode (the slow tier runs them all, ~200 s on 2 loaded
+# cores): the cheapest that cover each kind of row the device runs, bf16 included (c's BERT
+# rows in fp32 and bf16, d's budgets, e's copies and strategies, i's rates, j's host tier),
+# about 30 s together on 2 loaded cores; a, b, f, g and h (20-60 s each) run in the slow tier.
+FAST_PARTS = "cdeij"
 
-def test_smoke_runs_every_part(tmp_path):
+
+def smoke(tmp_path, parts: str | None = None) -> tuple[dict, str, subprocess.CompletedProcess]:
+    """Run ``--smoke --time-budget 540`` (only ``parts`` when given); check what every part
+    holds on the CPU: ok, no recorded errors, its section in the markdown."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "benchmarks.gpu", "--smoke", "--time-budget", "540", "--out", str(tmp_path)]
-    t0 = time.perf_counter()
+    cmd += ["--parts", ",".join(parts)] if parts else []
     proc = subprocess.run(
         cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True, timeout=900, check=False
     )
-    seconds = time.perf_counter() - t0
     assert (tmp_path / "gpu_cpu.json").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_cpu.json").read_text())
     markdown = (tmp_path / "gpu_cpu.md").read_text()
-    assert report["smoke"] and sorted(report["parts"]) == sorted(gpu.PARTS)
-    assert proc.stdout.startswith("plan for an H200 in 540 s: a (correctness"), proc.stdout[:500]  # before any part
+    assert report["smoke"] and sorted(report["parts"]) == sorted(parts or gpu.PARTS)
     assert "GPU validation on CPU (smoke run)" in proc.stdout  # the one-screen summary
     for letter, part in sorted(report["parts"].items()):
         assert part["status"] == "ok", f"part {letter} ({part['name']}) {part['status']}:\n{part['traceback']}"
@@ -41,6 +47,14 @@ def test_smoke_runs_every_part(tmp_path):
             f"{k}: {v}" for k, v in errors.items()
         )
         assert part["markdown"] and f"## {letter}. {part['title']}" in markdown
+    return report, markdown, proc
+
+
+def test_smoke_runs_every_part(tmp_path):
+    t0 = time.perf_counter()
+    report, _, proc = smoke(tmp_path)
+    seconds = time.perf_counter() - t0
+    assert proc.stdout.startswith("plan for an H200 in 540 s: a (correctness"), proc.stdout[:500]  # before any part
     fixtures = {p.name.split("-")[0] for p in (tmp_path / "fixtures").glob("ops_*_cpu.json")}
     assert fixtures == {"ops_b", "ops_c"}, fixtures  # the op streams of parts b and c, per configuration
     for letter in ("b", "c"):  # every row timed before the part's first profile, then profiled
@@ -55,6 +69,18 @@ def test_smoke_runs_every_part(tmp_path):
         assert not missed, f"part {letter}: goals missed on the CPU: {missed}"
     assert proc.returncode == 0, proc.stderr[-3000:]
     print(f"smoke run: {seconds:.0f}s")
+
+
+def test_smoke_runs_the_cheap_parts_in_the_fast_tier(tmp_path):
+    """`make test`'s share of the smoke run (FAST_PARTS): bf16 rows included, the host tier
+    against FSDP2's CPU offload among them."""
+    report, _, proc = smoke(tmp_path, FAST_PARTS)
+    bert = report["parts"]["c"]["figures"]["results"]
+    assert {"bert fp32", "bert bf16"} <= set(bert), sorted(bert)
+    rows = report["parts"]["j"]["figures"]["results"]["bert"]
+    assert set(rows) == {"torch FSDP2 CPUOffloadPolicy", "memfit host_optimizer"}
+    assert rows["memfit host_optimizer"]["unit_steps_in_backward"] > 0  # the host step ran in backward
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _env(tmp_path) -> Env:

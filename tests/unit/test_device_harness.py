@@ -377,3 +377,33 @@ def test_offloaded_gradients_that_accumulate_make_the_host_wait_once_per_backwar
                 model(torch.randn(3, 4, device=META)).sum().backward()
         assert audit.host_waits == 3
         assert devices(p.grad for p in model.parameters()) == {"cpu"}
+
+
+def test_offloaded_checkpoint_files_mesh_the_compute_device():
+    """Issue 48: save_checkpoint's DTensors of offloaded shards (model and optimizer state)
+    sat on a CPU mesh over the process group, so DCP's save and load of them ran host
+    collectives on NCCL. Now, as in state_dict(), each is on a mesh of the compute device with
+    the host chunk itself as its local part (no copy to the device either)."""
+    from torch.distributed.tensor import DTensor
+
+    from memfit._persist._checkpoint_files import _meshes, _model_state, _optim_state, _shard_params
+
+    with meta_accelerator(2):
+        model = sharded(net(), offload="cpu", sync_module_states=False)
+        opt = torch.optim.AdamW(model.parameters())
+        train_step(model, opt)
+        shards, _ = _shard_params(model)
+        meshes = _meshes(shards)
+        state = _model_state(model, meshes, shards)
+        state.update(_optim_state(opt, model, meshes, shards)[0])
+        dts = {k: v for k, v in state.items() if isinstance(v, DTensor)}
+        assert any(k.startswith("optim/") for k in dts) and any(k.startswith("model/") for k in dts)
+        assert {v.device_mesh.device_type for v in dts.values()} == {"meta"}
+        assert {v.to_local().device.type for v in dts.values()} == {"cpu"}
+        chunks = {id(sp.sharded): sp.sharded for sp in shards.values()}
+        ptrs = {t.data_ptr() for t in chunks.values()}
+        assert all(
+            dts[f"model/{n}"].to_local().data_ptr() in ptrs
+            for n, t in model.state_dict(keep_vars=True).items()
+            if id(t) in chunks and t.numel()
+        )

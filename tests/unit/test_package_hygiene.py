@@ -31,6 +31,8 @@ ALLOWED = {
     "memfit._shard._device._pending_host_copies": "copies of every root, waited for once per step",
     "memfit._shard._runtime._IN_FLIGHT": "steps between forward and backward hold their root state",
     "memfit._shard._init._optimizer_hook": "torch's optimizer hook is global: installed once",
+    "memfit._shard._checks._step_hook": "torch's optimizer hook is global: installed once",
+    "memfit._shard._checks._UNDECIDED": "the global step hook finds the checks with gradients to settle",
     "memfit._shard._api._CLASSES": "one mixin class per user class, as FSDP2 makes",
     "memfit._persist._async_save.SAVES": "at most one checkpoint save in flight per process",
     "memfit._shard._compat._WARNED": "each FSDP1 warning once per process",

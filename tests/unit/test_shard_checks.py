@@ -3,6 +3,7 @@ root's forward reads the last backward's checks only once their copy to the host
 (an event's query), waits only for a read two backwards old, and still raises on divergence.
 CUDA events are stood in for by an object with the same two methods."""
 
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -30,7 +31,7 @@ def started(checks: StepChecks, sent: float, event: Event, index: int = 3) -> No
     """A read in flight, as settle_later leaves it on a GPU: ranks sent unit ``sent``."""
     unit = SimpleNamespace(index=index, name="layer")
     ids = torch.tensor([float(sent)])
-    checks._started.append(([(unit, ids)], [], _packed([ids]), event))
+    checks._started.append(([(unit, ids)], [], _packed([ids]), event, {}))
 
 
 def test_forward_reads_a_landed_copy_without_waiting_and_raises_on_divergence():
@@ -84,59 +85,89 @@ class Param:
     """A sharded parameter's stand-in: a name and a shard whose ``.grad`` the checks may drop."""
 
     def __init__(self, fqn: str) -> None:
-        self.fqn, self.sharded = fqn, SimpleNamespace(grad=None)
+        self.fqn, self.sharded = fqn, torch.nn.Parameter(torch.ones(1))
 
 
 def backward(checks: StepChecks, params, flags, have) -> None:
-    """One backward of unit #3 at world size 1 (check sums 3, 9): fresh gradients for
-    ``params``, ``flags`` as reduced over the ranks, ``have`` this rank's."""
+    """One backward of unit #3 at world size 1 (check sums 3, 9): gradients for ``params``
+    (fresh where they had none), ``flags`` as reduced over the ranks, ``have`` this rank's."""
     for sp in params:
-        sp.sharded.grad = torch.zeros(1)
-        checks.fresh_grad(sp)
+        if sp.sharded.grad is None:
+            sp.sharded.grad = torch.zeros(1)
+            checks.fresh_grad(sp)
     tail = torch.tensor([*map(float, flags), 3.0, 9.0])
     checks.reduced(SimpleNamespace(index=3, name="layer"), params, tail, exact=True, have=have)
     checks.settle_later()
 
 
-def test_a_gradient_this_rank_lacks_is_read_at_once_only_the_first_time():
-    """Issue 48 bug 3: a step lacking a gradient on this rank read the flags at the end of
-    backward (a host sync) every step; now only the first step lacking that set does, and later
-    ones apply its outcome at once and check it off the backward."""
+def sgd(params):
+    """An SGD whose step would move a parameter with a zero gradient (weight decay)."""
+    return torch.optim.SGD([sp.sharded for sp in params], lr=0.5, weight_decay=0.5)
+
+
+def test_a_gradient_this_rank_lacks_is_settled_at_the_optimizer_step_not_in_backward():
+    """Issue 48: a step lacking a gradient on this rank read the flags at the end of backward
+    (a host sync) every step. Now backward reads nothing; the optimizer's step pre-hook reads
+    once and drops the gradient no rank had, so the step skips that parameter as torch does."""
     from memfit.testing import device_audit
 
     used, pooler = Param("used"), Param("pooler")
-    checks = StepChecks(rank=0, guess=True)
+    opt, checks = sgd([used, pooler]), StepChecks(rank=0)
     for step in range(3):
         with device_audit() as audit:
-            backward(checks, [used, pooler], flags=[1, 0], have=(True, False))
-        assert audit.host_reads == (1 if step == 0 else 0), step  # the first step's read at once
-        assert pooler.sharded.grad is None and used.sharded.grad is not None  # no rank had it
+            backward(checks, [used, pooler], [1, 0], (True, False))
+        assert audit.host_reads == 0, step  # nothing read in backward
+        assert pooler.sharded.grad is not None and list(checks.undecided) == [pooler]
         with device_audit() as audit:
-            checks.settle(wait=False)  # the next forward: the started read, checked
-        assert audit.host_reads == (0 if step == 0 else 1)
+            opt.step()
+        assert audit.host_reads == 1, step  # the step's one read, before the update
+        assert pooler.sharded.grad is None and used.sharded.grad is not None
+        assert torch.equal(pooler.sharded.detach(), torch.ones(1))  # skipped, as an unused parameter
+        opt.zero_grad()
+    with device_audit() as audit:
+        backward(checks, [used, pooler], [1, 0], (True, True))  # every gradient here: nothing to settle
+        opt.step()
+    assert audit.host_reads == 0 and pooler.sharded.grad is not None
 
 
-def test_an_outcome_that_changed_warns_and_reads_at_once_from_then_on():
+def test_another_ranks_gradient_is_kept_in_every_step_and_across_accumulation():
+    """The outcome of an earlier step is never reused: a parameter another rank used keeps its
+    reduced gradient in that step; with accumulation, in any backward since it was created."""
     used, pooler = Param("used"), Param("pooler")
-    checks = StepChecks(rank=0, guess=True)
-    backward(checks, [used, pooler], flags=[1, 0], have=(True, False))
-    backward(checks, [used, pooler], flags=[1, 1], have=(True, False))  # another rank used it now
-    with pytest.warns(RuntimeWarning, match=r"dropped the gradients other ranks gave \['pooler'\]"):
-        checks.settle(wait=False)
-    backward(checks, [used, pooler], flags=[1, 1], have=(True, False))
-    assert pooler.sharded.grad is not None and checks._started == []  # read at once: another rank had it
+    opt, checks = sgd([used, pooler]), StepChecks(rank=0)
+    for flags in ([1, 0], [1, 1], [1, 0]):
+        backward(checks, [used, pooler], flags, (True, False))
+        opt.step()
+        assert (pooler.sharded.grad is None) == (flags[1] == 0), flags
+        opt.zero_grad()
+    for first, second in (([1, 1], [1, 0]), ([1, 0], [1, 1]), ([1, 0], [1, 0])):
+        backward(checks, [used, pooler], first, (True, False))
+        backward(checks, [used, pooler], second, (True, False))  # accumulates into the same gradient
+        opt.step()
+        assert (pooler.sharded.grad is None) == (first[1] == second[1] == 0), (first, second)
+        opt.zero_grad()
 
 
-def test_by_default_a_lacking_gradient_is_read_at_once_every_step():
-    """Without guess=True (the default) no outcome is reused: a parameter another rank used in a
-    later step keeps its gradient in that step, never dropped by an earlier step's outcome."""
-    from memfit.testing import device_audit
-
+def test_a_forward_that_finds_every_read_landed_settles_without_waiting():
+    """The next root forward reads a landed copy anyway: it settles the gradients there, so a
+    step after it waits for nothing; a gradient dropped by zero_grad meanwhile is left alone."""
     used, pooler = Param("used"), Param("pooler")
     checks = StepChecks(rank=0)
-    for step, flags in enumerate(([1, 0], [1, 0], [1, 1])):
-        with device_audit() as audit:
-            backward(checks, [used, pooler], flags=flags, have=(True, False))
-        assert audit.host_reads == 1, step
-        assert (pooler.sharded.grad is None) == (flags[1] == 0), step
-    assert checks.lacks([pooler]) is False  # a settled step starts afresh
+    backward(checks, [used, pooler], [1, 0], (True, False))
+    checks.settle(wait=False)
+    assert pooler.sharded.grad is None and checks.undecided == {}
+    backward(checks, [used, pooler], [1, 0], (True, False))
+    pooler.sharded.grad = None  # zero_grad before the read
+    backward(checks, [used, pooler], [1, 1], (True, False))  # a new gradient, another rank's
+    checks.settle()
+    assert pooler.sharded.grad is not None
+
+
+def test_the_meta_test_device_decides_nothing():
+    """No values (the meta test device): the gradients stay as reduced."""
+    pooler, checks = Param("pooler"), StepChecks(rank=0)
+    pooler.sharded.grad = grad = torch.zeros(1)
+    checks.undecided[pooler] = weakref.ref(grad)
+    checks._mark_used(None, {})
+    checks.settle()
+    assert pooler.sharded.grad is grad and checks.undecided == {}
