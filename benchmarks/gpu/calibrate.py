@@ -1,5 +1,9 @@
 """Part i: the time model calibrated on the device (``memfit calibrate``'s measurement, in process).
 
+On CUDA it runs ``memfit._plan._calibrate_device.calibrate_device`` ([Note: Calibrating an
+accelerator]), which also writes ``profile_<name>.json`` (h100, h200, a100) under ``--out``: the
+file the named profile reads once committed to benchmarks/results/.
+
 ``memfit._plan._calibrate.calibrate(device, save=False)`` measures the rates the planner's time
 model prices a step with (matmul rate and latency per dtype, memory bandwidth, offload
 bandwidth, the cost per op of a tiny step and of checkpointing a block). Figures: every rate,
@@ -29,7 +33,15 @@ COMPARED = ("memory_bandwidth", "offload_bandwidth", "op_overhead", "matmul_late
 
 def run(env: Env) -> dict:
     named = default_profile(env.device)
-    measured = named if env.smoke else calibrate(env.device, save=False)
+    written = None  # the named profile's calibration file (CUDA: memfit calibrate's own measurement)
+    if env.smoke:
+        measured = named
+    elif env.cuda:
+        from memfit._plan._calibrate_device import calibrate_device
+
+        measured, written = calibrate_device(env.device, results=env.out)
+    else:
+        measured = calibrate(env.device, save=False)
     ratios = {f"flops/{k}": _ratio(v, named.flops.get(k)) for k, v in measured.flops.items()}
     ratios |= {k: _ratio(getattr(measured, k), getattr(named, k, None)) for k in COMPARED}
     path = env.out / f"device-{device_name(env.device)}.json"
@@ -58,6 +70,9 @@ def run(env: Env) -> dict:
         had = named.flops.get(sub) if sub else getattr(named, key, None)
         md.append(f"| {key} | {got:.4g} | {'-' if had is None else format(had, '.4g')} | {fmt(r)} |")
     figures = {"profile": dataclasses.asdict(measured), "named": named.name, "ratios": ratios, "file": str(path)}
+    figures["profile_file"] = None if written is None else str(written)  # commit as benchmarks/results/
+    if written is not None:
+        md.append(f"- the named profile's calibration: `{written.name}` (copy it to benchmarks/results/)")
     figures["measured"] = not env.smoke
     if env.smoke:
         md.insert(0, "- smoke: not measured; the named profile stands in for the measurement")

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import json
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -140,8 +141,9 @@ def calibrate_device(device: str | torch.device = "cuda", results: Path | None =
     fp16, _ = _fp16_rate(device)
     extra = accelerator_figures(device, _events_seconds, _host_seconds, profiler=_cuda_profiler)
     profile = dataclasses.replace(base, flops=dict(base.flops) | {"float16": fp16}, **extra)
-    if time.perf_counter() - t0 > DEADLINE:
-        raise RuntimeError(f"memfit calibrate_device: took {time.perf_counter() - t0:.0f} s, over {DEADLINE:.0f} s")
+    took = time.perf_counter() - t0
+    if took > DEADLINE:  # the figures are still the device's: kept, and the overrun said
+        warnings.warn(f"memfit calibrate_device: took {took:.0f} s, over its {DEADLINE:.0f} s", stacklevel=2)
     named = default_profile(device).name
     return profile, write_profile(profile, named, results)
 

@@ -232,7 +232,16 @@ def calibrate_command(cfg: CalibrateConfig) -> memfit.DeviceProfile:
         if cfg.cpu_time:
             torch.set_num_threads(1)
         try:
-            profile = calibrate(cfg.device, cpu_time=cfg.cpu_time)
+            if torch.device(cfg.device).type == "cuda":  # See [Note: Calibrating an accelerator]
+                from memfit._plan._calibrate_device import calibrate_device
+
+                # the named profile's rates beside the cache (a checkout's benchmarks/results/
+                # is where the GPU validation commits them for the named profile to read)
+                profile, written = calibrate_device(cfg.device, results=cache_path("cuda").parent)
+                save_profile(profile, "cuda")
+                how = f"; the named profile's measured rates in {written}"
+            else:
+                profile = calibrate(cfg.device, cpu_time=cfg.cpu_time)
         finally:
             torch.set_num_threads(threads)
     print(json.dumps(asdict(profile), indent=1))
