@@ -7,7 +7,6 @@ and stepped after backward; descriptors, reserved blocks and resident pages are 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import mmap
 import os
@@ -16,7 +15,7 @@ import torch
 from torch import nn
 
 import memfit
-from tests._host_step import LR, assert_bitwise, batch, disk_dir, host
+from tests._host_step import LR, assert_bitwise, disk_dir, host, train
 from tests._models import tanh_blocks
 
 H = 64  # a block's Linear is H x H: 16 KiB of fp32, a few pages per rank
@@ -58,34 +57,14 @@ def pages(nbytes: int) -> int:
     return -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
 
 
-def steps(model, opt, n, rank, world, *, micro=1, no_sync=False, clip=None, first=0, between=None):
-    """``n`` optimizer steps of ``micro`` backwards; ``between()`` after the backwards of each."""
-    losses = []
-    for step in range(first, first + n):
-        for m in range(micro):
-            x, y = batch(step * micro + m, rank, world)
-            ctx = model.no_sync() if no_sync and m < micro - 1 else contextlib.nullcontext()
-            with ctx:
-                loss = nn.functional.mse_loss(model(x), y) / micro
-                loss.backward()
-            losses.append(loss.detach())
-        if clip is not None:
-            memfit.clip_grad_norm_(model, clip)
-        if between is not None:
-            between()
-        opt.step()
-        opt.zero_grad()
-    return losses
-
-
 def case_descriptors_close_with_the_host_step_and_at_collection(rank, world, root):
     ref = build()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, fused=True)
-    steps(ref, ref_opt, 2, rank, world)
+    train(ref, ref_opt, 2, rank, world)
     where, backstop = disk_dir(root, rank, "fds"), disk_dir(root, rank, "fds-gc")
     model = build()
     opt, _ = host(model, disk=where)
-    steps(model, opt, 2, rank, world)
+    train(model, opt, 2, rank, world)
     tier = opt._memfit_host_step.disk
     files = [*tier.param_files.values(), *tier.state_files.values(), *getattr(tier, "grad_files", {}).values()]
     assert open_fds(where) == len(files) > 0, (open_fds(where), len(files))  # one a file
@@ -95,7 +74,7 @@ def case_descriptors_close_with_the_host_step_and_at_collection(rank, world, roo
     opt._memfit_host_step.close()  # idempotent
     model = build()  # the backstop: the optimizer collected without close()
     opt, _ = host(model, disk=backstop)
-    steps(model, opt, 1, rank, world)
+    train(model, opt, 1, rank, world)
     assert open_fds(backstop) > 0
     del model, opt, tier, files
     gc.collect()
@@ -107,7 +86,7 @@ def case_files_are_reserved_not_sparse(rank, world, root):
 
     model = build()
     opt, _ = host(model, disk=disk_dir(root, rank, "blocks"))
-    steps(model, opt, 1, rank, world)  # (the state files are made at the first step)
+    train(model, opt, 1, rank, world)  # (the state files are made at the first step)
     tier = opt._memfit_host_step.disk
     files = [*tier.param_files.values(), *tier.state_files.values(), *getattr(tier, "grad_files", {}).values()]
     assert len(files) == 3 * len(tier.units)
@@ -139,8 +118,8 @@ def case_the_step_after_backward_holds_one_unit_at_a_time(rank, world, root):
         tier.watch = lambda at=at_units, t=tier: at.append(resident(t.files()))
         opt.register_step_post_hook(lambda *_, at=at_hook, t=tier: at.append(resident(t.files())))
         clip = kw.get("max_norm")
-        a = steps(ref, ref_opt, 3, rank, world, clip=clip)
-        assert_bitwise(ref, model, a, steps(model, opt, 3, rank, world))
+        a = train(ref, ref_opt, 3, rank, world, clip=clip)
+        assert_bitwise(ref, model, a, train(model, opt, 3, rank, world))
         states = {u: pages(tier.state_files[u].nbytes) for u in tier.units}
         assert len(at_units) == 3 * len(tier.units)  # sampled at each unit's step
         assert max(at_units) <= one + max(states.values()), (at_units, one)
@@ -164,8 +143,8 @@ def case_gradients_live_on_disk_bitwise(rank, world, root):
             assert grads and all(tier.grad_files[u].holds(g) for u, g in grads)
             seen.append(len(grads))
 
-        a = steps(ref, ref_opt, 2, rank, world, micro=micro, no_sync=no_sync, clip=clip)
-        b = steps(model, opt, 2, rank, world, micro=micro, no_sync=no_sync, between=on_disk)
+        a = train(ref, ref_opt, 2, rank, world, micro=micro, no_sync=no_sync, clip=clip)
+        b = train(model, opt, 2, rank, world, micro=micro, no_sync=no_sync, between=on_disk)
         assert_bitwise(ref, model, a, b)
         assert len(seen) == 2
         assert all(f.written > 0 for f in tier.grad_files.values())  # written behind

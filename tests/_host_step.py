@@ -35,8 +35,9 @@ def build():
     return memfit.FullyShardedDataParallel(make_model("mlp"), auto_wrap_policy=nn.Sequential, offload="cpu")
 
 
-def train(model, opt, steps, rank, world, *, micro=1, no_sync=False, clip=None, first=0):
-    """``steps`` optimizer steps of ``micro`` backwards each; the losses (this rank's)."""
+def train(model, opt, steps, rank, world, *, micro=1, no_sync=False, clip=None, first=0, between=None):
+    """``steps`` optimizer steps of ``micro`` backwards each, ``between()`` after each step's
+    backwards (and clip); the losses (this rank's)."""
     losses = []
     for step in range(first, first + steps):
         for m in range(micro):
@@ -48,6 +49,8 @@ def train(model, opt, steps, rank, world, *, micro=1, no_sync=False, clip=None, 
             losses.append(loss.detach())
         if clip is not None:
             memfit.clip_grad_norm_(model, clip)
+        if between is not None:
+            between()
         opt.step()
         opt.zero_grad()
     return losses
