@@ -67,7 +67,7 @@ def _settle_before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any
     rank may have had (See [Note: Divergence detection])."""
     for checks in list(_UNDECIDED):
         held = {id(sp.sharded) for sp in checks.undecided}
-        if any(id(p) in held for group in optimizer.param_groups for p in group["params"]):
+        if held and any(id(p) in held for group in optimizer.param_groups for p in group["params"]):  # most steps: none
             checks.settle()
 
 
